@@ -1,0 +1,5 @@
+import sys
+
+from kvshare.cli import main
+
+sys.exit(main())

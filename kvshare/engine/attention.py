@@ -1,0 +1,193 @@
+"""Attention over the paged KV cache: per-step metadata and the backends.
+
+`StepMeta` describes one step's batch (queries per sequence, keys per sequence, block
+tables). `PagedAttention` implements the models' `AttentionContext`: it writes the new
+keys/values into their slots and asks a backend for the attention output.
+
+Backends:
+- `SDPABackend`: per-sequence torch SDPA with an explicit mask. Any device, any dtype;
+  it is the reference the others are tested against.
+- `VarlenBackend` (CUDA, bf16/fp16): gathers each sequence's keys into one packed batch
+  and runs torch's varlen flash attention, causal aligned bottom-right with an optional
+  sliding window. Decode-only steps use the paged Triton kernel when it is available.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class KeyRange:
+    """The keys one window setting reads: flat slot ids per sequence, packed."""
+
+    slots: torch.Tensor  # [sum of lens] int64, on the cache's device
+    cu_seqlens: torch.Tensor  # [B + 1] int32
+    starts: tuple[int, ...]  # first key position of each sequence
+    lens: tuple[int, ...]
+    max_len: int
+
+
+@dataclass
+class StepMeta:
+    """One step's batch. Sequence i has q_lens[i] new tokens at positions
+    [ctx_lens[i] - q_lens[i], ctx_lens[i]) and reads keys up to ctx_lens[i]."""
+
+    q_lens: tuple[int, ...]
+    ctx_lens: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...]
+    block_size: int
+    device: torch.device
+    slot_mapping: torch.Tensor = field(init=False)
+    cu_seqlens_q: torch.Tensor = field(init=False)
+    _key_ranges: dict[int | None, KeyRange] = field(default_factory=dict, init=False)
+    _paged: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        slots = [self._slots(i, c - q, c) for i, (q, c) in enumerate(zip(self.q_lens, self.ctx_lens))]
+        self.slot_mapping = _to_device(np.concatenate(slots), self.device)
+        self.cu_seqlens_q = _to_device(np.cumsum((0, *self.q_lens), dtype=np.int32), self.device)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def max_q(self) -> int:
+        return max(self.q_lens)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_q == 1
+
+    def _slots(self, seq: int, start: int, stop: int) -> np.ndarray:
+        pos = np.arange(start, stop, dtype=np.int64)
+        table = np.asarray(self.block_tables[seq], dtype=np.int64)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def key_range(self, window: int | None) -> KeyRange:
+        """Keys each query batch reads: all earlier keys, or the last `window` before each query."""
+        if window not in self._key_ranges:
+            starts = tuple(
+                0 if window is None else max(0, c - q - window + 1)
+                for q, c in zip(self.q_lens, self.ctx_lens)
+            )
+            lens = tuple(c - s for s, c in zip(starts, self.ctx_lens))
+            slots = np.concatenate([self._slots(i, s, c) for i, (s, c) in enumerate(zip(starts, self.ctx_lens))])
+            self._key_ranges[window] = KeyRange(
+                slots=_to_device(slots, self.device),
+                cu_seqlens=_to_device(np.cumsum((0, *lens), dtype=np.int32), self.device),
+                starts=starts, lens=lens, max_len=max(lens),
+            )
+        return self._key_ranges[window]
+
+    def paged(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block_tables [B, max_blocks] int32, context lengths [B] int32) for paged kernels."""
+        if self._paged is None:
+            width = max(len(t) for t in self.block_tables)
+            tables = np.zeros((self.num_seqs, width), dtype=np.int32)
+            for i, t in enumerate(self.block_tables):
+                tables[i, :len(t)] = t
+            self._paged = (_to_device(tables, self.device),
+                           _to_device(np.asarray(self.ctx_lens, dtype=np.int32), self.device))
+        return self._paged
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: StepMeta, scale: float, window: int | None) -> torch.Tensor:
+        """q [T, Hq, D]; caches [num_blocks * block_size, Hkv, D] already hold this step's keys."""
+
+
+class SDPABackend(AttentionBackend):
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: StepMeta, scale: float, window: int | None) -> torch.Tensor:
+        keys = meta.key_range(window)
+        out = torch.empty_like(q)
+        q_start = 0
+        k_start = 0
+        for i in range(meta.num_seqs):
+            n, m = meta.q_lens[i], keys.lens[i]
+            idx = keys.slots[k_start:k_start + m]
+            qi = q[q_start:q_start + n].transpose(0, 1)[None]
+            ki = k_cache[idx].transpose(0, 1)[None].to(q.dtype)
+            vi = v_cache[idx].transpose(0, 1)[None].to(q.dtype)
+            mask = _causal_mask(meta.ctx_lens[i], n, keys.starts[i], m, window, q.device)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[q_start:q_start + n] = o[0].transpose(0, 1)
+            q_start += n
+            k_start += m
+        return out
+
+
+def _causal_mask(ctx: int, n: int, key_start: int, m: int, window: int | None,
+                 device: torch.device) -> torch.Tensor | None:
+    """Query j sits at position ctx - n + j; key i at key_start + i."""
+    if n == 1 and (window is None or m <= window):
+        return None
+    q_pos = torch.arange(ctx - n, ctx, device=device)[:, None]
+    k_pos = torch.arange(key_start, key_start + m, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    return allowed
+
+
+class VarlenBackend(AttentionBackend):
+    """CUDA prefill/mixed steps through torch's varlen flash attention; paged decode kernel."""
+
+    def __init__(self, paged_decode: bool = True) -> None:
+        from torch.nn.attention.varlen import varlen_attn
+
+        self._varlen_attn = varlen_attn
+        self._decode = None
+        if paged_decode:
+            from kvshare.engine.paged_decode import paged_decode_attention
+
+            self._decode = paged_decode_attention
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: StepMeta, scale: float, window: int | None) -> torch.Tensor:
+        if meta.decode_only and self._decode is not None:
+            tables, ctx = meta.paged()
+            return self._decode(q, k_cache, v_cache, tables, ctx, meta.block_size, scale, window)
+        keys = meta.key_range(window)
+        k = k_cache.index_select(0, keys.slots)
+        v = v_cache.index_select(0, keys.slots)
+        return self._varlen_attn(
+            q, k, v, meta.cu_seqlens_q, keys.cu_seqlens, meta.max_q, keys.max_len,
+            scale=scale, window_size=(-1 if window is None else window - 1, 0),
+        )
+
+
+class PagedAttention:
+    """The models' AttentionContext over the engine's paged cache for one step."""
+
+    def __init__(self, kv: torch.Tensor, layer_slot: tuple[int, ...], meta: StepMeta,
+                 backend: AttentionBackend) -> None:
+        self.kv = kv
+        self.layer_slot = layer_slot
+        self.meta = meta
+        self.backend = backend
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               scale: float, window: int | None) -> torch.Tensor:
+        cache = self.kv[self.layer_slot[layer]]
+        k_cache = cache[0].flatten(0, 1)
+        v_cache = cache[1].flatten(0, 1)
+        k_cache.index_copy_(0, self.meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, self.meta.slot_mapping, v.to(v_cache.dtype))
+        return self.backend.attend(q, k_cache, v_cache, self.meta, scale, window)

@@ -1,0 +1,147 @@
+"""Paged KV blocks: reference counts, a free list in LRU order, and GPU-local prefix caching.
+
+A full block is identified by a chained hash over the token ids of every block up to and
+including it, so equal hashes mean equal prefixes. Freed blocks keep their hash until the
+block is reused, so a later request can still hit them (least recently freed goes first).
+
+A block is *complete* when every layer's KV is in it. Blocks restored from the pool with
+only the global layers (sliding-window layers are restored only near the resume point)
+are incomplete: a prefix hit may cover them, but must not end where a sliding window
+would read them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+ROOT_HASH = b"kvshare-block-root"
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, start: int = 0,
+                 parent: bytes = ROOT_HASH) -> list[bytes]:
+    """Chained hashes of the full blocks of token_ids from block `start` on."""
+    tokens = np.asarray(token_ids, dtype=np.int32)
+    out = []
+    for i in range(start, len(tokens) // block_size):
+        parent = xxhash.xxh3_128_digest(parent + tokens[i * block_size:(i + 1) * block_size].tobytes())
+        out.append(parent)
+    return out
+
+
+class BlockManager:
+    """Owns block ids 0..num_blocks-1. Not thread-safe: the engine loop is its only user."""
+
+    def __init__(self, num_blocks: int, block_size: int, sliding_window: int | None = None,
+                 enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.complete = [True] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.hash_to_block: dict[bytes, int] = {}
+        # Free blocks, least recently freed first. Cached ones stay findable by hash.
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, hashes: Sequence[bytes]) -> list[int]:
+        """Cached blocks holding the longest usable prefix whose block hashes are `hashes`.
+
+        Usable: every block in the sliding window before the prefix's end is complete.
+        Does not take references; call `acquire` on the result.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        matched = []
+        for h in hashes:
+            block = self.hash_to_block.get(h)
+            if block is None:
+                break
+            matched.append(block)
+        while matched and not self._window_complete(matched):
+            matched.pop()
+        return matched
+
+    def _window_complete(self, blocks: list[int]) -> bool:
+        if self.sliding_window is None:
+            return True
+        n = self.blocks_needed(self.sliding_window)
+        return all(self.complete[b] for b in blocks[-n:])
+
+    def acquire(self, blocks: Sequence[int]) -> None:
+        """Take a reference on cached blocks (reviving free ones)."""
+        for b in blocks:
+            if self.ref_count[b] == 0:
+                del self.free[b]
+            self.ref_count[b] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        """n fresh, unshared blocks. Caller checks num_free_blocks first."""
+        if n > len(self.free):
+            raise RuntimeError(f"asked for {n} blocks, {len(self.free)} free")
+        out = []
+        for _ in range(n):
+            b, _ = self.free.popitem(last=False)
+            if (h := self.block_hash[b]) is not None:
+                del self.hash_to_block[h]
+                self.block_hash[b] = None
+            self.ref_count[b] = 1
+            self.complete[b] = True
+            out.append(b)
+        return out
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop one reference per block; blocks reaching zero become free (hash kept).
+
+        Released in reverse so that a sequence's tail blocks are reused before its head,
+        which is the part other requests are most likely to share.
+        """
+        for b in reversed(blocks):
+            if self.ref_count[b] <= 0:
+                raise RuntimeError(f"block {b} released more often than acquired")
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self.free[b] = None
+
+    def register(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> None:
+        """Make full, computed blocks findable by their chained hashes.
+
+        A hash already owned by another block keeps its owner (both hold the same bytes).
+        """
+        if not self.enable_prefix_caching:
+            return
+        for b, h in zip(blocks, hashes):
+            if h not in self.hash_to_block and self.block_hash[b] is None:
+                self.hash_to_block[h] = b
+                self.block_hash[b] = h
+
+    def mark_incomplete(self, blocks: Sequence[int]) -> None:
+        for b in blocks:
+            self.complete[b] = False
+
+    def all_complete(self, blocks: Sequence[int]) -> bool:
+        return all(self.complete[b] for b in blocks)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached hash (admin reset). Returns how many blocks were cached."""
+        n = len(self.hash_to_block)
+        self.hash_to_block.clear()
+        self.block_hash = [None] * self.num_blocks
+        return n

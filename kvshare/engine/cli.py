@@ -1,0 +1,81 @@
+"""`kvshare generate`: one generation from the command line (offline API)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Model and engine flags shared by every command that runs an engine."""
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="alias (smollm2-135m), .gguf file, HF directory or shape:NAME")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    parser.add_argument("--weights-seed", type=int, default=0, help="seed of shape:NAME random weights")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096,
+                        help="token budget of one engine step (prefill chunk size)")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB")
+    parser.add_argument("--gpu-memory-fraction", type=float, default=0.9,
+                        help="share of the GPU this replica may use (weights + cache)")
+    parser.add_argument("--attention-backend", default="auto", choices=("auto", "sdpa", "varlen"))
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, object]:
+    from kvshare.sizes import parse_size
+
+    return {
+        "device": args.device,
+        "dtype": args.dtype,
+        "weights_seed": args.weights_seed,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len,
+        "kv_cache_memory": parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
+        "gpu_memory_fraction": args.gpu_memory_fraction,
+        "attention_backend": args.attention_backend,
+    }
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("generate", help="generate text for one prompt")
+    add_model_arguments(parser)
+    parser.add_argument("prompt", help="the prompt text")
+    parser.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--kv-pool", default=None, help="unix:/path/to/pool.sock")
+    parser.set_defaults(func=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from kvshare import LLM, SamplingParams
+
+    console = Console(stderr=True)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, seed=args.seed)
+        start = time.monotonic()
+        llm = LLM(args.model, kv_pool=args.kv_pool, **engine_options(args))  # type: ignore[arg-type]
+        console.print(f"[dim]loaded {llm.loaded.name} in {time.monotonic() - start:.1f} s[/dim]")
+        start = time.monotonic()
+        if args.chat:
+            out = llm.chat([{"role": "user", "content": args.prompt}], params)
+        else:
+            out = llm.generate([args.prompt], params)[0]
+    except (ValueError, FileNotFoundError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    print(out.text)
+    console.print(
+        f"[dim]{len(out.token_ids)} tokens in {time.monotonic() - start:.2f} s "
+        f"(prompt {len(out.prompt_token_ids)}: gpu hit {out.gpu_hit_tokens}, "
+        f"pool hit {out.pool_hit_tokens}, computed {out.computed_tokens}); {out.finish_reason}[/dim]"
+    )
+    return 0

@@ -1,0 +1,107 @@
+"""The engine's only view of an external KV store (the shared pool): `KVConnector`.
+
+Ordering contract between engine and connector (ARCHITECTURE.md, "Ordering rules"):
+- `match` reports how many tokens beyond the GPU-local prefix the store can restore and
+  keeps them pinned until `load` or `cancel`.
+- `load` writes only into the blocks it is given for the matched range, which the engine
+  allocated fresh for this request (never blocks shared with another request). The
+  engine does not read them until `poll` reports the load finished and verified.
+- `store` copies full chunks whose KV was produced by work already issued on the current
+  (compute) stream; the connector orders its copies after that work itself.
+- The connector holds its own references on every block it copies from or into until
+  the copy has completed, so the engine may free or preempt a request at any time.
+- Connector failures (store down, corrupt page) are never raised to the engine: a match
+  of 0 tokens, a load that reports False (recompute), a store that is skipped.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvshare.engine.block_manager import BlockManager
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """The engine's paged KV cache: one tensor [num_slots, 2, num_blocks, block_size, Hkv, D].
+
+    Cache slots are ordered global (full-attention) layers first, then sliding-window
+    layers, so a page's global part is one contiguous prefix of it. `layer_slot[i]` is
+    the slot of model layer i.
+    """
+
+    kv: torch.Tensor
+    block_size: int
+    layer_slot: tuple[int, ...]
+    num_global_slots: int
+    sliding_window: int | None
+
+    @property
+    def num_slots(self) -> int:
+        return self.kv.shape[0]
+
+    @property
+    def bytes_per_token_per_slot(self) -> int:
+        return 2 * self.kv.shape[4] * self.kv.shape[5] * self.kv.element_size()
+
+
+@dataclass
+class PagedKVCache:
+    layout: KVCacheLayout
+    blocks: BlockManager
+
+
+@dataclass(frozen=True)
+class PoolMatch:
+    """`num_tokens` past the local prefix can be restored; the range ends on a chunk boundary."""
+
+    num_tokens: int = 0
+
+
+class KVConnector(ABC):
+    chunk_tokens: int
+
+    @abstractmethod
+    def bind(self, cache: PagedKVCache) -> None:
+        """Attach to the engine's cache; called once before any other method."""
+
+    @abstractmethod
+    def match(self, request_id: str, token_ids: Sequence[int], num_local_tokens: int) -> PoolMatch:
+        """Pin the longest restorable run past num_local_tokens (never the last token)."""
+
+    @abstractmethod
+    def load(self, request_id: str, block_table: Sequence[int]) -> None:
+        """Start restoring the matched range into block_table (the request's whole table)."""
+
+    @abstractmethod
+    def cancel(self, request_id: str) -> None:
+        """Drop a match that will not be loaded."""
+
+    @abstractmethod
+    def store(self, request_id: str, token_ids: Sequence[int], block_table: Sequence[int],
+              num_computed_tokens: int) -> None:
+        """Store the full chunks of token_ids[:num_computed_tokens] not stored yet."""
+
+    @abstractmethod
+    def poll(self) -> dict[str, bool]:
+        """Finish completed copies; return {request_id: ok} of loads that completed."""
+
+    @abstractmethod
+    def forget(self, request_id: str) -> None:
+        """The request left the engine; its in-flight copies still complete normally."""
+
+    @abstractmethod
+    def set_enabled(self, enabled: bool) -> None:
+        """Switch lookups and stores on or off at run time (benchmark blocks)."""
+
+    @property
+    @abstractmethod
+    def enabled(self) -> bool: ...
+
+    @abstractmethod
+    def stats(self) -> dict[str, int]:
+        """Counters: hit/miss tokens, bytes loaded/stored, checksum failures, skipped stores."""

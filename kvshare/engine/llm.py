@@ -1,0 +1,72 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from kvshare.engine.config import EngineConfig
+from kvshare.engine.connector import KVConnector
+from kvshare.engine.llm_engine import LLMEngine, RequestOutput
+from kvshare.engine.sampling_params import SamplingParams
+from kvshare.models.loader import LoadedModel, load_model
+
+
+class LLM:
+    """Load a model and generate. `kv_pool="unix:/path/to.sock"` attaches the shared pool.
+
+    Extra keyword arguments are EngineConfig fields (block_size, max_num_batched_tokens,
+    kv_cache_memory, ...). `weights_seed` picks the random weights of a shape:NAME model.
+    """
+
+    def __init__(self, model: str, *, device: str = "cpu", dtype: str = "auto",
+                 kv_pool: str | KVConnector | None = None, weights_seed: int = 0,
+                 chunk_tokens: int = 256, cache_salt: str = "", **engine_options: object) -> None:
+        self.config = EngineConfig(device=device, dtype=dtype, **engine_options)  # type: ignore[arg-type]
+        self.loaded: LoadedModel = load_model(model, device=device, dtype=self.config.resolved_dtype,
+                                              seed=weights_seed)
+        connector = kv_pool
+        if isinstance(kv_pool, str):
+            from kvshare.kvpool.connector import PoolConnector
+
+            connector = PoolConnector.for_model(kv_pool, self.loaded, chunk_tokens=chunk_tokens,
+                                                cache_salt=cache_salt)
+        self.engine = LLMEngine(self.loaded, self.config, connector)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.loaded.tokenizer is None:
+                raise ValueError(f"model {self.loaded.name!r} has no tokenizer: pass token ids")
+            return self.loaded.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> RequestOutput:
+        if self.loaded.tokenizer is None:
+            raise ValueError(f"model {self.loaded.name!r} has no tokenizer or chat template")
+        return self.generate([self.loaded.tokenizer.encode_chat(messages)], params)[0]
+
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = params or SamplingParams()
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
+        ids = []
+        for prompt, p in zip(prompts, per_prompt):
+            request_id = f"offline-{next(self._ids)}"
+            self.engine.add_request(request_id, self.encode(prompt), p)
+            ids.append(request_id)
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]

@@ -1,0 +1,217 @@
+"""The engine loop: admit requests, schedule, run the model, sample, detokenize, stop.
+
+`LLMEngine.step()` is the one loop body: collect finished pool loads, schedule a batch,
+run it, sample, append tokens, hand newly full chunks to the connector, and report what
+changed. Callers (the offline `LLM`, the server's engine thread) drive it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvshare.engine.block_manager import BlockManager
+from kvshare.engine.config import EngineConfig
+from kvshare.engine.connector import KVConnector, PagedKVCache
+from kvshare.engine.model_runner import ModelRunner
+from kvshare.engine.sampler import sample
+from kvshare.engine.sampling_params import SamplingParams
+from kvshare.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from kvshare.engine.sequence import Sequence
+from kvshare.models.loader import LoadedModel
+from kvshare.models.tokenizer import IncrementalDetokenizer
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A request's state after a step. `new_token_ids`/`new_text` are this step's delta."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    gpu_hit_tokens: int
+    pool_hit_tokens: int
+    computed_tokens: int
+    arrival_time: float
+    first_token_time: float | None
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.gpu_hit_tokens + self.pool_hit_tokens
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer | None
+    generator: torch.Generator | None
+    stop_ids: frozenset[int]
+    emitted_text: int = 0  # characters of seq.text already reported
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig,
+                 connector: KVConnector | None = None) -> None:
+        self.loaded = loaded
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        self.runner = ModelRunner(loaded, config)
+        max_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                      loaded.config.max_position_embeddings)
+        self.max_model_len = max_len
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
+                                   loaded.config.sliding_window, config.enable_prefix_caching)
+        self.connector = connector
+        if connector is not None:
+            connector.bind(PagedKVCache(self.runner.layout, self.blocks))
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len),
+            self.blocks, connector,
+        )
+        self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
+        self.requests: dict[str, _Request] = {}
+        self._finished_outputs: list[RequestOutput] = []
+        self._eos = frozenset(loaded.config.eos_token_ids) | (
+            self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
+        )
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request. Raises ValueError for an empty, too long or out-of-vocab prompt."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.loaded.config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        self.scheduler.add(seq)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos)
+        self.requests[request_id] = _Request(seq, detok, generator, stop_ids)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; False when it is unknown or already done."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._finished_outputs)
+
+    def reset_prefix_cache(self) -> int:
+        return self.blocks.reset_prefix_cache()
+
+    def step(self) -> list[RequestOutput]:
+        self.scheduler.collect_loads()
+        chunks = self.scheduler.schedule()
+        outputs, self._finished_outputs = self._finished_outputs, []
+        if not chunks:
+            return outputs
+        logits = self.runner.execute(chunks)
+        sampling = [c for c in chunks if c.samples]
+        tokens = []
+        if logits is not None:
+            tokens = sample(logits, [c.seq.params for c in sampling],
+                            [self.requests[c.seq.request_id].generator for c in sampling],
+                            self.generator)
+        for chunk in chunks:
+            chunk.seq.num_computed_tokens += chunk.num_new_tokens
+        self._register_and_store(chunks)
+        now = time.monotonic()
+        for chunk, token in zip(sampling, tokens):
+            outputs.append(self._append_token(self.requests[chunk.seq.request_id], token, now))
+        return outputs
+
+    def _register_and_store(self, chunks: list[ScheduledChunk]) -> None:
+        bs = self.config.block_size
+        for chunk in chunks:
+            seq = chunk.seq
+            full = seq.num_computed_tokens // bs
+            if full > seq.num_registered_blocks:
+                start = seq.num_registered_blocks
+                self.blocks.register(seq.block_table[start:full], seq.block_hashes[start:full])
+                seq.num_registered_blocks = full
+            if self.connector is not None:
+                self.connector.store(seq.request_id, seq.token_ids, seq.block_table,
+                                     seq.num_computed_tokens)
+
+    def _append_token(self, req: _Request, token: int, now: float) -> RequestOutput:
+        seq = req.seq
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            seq.kv.computed_tokens = seq.num_prompt_tokens - seq.kv.gpu_hit_tokens - seq.kv.pool_hit_tokens
+        seq.token_ids.append(token)
+        seq.update_block_hashes(self.config.block_size)
+        reason = None
+        if token in req.stop_ids:
+            # A stop token ends the text before itself.
+            reason = "stop"
+            seq.text += req.detokenizer.flush() if req.detokenizer else ""
+        elif req.detokenizer:
+            seq.text += req.detokenizer.feed(token)
+        if reason is None and seq.params.stop:
+            reason = self._check_stop_strings(req)
+        if reason is None and seq.num_output_tokens >= seq.params.max_tokens:
+            reason = "length"
+            seq.text += req.detokenizer.flush() if req.detokenizer else ""
+        if reason is None and seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self._finish(req, reason, emit=False)
+        return self._output(req, (token,))
+
+    def _check_stop_strings(self, req: _Request) -> str | None:
+        seq = req.seq
+        # Only text near the end can hold a stop string that just completed.
+        longest = max(len(s) for s in seq.params.stop)
+        search_from = max(0, req.emitted_text - longest)
+        for stop in seq.params.stop:
+            at = seq.text.find(stop, search_from)
+            if at >= 0:
+                end = at + len(stop) if seq.params.include_stop_str_in_output else at
+                seq.text = seq.text[:end]
+                return "stop"
+        return None
+
+    def _finish(self, req: _Request, reason: str, emit: bool = True) -> None:
+        self.scheduler.finish(req.seq, reason)
+        del self.requests[req.seq.request_id]
+        if emit:
+            self._finished_outputs.append(self._output(req, ()))
+
+    def _output(self, req: _Request, new_tokens: tuple[int, ...]) -> RequestOutput:
+        seq = req.seq
+        # Hold back text that may be the start of a stop string until it is decided.
+        visible = len(seq.text)
+        if seq.params.stop and not seq.is_finished:
+            visible = max(req.emitted_text, len(seq.text) - max(len(s) for s in seq.params.stop) + 1)
+        new_text = seq.text[req.emitted_text:visible]
+        req.emitted_text = visible
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=tuple(seq.token_ids[:seq.num_prompt_tokens]),
+            token_ids=tuple(seq.output_token_ids),
+            text=seq.text[:visible],
+            new_token_ids=new_tokens,
+            new_text=new_text,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            gpu_hit_tokens=seq.kv.gpu_hit_tokens,
+            pool_hit_tokens=seq.kv.pool_hit_tokens,
+            computed_tokens=seq.kv.computed_tokens,
+            arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+        )

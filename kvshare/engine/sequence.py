@@ -1,0 +1,79 @@
+"""A request's state inside the engine: its tokens, its blocks and how far its KV reaches."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvshare.engine.block_manager import ROOT_HASH, block_hashes
+from kvshare.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    LOADING = "loading"  # a pool restore into its blocks is in flight
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class KVSources:
+    """Where a request's prompt KV came from (reported as usage.kv)."""
+
+    gpu_hit_tokens: int = 0
+    pool_hit_tokens: int = 0
+    computed_tokens: int = 0
+
+
+@dataclass
+class Sequence:
+    """Invariant: the KV of token_ids[:num_computed_tokens] is in the blocks of block_table."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_prompt_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    kv: KVSources = field(default_factory=KVSources)
+    first_token_time: float | None = None
+    finish_reason: str | None = None
+    text: str = ""
+    num_preemptions: int = 0
+    # Chained hashes of the full blocks of token_ids (GPU-local prefix cache keys), and
+    # how many of this sequence's blocks are registered under them.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    def update_block_hashes(self, block_size: int) -> None:
+        full = self.num_tokens // block_size
+        if full > len(self.block_hashes):
+            parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+            self.block_hashes += block_hashes(self.token_ids[:full * block_size], block_size,
+                                              start=len(self.block_hashes), parent=parent)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

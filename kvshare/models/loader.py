@@ -1,0 +1,198 @@
+"""One loader for every model source: HF directory, GGUF file, packaged alias, random shape.
+
+`load_model(spec)` returns the model on its device, in its dtype, with its tokenizer (when
+the source has one) and a `weights_id` that names the exact weights: the pool namespace
+uses it so that replicas with different weights never share KV.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+
+from kvshare.models.config import ModelConfig
+from kvshare.models.decoder import PACKED_PARAMETERS, CausalLM
+from kvshare.models.presets import shape_preset
+from kvshare.models.random_weights import fill_random_weights_
+from kvshare.models.tokenizer import Tokenizer
+
+SHAPE_PREFIX = "shape:"
+_CHECKPOINT_PREFIXES = ("model.language_model.", "language_model.")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    model: CausalLM
+    tokenizer: Tokenizer | None
+    weights_id: str
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(names)}")
+    return names[dtype]
+
+
+def load_model(
+    spec: str, *, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32", seed: int = 0
+) -> LoadedModel:
+    """Load `spec`: an alias (smollm2-135m), a .gguf file, an HF directory or shape:NAME."""
+    device = torch.device(device)
+    torch_dtype = parse_dtype(dtype)
+    if spec.startswith(SHAPE_PREFIX):
+        return _load_random(spec, device, torch_dtype, seed)
+    path = _resolve_path(spec)
+    if path.suffix == ".gguf":
+        return _load_gguf(spec, path, device, torch_dtype)
+    if path.is_dir() and (path / "config.json").exists():
+        return _load_hf_dir(path, device, torch_dtype)
+    raise ValueError(f"{spec!r} is neither a packaged alias, a .gguf file, an HF directory nor shape:NAME")
+
+
+def _resolve_path(spec: str) -> Path:
+    from kvshare.models.packaged import PACKAGED_ALIASES, packaged_model_path
+
+    if spec in PACKAGED_ALIASES:
+        return packaged_model_path(spec)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model {spec!r} not found (no such file or directory, not an alias)")
+    return path
+
+
+def empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """The module tree with uninitialized storage on `device` (no wasted init pass)."""
+    with torch.device("meta"):
+        model = CausalLM(config)
+    return model.to_empty(device=device).to(dtype).eval().requires_grad_(False)
+
+
+def _load_random(spec: str, device: torch.device, dtype: torch.dtype, seed: int) -> LoadedModel:
+    shape = spec[len(SHAPE_PREFIX):]
+    config = shape_preset(shape)
+    model = empty_model(config, device, dtype)
+    fill_random_weights_(model, seed, gemma_norms=config.uses_gemma_norms)
+    weights_id = f"random:{shape}:{seed}:{str(dtype).removeprefix('torch.')}"
+    return LoadedModel(name=spec, config=config, model=model, tokenizer=None, weights_id=weights_id)
+
+
+def _load_gguf(spec: str, path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    from kvshare.models.gguf_file import read_gguf
+
+    gguf = read_gguf(path)
+    config = ModelConfig.from_hf(gguf.config)
+    model = empty_model(config, device, dtype)
+    load_weights_(model, ((name, torch.from_numpy(np.asarray(t))) for name, t in gguf.tensors.items()))
+    return LoadedModel(
+        name=spec, config=config, model=model, tokenizer=gguf.tokenizer,
+        weights_id=f"gguf:{gguf.file_digest}",
+    )
+
+
+def _load_hf_dir(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    from safetensors import safe_open
+
+    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    model = empty_model(config, device, dtype)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    yield name, f.get_tensor(name)
+
+    load_weights_(model, tensors())
+    tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
+    return LoadedModel(
+        name=path.name, config=config, model=model, tokenizer=tokenizer,
+        weights_id=f"hf:{_files_digest(files)}",
+    )
+
+
+def _files_digest(files: Iterable[Path]) -> str:
+    digest = xxhash.xxh3_128()
+    for file in files:
+        with file.open("rb") as f:
+            while block := f.read(1 << 24):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def load_weights_(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy HF-named tensors into `model`, packing q/k/v and gate/up into fused params.
+
+    Every parameter must be written exactly once; a missing or unexpected tensor is an error
+    (a silently uninitialized weight would be garbage output).
+    """
+    params = dict(model.named_parameters())
+    written: set[str] = set()
+    with torch.no_grad():
+        for hf_name, tensor in tensors:
+            name = hf_name
+            for prefix in _CHECKPOINT_PREFIXES:
+                if name.startswith(prefix):
+                    name = "model." + name[len(prefix):]
+            if name == "lm_head.weight" and model.lm_head is None:
+                continue  # tied to the embedding
+            target, shard = _packed_target(name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(model).__name__}")
+            param = params[target]
+            if shard is None:
+                _copy_checked(param, tensor, hf_name)
+                written.add(target)
+            else:
+                rows = _shard_rows(model, target, shard)
+                _copy_checked(param[rows], tensor, hf_name)
+                written.add(f"{target}#{shard}")
+    expected = set()
+    for name in params:
+        shards = _shard_count(name)
+        expected.update({name} if shards == 0 else {f"{name}#{i}" for i in range(shards)})
+    if missing := sorted(expected - written):
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _packed_target(name: str) -> tuple[str, int | None]:
+    for fragment, (fused, shard) in PACKED_PARAMETERS.items():
+        if f".{fragment}." in name:
+            return name.replace(f".{fragment}.", f".{fused}."), shard
+    return name, None
+
+
+def _shard_count(name: str) -> int:
+    if ".qkv_proj." in name:
+        return 3
+    return 2 if ".gate_up_proj." in name else 0
+
+
+def _shard_rows(model: CausalLM, target: str, shard: int) -> slice:
+    config = model.config
+    if ".qkv_proj." in target:
+        q = config.num_heads * config.head_dim
+        kv = config.num_kv_heads * config.head_dim
+        starts, sizes = (0, q, q + kv), (q, kv, kv)
+    else:
+        starts, sizes = (0, config.intermediate_size), (config.intermediate_size,) * 2
+    return slice(starts[shard], starts[shard] + sizes[shard])
+
+
+def _copy_checked(dest: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dest.shape) != tuple(src.shape):
+        raise ValueError(f"tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dest.shape)}")
+    dest.copy_(src)
