@@ -28,6 +28,7 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.9
     enable_prefix_caching: bool = True
     attention_backend: AttentionBackendName = "auto"
+    cuda_graphs: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvshare.engine.block_manager import BlockManager
+from kvshare.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,22 @@ class KVCacheLayout:
     layer_slot: tuple[int, ...]
     num_global_slots: int
     sliding_window: int | None
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> KVCacheLayout:
+        global_layers = [i for i, k in enumerate(config.layer_kinds) if k == "full"]
+        sliding_layers = [i for i, k in enumerate(config.layer_kinds) if k == "sliding"]
+        slot_of = {layer: slot for slot, layer in enumerate(global_layers + sliding_layers)}
+        # Zero-filled: blocks a window never reads may be left unwritten by a pool restore,
+        # and masked garbage must stay finite (0 x NaN is NaN in the value product).
+        kv = torch.zeros(
+            (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
+            dtype=dtype, device=device,
+        )
+        return cls(kv=kv, block_size=block_size,
+                   layer_slot=tuple(slot_of[i] for i in range(config.num_layers)),
+                   num_global_slots=len(global_layers), sliding_window=config.sliding_window)
 
     @property
     def num_slots(self) -> int:

@@ -63,11 +63,14 @@ class LLMEngine:
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.runner = ModelRunner(loaded, config)
-        max_len = min(config.max_model_len or loaded.config.max_position_embeddings,
-                      loaded.config.max_position_embeddings)
-        self.max_model_len = max_len
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
                                    loaded.config.sliding_window, config.enable_prefix_caching)
+        # Capped at what the KV cache holds: a sequence that outgrew the whole cache would
+        # be preempted and readmitted forever (it stops with "length" instead).
+        max_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                      loaded.config.max_position_embeddings,
+                      self.blocks.num_blocks * config.block_size)
+        self.max_model_len = max_len
         self.connector = connector
         if connector is not None:
             connector.bind(PagedKVCache(self.runner.layout, self.blocks))
@@ -164,11 +167,10 @@ class LLMEngine:
             seq.text += req.detokenizer.feed(token)
         if reason is None and seq.params.stop:
             reason = self._check_stop_strings(req)
-        if reason is None and seq.num_output_tokens >= seq.params.max_tokens:
+        if reason is None and (seq.num_output_tokens >= seq.params.max_tokens
+                               or seq.num_tokens >= self.max_model_len):
             reason = "length"
             seq.text += req.detokenizer.flush() if req.detokenizer else ""
-        if reason is None and seq.num_tokens >= self.max_model_len:
-            reason = "length"
         if reason is not None:
             self._finish(req, reason, emit=False)
         return self._output(req, (token,))
@@ -178,13 +180,14 @@ class LLMEngine:
         # Only text near the end can hold a stop string that just completed.
         longest = max(len(s) for s in seq.params.stop)
         search_from = max(0, req.emitted_text - longest)
-        for stop in seq.params.stop:
-            at = seq.text.find(stop, search_from)
-            if at >= 0:
-                end = at + len(stop) if seq.params.include_stop_str_in_output else at
-                seq.text = seq.text[:end]
-                return "stop"
-        return None
+        # The earliest match wins (one new piece of text may complete several stop strings).
+        found = [(at, len(stop)) for stop in seq.params.stop
+                 if (at := seq.text.find(stop, search_from)) >= 0]
+        if not found:
+            return None
+        at, length = min(found)
+        seq.text = seq.text[:at + length if seq.params.include_stop_str_in_output else at]
+        return "stop"
 
     def _finish(self, req: _Request, reason: str, emit: bool = True) -> None:
         self.scheduler.finish(req.seq, reason)

@@ -14,6 +14,7 @@ from kvshare.engine.attention import (
 )
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.connector import KVCacheLayout
+from kvshare.engine.cuda_graphs import DecodeGraphs
 from kvshare.engine.scheduler import ScheduledChunk
 from kvshare.models.loader import LoadedModel
 
@@ -29,10 +30,16 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         self.backend = self._choose_backend()
         self.layout = self._allocate_kv_cache()
-
-    @property
-    def num_blocks(self) -> int:
-        return self.layout.kv.shape[2]
+        # The cache's last block is outside the block manager: padding rows of captured
+        # decode graphs write there.
+        self.num_blocks = self.layout.kv.shape[2] - 1
+        self.graphs: DecodeGraphs | None = None
+        if config.cuda_graphs and isinstance(self.backend, VarlenBackend):
+            max_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                          loaded.config.max_position_embeddings, self.num_blocks * config.block_size)
+            self.graphs = DecodeGraphs(self.model, self.layout, self.backend, trash_block=self.num_blocks,
+                                       max_batch=config.max_num_seqs,
+                                       max_blocks_per_seq=-(-max_len // config.block_size))
 
     def _choose_backend(self) -> AttentionBackend:
         name = self.config.attention_backend
@@ -70,29 +77,19 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> KVCacheLayout:
         c = self.model_config
         num_blocks = self._kv_budget() // self._kv_bytes_per_block()
-        if num_blocks < 2:
+        if num_blocks < 3:
             raise ValueError(
                 f"no room for a KV cache: {self._kv_budget()} bytes available, "
                 f"{self._kv_bytes_per_block()} per block"
             )
-        global_layers = [i for i, k in enumerate(c.layer_kinds) if k == "full"]
-        sliding_layers = [i for i, k in enumerate(c.layer_kinds) if k == "sliding"]
-        slot_of = {layer: slot for slot, layer in enumerate(global_layers + sliding_layers)}
-        # Zero-filled: blocks a window never reads may be left unwritten by a pool restore,
-        # and masked garbage must stay finite (0 x NaN is NaN in the value product).
-        kv = torch.zeros(
-            (c.num_layers, 2, num_blocks, self.config.block_size, c.num_kv_heads, c.head_dim),
-            dtype=self.dtype, device=self.device,
-        )
-        return KVCacheLayout(
-            kv=kv, block_size=self.config.block_size,
-            layer_slot=tuple(slot_of[i] for i in range(c.num_layers)),
-            num_global_slots=len(global_layers), sliding_window=c.sliding_window,
-        )
+        return KVCacheLayout.allocate(c, num_blocks, self.config.block_size, self.dtype, self.device)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
         """Run one step; return float32 logits for the chunks that sample, in order."""
+        if (self.graphs is not None and len(chunks) <= self.graphs.max_batch
+                and all(c.num_new_tokens == 1 for c in chunks)):
+            return self._execute_graph(chunks)
         ids, positions, sample_rows = [], [], []
         row = 0
         for chunk in chunks:
@@ -115,6 +112,17 @@ class ModelRunner:
         if not sample_rows:
             return None
         return self.model.compute_logits(hidden[self._to_device(np.asarray(sample_rows))])
+
+    def _execute_graph(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """A decode step (one new token per sequence, every one samples) from a graph."""
+        assert self.graphs is not None
+        bs = self.config.block_size
+        positions = np.asarray([c.seq.num_computed_tokens for c in chunks], dtype=np.int64)
+        tables = [tuple(c.seq.block_table) for c in chunks]
+        slots = np.asarray([t[p // bs] * bs + p % bs for t, p in zip(tables, positions)], dtype=np.int64)
+        ids = np.asarray([c.seq.token_ids[p] for c, p in zip(chunks, positions)], dtype=np.int64)
+        hidden = self.graphs.run(ids, positions, slots, tables, positions + 1)
+        return self.model.compute_logits(hidden)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(array)

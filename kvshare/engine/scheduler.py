@@ -56,13 +56,16 @@ class Scheduler:
         return len(self.waiting) + len(self.loading) + len(self.running)
 
     def add(self, seq: Sequence) -> None:
+        if self.blocks.blocks_needed(seq.num_tokens + 1) > self.blocks.num_blocks:
+            raise ValueError(
+                f"prompt of {seq.num_tokens} tokens does not fit in the KV cache "
+                f"({self.blocks.num_blocks} blocks of {self.blocks.block_size} tokens)"
+            )
         if seq.num_tokens >= self.config.max_model_len:
             raise ValueError(
                 f"prompt has {seq.num_tokens} tokens; this model accepts at most "
                 f"{self.config.max_model_len - 1}"
             )
-        if self.blocks.blocks_needed(seq.num_tokens + 1) > self.blocks.num_blocks:
-            raise ValueError(f"prompt of {seq.num_tokens} tokens does not fit in the KV cache")
         seq.update_block_hashes(self.blocks.block_size)
         self.waiting.append(seq)
 

@@ -48,6 +48,9 @@ class RopeConfig:
     original_max_position: int = 8192
 
     def __post_init__(self) -> None:
+        # Floats, so that equal configs (e.g. theta 10000 and 10000.0) have equal digests.
+        for name in ("theta", "factor", "low_freq_factor", "high_freq_factor"):
+            object.__setattr__(self, name, float(getattr(self, name)))
         if self.theta <= 0:
             raise ValueError(f"rope theta must be positive, got {self.theta}")
         if self.factor <= 0:
@@ -125,6 +128,10 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        # Floats, so that equal configs (e.g. 16 and 16.0) have equal digests.
+        object.__setattr__(self, "rms_norm_eps", float(self.rms_norm_eps))
+        if self.query_pre_attn_scalar is not None:
+            object.__setattr__(self, "query_pre_attn_scalar", float(self.query_pre_attn_scalar))
         if not self.layer_kinds:
             object.__setattr__(self, "layer_kinds", ("full",) * self.num_layers)
         if len(self.layer_kinds) != self.num_layers:
@@ -264,7 +271,9 @@ class ModelConfig:
                 layer_types=[
                     "sliding_attention" if k == "sliding" else "full_attention" for k in self.layer_kinds
                 ],
-                query_pre_attn_scalar=self.query_pre_attn_scalar,
+                # HF types it as an int (256, 168): a float such as 16.0 is rejected.
+                query_pre_attn_scalar=int(self.query_pre_attn_scalar)
+                if self.query_pre_attn_scalar.is_integer() else self.query_pre_attn_scalar,
                 rope_parameters={
                     "full_attention": {"rope_type": "default", "rope_theta": self.rope.theta,
                                        **(self.rope.to_hf() or {})},

@@ -75,8 +75,8 @@ def _resolve_path(spec: str) -> Path:
 def empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
     """The module tree with uninitialized storage on `device` (no wasted init pass)."""
     with torch.device("meta"):
-        model = CausalLM(config)
-    return model.to_empty(device=device).to(dtype).eval().requires_grad_(False)
+        model = CausalLM(config).to(dtype)
+    return model.to_empty(device=device).eval().requires_grad_(False)
 
 
 def _load_random(spec: str, device: torch.device, dtype: torch.dtype, seed: int) -> LoadedModel:

@@ -1,0 +1,107 @@
+"""Decode steps replayed from captured CUDA graphs.
+
+A decode step launches thousands of small kernels (tens per layer); launched one by one
+from Python, the launches, not the bytes, set the step time. Each batch-size bucket's
+step is captured once and replayed with new inputs copied into static buffers.
+
+Rows past the real batch (padding up to the bucket) write their K/V into a trash block
+outside the block manager's range and attend over it: finite garbage in rows nobody
+reads, never a write into a real block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvshare.engine.attention import AttentionBackend, PagedAttention
+from kvshare.engine.connector import KVCacheLayout
+from kvshare.models.decoder import CausalLM
+
+
+@dataclass
+class GraphStepMeta:
+    """The part of StepMeta the decode path reads, backed by static device buffers."""
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    block_size: int
+    decode_only: bool = True
+
+    def paged(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.block_tables, self.context_lens
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    buckets = [1, 2, 4, 8]
+    while buckets[-1] < max_batch:
+        buckets.append(buckets[-1] + 8 if buckets[-1] < 32 else buckets[-1] * 2)
+    return [b for b in buckets if b < max_batch] + [max_batch]
+
+
+class DecodeGraphs:
+    def __init__(self, model: CausalLM, layout: KVCacheLayout, backend: AttentionBackend,
+                 trash_block: int, max_batch: int, max_blocks_per_seq: int) -> None:
+        self.model = model
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.trash_slot = trash_block * layout.block_size
+        self.trash_block = trash_block
+        device = layout.kv.device
+        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.slots = torch.full((max_batch,), self.trash_slot, dtype=torch.int64, device=device)
+        self.tables = torch.full((max_batch, max_blocks_per_seq), trash_block, dtype=torch.int32, device=device)
+        self.context_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.buckets = graph_buckets(max_batch)
+        self._capture_all(backend)
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def _capture_all(self, backend: AttentionBackend) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for batch in reversed(self.buckets):  # largest first: smaller ones reuse its memory
+            meta = GraphStepMeta(self.slots[:batch], self.tables[:batch], self.context_lens[:batch],
+                                 self.block_size)
+            ctx = PagedAttention(self.layout.kv, self.layout.layer_slot, meta, backend)
+            args = (self.input_ids[:batch], self.positions[:batch], ctx)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.inference_mode():
+                self.model(*args)  # warm-up: lazy initialization must not happen in capture
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+                hidden = self.model(*args)
+            self.graphs[batch] = (graph, hidden)
+
+    def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+            block_tables: list[tuple[int, ...]], context_lens: np.ndarray) -> torch.Tensor:
+        """One decode step of len(input_ids) sequences; returns their hidden states."""
+        n = len(input_ids)
+        batch = next(b for b in self.buckets if b >= n)
+        width = max(len(t) for t in block_tables)
+        tables = np.full((batch, width), self.trash_block, dtype=np.int32)
+        for i, table in enumerate(block_tables):
+            tables[i, :len(table)] = table
+        pad = batch - n
+        self._upload(self.input_ids[:batch], np.pad(input_ids, (0, pad)))
+        self._upload(self.positions[:batch], np.pad(positions, (0, pad)))
+        self._upload(self.slots[:batch], np.pad(slots, (0, pad), constant_values=self.trash_slot))
+        self._upload(self.context_lens[:batch], np.pad(context_lens, (0, pad), constant_values=1))
+        self._upload(self.tables[:batch, :width], tables)
+        graph, hidden = self.graphs[batch]
+        graph.replay()
+        return hidden[:n]
+
+    @staticmethod
+    def _upload(dest: torch.Tensor, array: np.ndarray) -> None:
+        src = torch.from_numpy(np.ascontiguousarray(array).astype(
+            np.int64 if dest.dtype == torch.int64 else np.int32))
+        dest.copy_(src.pin_memory(), non_blocking=True)

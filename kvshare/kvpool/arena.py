@@ -1,0 +1,157 @@
+"""The arena: one shared-memory file of exactly the configured size, mapped by the
+daemon and by every replica, and its geometry (how it is cut into slabs).
+
+The daemon creates the file (owner-only, 0600) and unlinks it at shutdown; clients
+open the existing file by path. The file is sized with ftruncate to exactly the
+configured bytes, never rounded (LESSONS #9). Slabs of `slab_bytes` are cut from the
+start; a last partial slab is unused and accounted for as `unused_bytes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvshare.kvpool.page import PAGE_ALIGN
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_SLAB_BYTES = 1024**3
+
+
+@dataclass(frozen=True)
+class ArenaGeometry:
+    """How an arena of `size_bytes` is cut into slabs of `slab_bytes`.
+
+    Slab i covers [i * slab_bytes, (i + 1) * slab_bytes); slabs are PAGE_ALIGN-aligned.
+    """
+
+    size_bytes: int
+    slab_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.slab_bytes <= 0 or self.slab_bytes % PAGE_ALIGN != 0:
+            raise ValueError(
+                f"slab size must be a positive multiple of {PAGE_ALIGN} bytes, got {self.slab_bytes}"
+            )
+        if self.size_bytes < self.slab_bytes:
+            raise ValueError(
+                f"arena size {self.size_bytes} is smaller than one slab ({self.slab_bytes} bytes)"
+            )
+
+    @property
+    def slab_count(self) -> int:
+        return self.size_bytes // self.slab_bytes
+
+    @property
+    def unused_bytes(self) -> int:
+        """Bytes after the last full slab: mapped, never handed out."""
+        return self.size_bytes - self.slab_count * self.slab_bytes
+
+    def slab_offset(self, slab: int) -> int:
+        if not 0 <= slab < self.slab_count:
+            raise ValueError(f"slab {slab} out of range [0, {self.slab_count})")
+        return slab * self.slab_bytes
+
+
+class Arena:
+    """A shared mapping of the arena file.
+
+    Contract: `view` and `as_tensor` alias the shared memory (no copies). `close` never
+    invalidates a live view or tensor: while any exists, the mapping stays until the
+    last one is garbage-collected, so a stale reader can read stale bytes but never
+    fault.
+    """
+
+    def __init__(self, path: str, geometry: ArenaGeometry, mapping: mmap.mmap) -> None:
+        self.path = path
+        self.geometry = geometry
+        self._mapping: mmap.mmap | None = mapping
+
+    @property
+    def size_bytes(self) -> int:
+        return self.geometry.size_bytes
+
+    @classmethod
+    def create(cls, path: str, size_bytes: int, slab_bytes: int = DEFAULT_SLAB_BYTES) -> Arena:
+        """Create the file (must not exist) with mode 0600 and exactly `size_bytes`, map it."""
+        geometry = ArenaGeometry(size_bytes, slab_bytes)
+        _check_free_space(path, size_bytes)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(path, flags, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, size_bytes)
+            mapping = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        return cls(path, geometry, mapping)
+
+    @classmethod
+    def open(cls, path: str, slab_bytes: int) -> Arena:
+        """Map an existing arena file; its size is read from the file."""
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            size_bytes = os.fstat(fd).st_size
+            geometry = ArenaGeometry(size_bytes, slab_bytes)
+            mapping = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(path, geometry, mapping)
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """Return a writable view of [offset, offset + nbytes) of the arena."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size_bytes:
+            raise ValueError(
+                f"range [{offset}, {offset + nbytes}) outside arena of {self.size_bytes}"
+            )
+        return memoryview(self._require_mapping())[offset : offset + nbytes]
+
+    def as_tensor(self) -> torch.Tensor:
+        """Return a uint8 tensor over the whole mapping (no copy).
+
+        The tensor holds a memoryview of the mapping, which keeps the mapping alive
+        (torch.frombuffer on the mmap itself would not, and `close` would unmap it).
+        """
+        import torch
+
+        return torch.frombuffer(memoryview(self._require_mapping()), dtype=torch.uint8)
+
+    def close(self) -> None:
+        """Drop this object's mapping; unmapped now, or when the last view/tensor dies."""
+        mapping, self._mapping = self._mapping, None
+        if mapping is None:
+            return
+        # If views or tensors still alias the mapping, close() refuses, and the mmap
+        # object unmaps itself when the last of them is collected.
+        with contextlib.suppress(BufferError):
+            mapping.close()
+
+    def unlink(self) -> None:
+        """Remove the arena file; existing mappings stay valid."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def _require_mapping(self) -> mmap.mmap:
+        if self._mapping is None:
+            raise ValueError(f"arena {self.path} is closed")
+        return self._mapping
+
+
+def _check_free_space(path: str, size_bytes: int) -> None:
+    """Refuse an arena the filesystem cannot hold: on tmpfs, writing past the free space
+    would kill the writer with SIGBUS instead of failing cleanly."""
+    stats = os.statvfs(os.path.dirname(os.path.abspath(path)))
+    available = stats.f_bavail * stats.f_frsize
+    if size_bytes > available:
+        raise ValueError(
+            f"arena of {size_bytes} bytes does not fit in {os.path.dirname(path) or '.'}: "
+            f"{available} bytes available"
+        )

@@ -1,0 +1,158 @@
+"""`kvshare pool` (run the daemon) and `kvshare pool-stats` (show its counters).
+
+Also runnable alone, without the other subcommands: `python -m kvshare.kvpool.cli pool ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+from kvshare.sizes import format_size, parse_size
+
+READY_PREFIX = "kvshare pool ready:"
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    pool = subparsers.add_parser(
+        "pool",
+        help="run the shared KV pool daemon",
+        description="Create the shared arena and serve the pool index on a Unix socket "
+        "until SIGINT/SIGTERM; both are removed at exit.",
+    )
+    pool.add_argument("--size", required=True, help="arena size, e.g. 4GiB, 512MiB, 10GB")
+    pool.add_argument("--socket", help="socket path (default: per-user runtime folder)")
+    pool.add_argument("--arena", help="arena file (default: /dev/shm/kvshare-<uid>-pool.arena)")
+    pool.add_argument("--slab-size", default="1GiB", help="slab size (default: 1GiB)")
+    pool.add_argument("--log-level", default="INFO", choices=_LOG_LEVELS)
+    pool.set_defaults(func=run_pool)
+
+    stats = subparsers.add_parser("pool-stats", help="show the pool daemon's counters")
+    stats.add_argument("--socket", help="socket path (default: per-user runtime folder)")
+    stats.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    stats.set_defaults(func=show_stats)
+
+
+def run_pool(args: argparse.Namespace) -> int:
+    from kvshare.kvpool.daemon import PoolConfig, PoolDaemon
+    from kvshare.kvpool.paths import default_pool_paths, ensure_private_dir
+
+    defaults = default_pool_paths()
+    try:
+        config = PoolConfig(
+            size_bytes=parse_size(args.size),
+            slab_bytes=parse_size(args.slab_size),
+            socket_path=args.socket or defaults.socket_path,
+            arena_path=args.arena or defaults.arena_path,
+        )
+    except ValueError as error:
+        print(f"kvshare pool: {error}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    daemon = PoolDaemon(config)
+
+    def announce() -> None:
+        geometry = daemon.index.geometry
+        print(
+            f"{READY_PREFIX} socket={config.socket_path} arena={config.arena_path} "
+            f"size={format_size(config.size_bytes)} slabs={geometry.slab_count}x"
+            f"{format_size(config.slab_bytes)}",
+            flush=True,
+        )
+
+    arena_in_runtime_dir = os.path.dirname(config.arena_path) == defaults.runtime_dir
+    try:
+        if config.socket_path == defaults.socket_path or arena_in_runtime_dir:
+            ensure_private_dir(defaults.runtime_dir)
+        asyncio.run(daemon.serve(on_ready=announce))
+    except (ValueError, OSError) as error:
+        print(f"kvshare pool: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def show_stats(args: argparse.Namespace) -> int:
+    from kvshare.kvpool.client import PoolClient, PoolUnavailable
+    from kvshare.kvpool.paths import default_pool_paths
+
+    client = PoolClient(args.socket or default_pool_paths().socket_path)
+    try:
+        stats = client.stats()
+    except PoolUnavailable as error:
+        print(f"kvshare pool-stats: {error}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+    else:
+        _print_stats_tables(stats)
+    return 0
+
+
+def _print_stats_tables(stats: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    summary = Table(title="kvshare pool", show_header=False)
+    summary.add_column("counter")
+    summary.add_column("value", justify="right")
+    summary.add_row("arena", f"{stats['arena_path']} ({format_size(stats['arena_bytes'])})")
+    summary.add_row(
+        "slabs free / total",
+        f"{stats['free_slabs']} / {stats['slab_count']} x {format_size(stats['slab_bytes'])}",
+    )
+    for name in (
+        "pages",
+        "free",
+        "reserved",
+        "committed",
+        "pinned",
+        "leases",
+        "connections",
+        "lookups",
+        "hit_keys",
+        "miss_keys",
+        "evictions",
+        "reserved_keys",
+        "dropped_keys",
+        "committed_keys",
+        "aborted_keys",
+        "cleared_keys",
+    ):
+        summary.add_row(name.replace("_", " "), f"{stats[name]:,}")
+
+    classes = Table(title="page classes")
+    for column in ("slot", "slabs", "pages", "free", "reserved", "committed", "pinned"):
+        classes.add_column(column, justify="right")
+    for page_class in stats["classes"]:
+        classes.add_row(
+            format_size(page_class["slot_bytes"]),
+            *(
+                f"{page_class[name]:,}"
+                for name in ("slabs", "pages", "free", "reserved", "committed", "pinned")
+            ),
+        )
+    console = Console()
+    console.print(summary)
+    console.print(classes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvshare.kvpool.cli")
+    register(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

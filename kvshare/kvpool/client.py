@@ -1,0 +1,318 @@
+"""The synchronous pool client used by the engine connector.
+
+Serving never blocks on the pool: every connection problem (refused, reset, timeout,
+garbled frame) becomes `PoolUnavailable`, which callers answer by recomputing. After
+a failure the client is disconnected; the next call reconnects, at most once per
+`retry_interval` - between attempts it raises `PoolUnavailable` at once. No call
+takes longer than `timeout`, reconnect included: one deadline bounds every step.
+
+Leases and reservations belong to the connection: when it drops, the daemon drops
+them. `release` of a lease from a dropped connection therefore returns False, and
+whatever was read under that lease must be discarded (its pages may have been reused).
+
+Thread-safe: one lock around each request/response exchange.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from kvshare.kvpool.arena import Arena
+from kvshare.kvpool.page import HEADER_BYTES
+from kvshare.kvpool.protocol import (
+    LENGTH,
+    PROTOCOL_VERSION,
+    ProtocolError,
+    decode_body,
+    encode_frame,
+    frame_length,
+)
+
+
+class PoolUnavailable(Exception):
+    """The daemon cannot be reached now (down, restarting, hung, or the link broke)."""
+
+
+class PoolError(Exception):
+    """The daemon answered with an error: the request broke the protocol's contract."""
+
+
+class PageRef(NamedTuple):
+    """A page slot: `offset` is the byte offset of the SLOT in the arena; the payload
+    starts at `offset + HEADER_BYTES`. `checksum` is b"" for reserved pages.
+
+    A NamedTuple rather than a frozen dataclass: a lookup builds up to 1,024 of them
+    per round trip, and a frozen dataclass costs ~0.8 us each (0.8 ms per lookup).
+    """
+
+    key: bytes
+    offset: int
+    payload_bytes: int
+    checksum: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """`lease` is 0 (and `pages` empty) when nothing hit."""
+
+    lease: int
+    pages: tuple[PageRef, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    pages: tuple[PageRef, ...]
+    present: tuple[bytes, ...]
+    dropped: int
+
+
+RemapCallback = Callable[[Arena], None]
+
+# tuple.__new__ skips NamedTuple's argument parsing: 4x faster than PageRef(*row).
+_page_ref_from_row = functools.partial(tuple.__new__, PageRef)
+
+
+class PoolClient:
+    """A connection to the pool daemon plus a mapping of its arena."""
+
+    def __init__(self, address: str, timeout: float = 5.0, retry_interval: float = 1.0) -> None:
+        if timeout <= 0 or retry_interval < 0:
+            raise ValueError("timeout must be > 0 and retry_interval >= 0")
+        self.socket_path = address.removeprefix("unix:")
+        if not self.socket_path:
+            raise ValueError(f"bad pool address {address!r}")
+        self.timeout = timeout
+        self.retry_interval = retry_interval
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._arena: Arena | None = None
+        self._generation = b""
+        self._next_id = 1
+        self._last_attempt = float("-inf")
+        # Leases granted on the current connection; all die with it.
+        self._leases: set[int] = set()
+        self._remap_callbacks: list[RemapCallback] = []
+        self._closed = False
+
+    # -- connection -----------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Connect now (ignoring `retry_interval`, reopening a closed client) and map
+        the arena; PoolUnavailable if the daemon cannot be reached."""
+        with self._lock:
+            self._closed = False
+            self._connect_locked(time.monotonic() + self.timeout)
+
+    @property
+    def arena(self) -> Arena:
+        if self._arena is None:
+            raise PoolUnavailable("not connected to the pool")
+        return self._arena
+
+    @property
+    def generation(self) -> bytes:
+        """The daemon run this client last connected to; changes when the daemon restarted."""
+        return self._generation
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def on_remap(self, callback: RemapCallback) -> None:
+        """Call `callback(new_arena)` after a reconnect finds a new daemon run (a new
+        arena): memory registered over the old arena must be registered again.
+
+        Callbacks run inside the call that reconnected, with the client's lock held:
+        they must not call the client. Their exceptions propagate to that call.
+        """
+        self._remap_callbacks.append(callback)
+
+    def close(self) -> None:
+        """Disconnect and unmap; later calls raise PoolUnavailable until `connect()`."""
+        with self._lock:
+            self._closed = True
+            self._disconnect_locked()
+            if self._arena is not None:
+                self._arena.close()
+                self._arena = None
+
+    # -- operations -------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        with self._lock:
+            response = self._request_locked({"op": "lookup", "keys": list(keys)})
+            lease = response["lease"]
+            if lease:
+                self._leases.add(lease)
+        # Each row is [key, offset, payload_bytes, checksum], built by the daemon.
+        pages = tuple(map(_page_ref_from_row, response["pages"]))
+        return LookupResult(lease, pages)
+
+    def release(self, lease: int) -> bool:
+        """Unpin a lease. True if the lease was held until now; False if it died with a
+        dropped connection (or the link broke now), in which case the pages may have
+        been reused and what was read under the lease must be discarded."""
+        with self._lock:
+            if lease not in self._leases:
+                return False
+            self._leases.discard(lease)
+            try:
+                self._request_locked({"op": "release", "lease": lease})
+            except PoolUnavailable:
+                return False
+            return True
+
+    def reserve(self, keys: Sequence[bytes], payload_bytes: int) -> Reservation:
+        response = self._request(
+            {"op": "reserve", "keys": list(keys), "payload_bytes": payload_bytes}
+        )
+        pages = tuple(PageRef(key, offset, payload_bytes, b"") for key, offset in response["pages"])
+        return Reservation(pages, tuple(response["present"]), response["dropped"])
+
+    def commit(
+        self,
+        keys: Sequence[bytes],
+        checksums: Sequence[bytes],
+        offsets: Sequence[int] | None = None,
+    ) -> None:
+        """Make reserved pages visible, all or none. Passing the reserved `offsets` makes
+        the daemon check each key is still reserved at the slot that was written."""
+        request: dict[str, Any] = {"op": "commit", "keys": list(keys), "checksums": list(checksums)}
+        if offsets is not None:
+            request["offsets"] = list(offsets)
+        self._request(request)
+
+    def abort(self, keys: Sequence[bytes]) -> int:
+        """Free this connection's reservations among `keys`; returns how many."""
+        return self._request({"op": "abort", "keys": list(keys)})["aborted"]
+
+    def clear(self) -> int:
+        """Free every committed, unpinned page; returns how many."""
+        return self._request({"op": "clear"})["cleared"]
+
+    def stats(self) -> dict[str, Any]:
+        return self._request({"op": "stats"})["stats"]
+
+    # -- internals --------------------------------------------------------------------
+
+    def _request(self, message: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            return self._request_locked(message)
+
+    def _request_locked(self, message: dict[str, Any]) -> dict[str, Any]:
+        now = time.monotonic()
+        deadline = now + self.timeout
+        if self._closed:
+            raise PoolUnavailable("pool client is closed")
+        if self._sock is None:
+            if now - self._last_attempt < self.retry_interval:
+                raise PoolUnavailable(f"pool at {self.socket_path} is unavailable (retrying later)")
+            self._connect_locked(deadline)
+        response = self._exchange_locked(message, deadline)
+        if not response.get("ok"):
+            raise PoolError(str(response.get("error")))
+        return response
+
+    def _exchange_locked(self, message: dict[str, Any], deadline: float) -> dict[str, Any]:
+        """Send one request and read its response before `deadline`; any failure
+        disconnects and raises PoolUnavailable."""
+        assert self._sock is not None
+        request_id = self._next_id
+        self._next_id += 1
+        message["id"] = request_id
+        try:
+            self._sock.settimeout(_time_left(deadline, self.timeout))
+            self._sock.sendall(encode_frame(message))
+            header = self._recv_exact(LENGTH.size, deadline)
+            response = decode_body(self._recv_exact(frame_length(header), deadline))
+            if not isinstance(response, dict) or response.get("id") != request_id:
+                raise ProtocolError(
+                    f"unexpected response to request {request_id}: {response!r:.200}"
+                )
+        except (OSError, ProtocolError) as error:
+            self._disconnect_locked()
+            raise PoolUnavailable(f"pool at {self.socket_path}: {error}") from error
+        return response
+
+    def _recv_exact(self, nbytes: int, deadline: float) -> bytes:
+        assert self._sock is not None
+        chunks: list[bytes] = []
+        remaining = nbytes
+        while remaining:
+            self._sock.settimeout(_time_left(deadline, self.timeout))
+            chunk = self._sock.recv(min(remaining, 1 << 20))
+            if not chunk:
+                raise ConnectionResetError("daemon closed the connection")
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        return b"".join(chunks)
+
+    def _connect_locked(self, deadline: float) -> None:
+        self._disconnect_locked()
+        self._last_attempt = time.monotonic()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(_time_left(deadline, self.timeout))
+            sock.connect(self.socket_path)
+        except OSError as error:
+            sock.close()
+            raise PoolUnavailable(
+                f"cannot connect to pool at {self.socket_path}: {error}"
+            ) from error
+        self._sock = sock
+        hello = self._exchange_locked({"op": "hello"}, deadline)
+        try:
+            remapped = self._adopt_daemon_locked(hello)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            self._disconnect_locked()
+            raise PoolUnavailable(f"pool at {self.socket_path} is unusable: {error}") from error
+        if remapped:
+            for callback in self._remap_callbacks:
+                callback(self.arena)
+
+    def _adopt_daemon_locked(self, hello: dict[str, Any]) -> bool:
+        """Check the daemon's hello and map its arena if this is a new daemon run.
+        Returns True when an earlier run's arena was replaced."""
+        if (
+            not hello.get("ok")
+            or hello["version"] != PROTOCOL_VERSION
+            or hello["header_bytes"] != HEADER_BYTES
+        ):
+            raise ValueError(f"incompatible daemon hello: {hello!r}")
+        generation = hello["generation"]
+        if generation == self._generation and self._arena is not None:
+            return False
+        arena = Arena.open(hello["arena_path"], hello["slab_bytes"])
+        if arena.size_bytes != hello["arena_bytes"]:
+            arena.close()
+            raise ValueError(
+                f"arena is {arena.size_bytes} bytes, daemon says {hello['arena_bytes']}"
+            )
+        old_arena, self._arena = self._arena, arena
+        self._generation = generation
+        if old_arena is None:
+            return False
+        old_arena.close()
+        return True
+
+    def _disconnect_locked(self) -> None:
+        self._leases.clear()
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
+
+
+def _time_left(deadline: float, timeout: float) -> float:
+    """Seconds until `deadline`; TimeoutError (an OSError) once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"no response within {timeout} s")
+    return left

@@ -1,0 +1,414 @@
+"""The engine connector of the shared pool: restore prefixes from pages, store new chunks.
+
+Implements `kvshare.engine.connector.KVConnector` over a `PoolClient` (control, one round
+trip per lookup/reserve/commit) and a `Transfer` (bytes: CUDA streams or a CPU thread).
+
+Invariants:
+- Only committed pages are read, under a lease that lives until the copy completed and
+  its checksums matched; the daemon's checksum, the page header and the bytes copied must
+  all agree, otherwise the load is a miss (the engine recomputes) and a counted failure.
+- A store reserves pages, copies after the compute work that wrote the blocks, writes
+  each header, and commits only then; a failed copy aborts its reservations.
+- Blocks being copied hold an extra reference until the copy completed.
+- Any pool trouble is a miss or a skipped store, never an exception to the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvshare.engine.connector import KVConnector, PagedKVCache, PoolMatch
+from kvshare.kvpool.client import PageRef, PoolClient, PoolError, PoolUnavailable
+from kvshare.kvpool.host_memory import HostRegistration
+from kvshare.kvpool.keys import Namespace, chunk_keys
+from kvshare.kvpool.layout import CHECKSUM_BYTES, LAYOUT_VERSION, PageLayout
+from kvshare.kvpool.page import HEADER_BYTES, PageFormatError, PageHeader
+from kvshare.kvpool.transfer import BreakOrder, CudaTransfer, PageCopy, ThreadTransfer, Transfer
+from kvshare.models.loader import LoadedModel
+
+_log = logging.getLogger(__name__)
+_POOL_ERRORS = (PoolUnavailable, PoolError)
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """`break_order`, `load_delay` and `verify=False` are test-only: they exist so the
+    validation checks can prove that a missing stream dependency or a skipped checksum is
+    caught (see transfer.py and kvshare/validate)."""
+
+    chunk_tokens: int = 256
+    register_host_memory: bool = True
+    break_order: BreakOrder = ""
+    load_delay: float = 0.0  # seconds (CPU); on CUDA converted to GPU sleep cycles
+    verify: bool = True
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be positive, got {self.chunk_tokens}")
+        if self.break_order not in ("", "store", "load"):
+            raise ValueError(f"unknown break_order {self.break_order!r}")
+
+
+@dataclass
+class _Match:
+    lease: int
+    pages: tuple[PageRef, ...]
+    local_tokens: int
+
+
+@dataclass
+class _Load:
+    request_id: str
+    job: object
+    lease: int
+    pages: list[PageRef]
+    segments: list[int]  # checksummed segments copied per page
+    nbytes: int
+    resume_chunks: int  # the restored prefix ends after this many chunks
+    held: list[int]
+    incomplete: list[int]
+    headers_ok: bool = False
+
+
+@dataclass
+class _Store:
+    job: object
+    pages: list[PageRef]
+    parents: list[bytes]
+    held: list[int]
+
+
+@dataclass
+class _Request:
+    keys: list[bytes] = field(default_factory=list)
+    stored_chunks: int = 0  # chunks below this are in the pool or were tried
+    match: _Match | None = None
+
+
+class PoolConnector(KVConnector):
+    def __init__(self, client: PoolClient, namespace: Namespace,
+                 options: ConnectorOptions | None = None) -> None:
+        self.client = client
+        self.namespace = namespace
+        self.options = options or ConnectorOptions(chunk_tokens=namespace.chunk_tokens)
+        if self.options.chunk_tokens != namespace.chunk_tokens:
+            raise ValueError("the namespace and the options disagree on chunk_tokens")
+        self.chunk_tokens = namespace.chunk_tokens
+        self.counters: Counter[str] = Counter()
+        self._enabled = True
+        self._requests: dict[str, _Request] = {}
+        self._loads: list[_Load] = []
+        self._stores: list[_Store] = []
+        self._finished_loads: dict[str, bool] = {}
+        self._generation = b""
+        self._lock = threading.Lock()  # guards arena adoption against the remap callback
+        self.cache: PagedKVCache | None = None
+        self.layout: PageLayout | None = None
+        self.transfer: Transfer | None = None
+        self.registration: HostRegistration | None = None
+
+    @classmethod
+    def for_model(cls, address: str, loaded: LoadedModel, *, chunk_tokens: int = 256,
+                  cache_salt: str = "", **options: object) -> PoolConnector:
+        dtype = next(loaded.model.parameters()).dtype
+        namespace = Namespace(
+            architecture=loaded.config.architecture,
+            config_digest=loaded.config.digest(),
+            weights_digest=loaded.weights_id,
+            kv_dtype=str(dtype).removeprefix("torch."),
+            layout_version=LAYOUT_VERSION,
+            chunk_tokens=chunk_tokens,
+            cache_salt=cache_salt,
+        )
+        opts = ConnectorOptions(chunk_tokens=chunk_tokens, **options)  # type: ignore[arg-type]
+        return cls(PoolClient(address), namespace, opts)
+
+    # ------------------------------------------------------------------ set-up
+
+    def bind(self, cache: PagedKVCache) -> None:
+        self.cache = cache
+        self.layout = PageLayout.of(cache.layout, self.chunk_tokens)
+        kv = cache.layout.kv
+        opts = self.options
+        if kv.device.type == "cuda":
+            cycles = int(opts.load_delay * 1.5e9)  # ~1.5 GHz SM clock: a lower bound is enough
+            self.transfer = CudaTransfer(kv, self.layout, opts.break_order, cycles)
+            if opts.register_host_memory:
+                self.registration = HostRegistration(kv.device)
+        else:
+            self.transfer = ThreadTransfer(kv, self.layout, opts.break_order, opts.load_delay)
+        self.client.on_remap(self._on_remap)
+        with contextlib.suppress(*_POOL_ERRORS):
+            self.client.connect()
+            self._adopt_arena()
+
+    def _adopt_arena(self) -> None:
+        """Point the transfer at the client's current arena (after connect or restart)."""
+        with self._lock:
+            if self.client.generation == self._generation or not self.client.connected:
+                return
+            arena = self.client.arena
+            assert self.transfer is not None
+            self.transfer.set_arena(arena.as_tensor())
+            if self.registration is not None:
+                self.registration.register(arena)
+            self._generation = self.client.generation
+
+    def _on_remap(self, arena: object) -> None:
+        """The daemon restarted: finish copies over the old arena before letting it go."""
+        assert self.transfer is not None
+        self.transfer.synchronize()
+        if self.registration is not None:
+            self.registration.unregister()
+        self._generation = b""
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    def set_enabled(self, enabled: bool) -> None:
+        self._enabled = enabled
+
+    def stats(self) -> dict[str, int]:
+        out = dict(self.counters)
+        if self.registration is not None:
+            out["registered_bytes"] = self.registration.registered_bytes
+        return out
+
+    def _usable(self) -> bool:
+        return self._enabled and self.transfer is not None
+
+    # ------------------------------------------------------------------ lookup and load
+
+    def _keys(self, req: _Request, token_ids: Sequence[int], num_chunks: int) -> list[bytes]:
+        if len(req.keys) < num_chunks:
+            req.keys = chunk_keys(self.namespace, token_ids[:num_chunks * self.chunk_tokens])
+        return req.keys[:num_chunks]
+
+    def match(self, request_id: str, token_ids: Sequence[int], num_local_tokens: int) -> PoolMatch:
+        req = self._requests.setdefault(request_id, _Request())
+        usable_chunks = (len(token_ids) - 1) // self.chunk_tokens
+        if not self._usable() or usable_chunks * self.chunk_tokens <= num_local_tokens:
+            return PoolMatch(0)
+        keys = self._keys(req, token_ids, usable_chunks)
+        try:
+            result = self.client.lookup(keys)
+            self._adopt_arena()
+        except _POOL_ERRORS as exc:
+            self._count_error("lookup", exc)
+            return PoolMatch(0)
+        self.counters["lookups"] += 1
+        hit_tokens = len(result.pages) * self.chunk_tokens
+        wanted = usable_chunks * self.chunk_tokens - num_local_tokens
+        if hit_tokens <= num_local_tokens:
+            self._release(result.lease)
+            self.counters["miss_tokens"] += wanted
+            return PoolMatch(0)
+        req.match = _Match(result.lease, result.pages, num_local_tokens)
+        self.counters["hit_tokens"] += hit_tokens - num_local_tokens
+        self.counters["miss_tokens"] += wanted - (hit_tokens - num_local_tokens)
+        return PoolMatch(hit_tokens - num_local_tokens)
+
+    def cancel(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is not None and req.match is not None:
+            self._release(req.match.lease)
+            req.match = None
+
+    def load(self, request_id: str, block_table: Sequence[int]) -> None:
+        assert self.cache is not None and self.layout is not None and self.transfer is not None
+        req = self._requests[request_id]
+        match, req.match = req.match, None
+        assert match is not None, "load() without a match"
+        layout, bs = self.layout, self.layout.block_size
+        window = self.cache.layout.sliding_window
+        resume = len(match.pages) * self.chunk_tokens
+        # Queries from `resume` on read sliding-window keys from resume - window + 1 on.
+        full_from = 0 if window is None else max(0, resume - window + 1) // self.chunk_tokens
+        copies, pages, segments, held, incomplete = [], [], [], [], []
+        for j in range(match.local_tokens // self.chunk_tokens, len(match.pages)):
+            page = match.pages[j]
+            nbytes = layout.payload_bytes if j >= full_from else layout.global_bytes
+            blocks = tuple(block_table[j * layout.blocks_per_page:(j + 1) * layout.blocks_per_page])
+            first = max(0, (match.local_tokens - j * self.chunk_tokens) // bs)
+            copies.append(PageCopy(page.offset + HEADER_BYTES, nbytes, blocks, first))
+            pages.append(page)
+            segments.append(len(layout.segments(nbytes)))
+            held += blocks[first:]
+            if nbytes < layout.payload_bytes:
+                incomplete += blocks[first:]
+        self.cache.blocks.acquire(held)
+        self.cache.blocks.mark_incomplete(incomplete)
+        pending = _Load(request_id, None, match.lease, pages, segments,
+                        sum(c.nbytes for c in copies), len(match.pages), held, incomplete)
+        try:
+            pending.job = self.transfer.load(copies)
+        except Exception:  # a broken copy is a miss, never an engine crash
+            _log.exception("pool load failed to start")
+            self._end_load(pending, ok=False)
+            return
+        # Checked while the copies run: the lease keeps the slots from changing meanwhile.
+        pending.headers_ok = all(self._header_ok(p) for p in pages)
+        self._loads.append(pending)
+
+    def _header_ok(self, page: PageRef) -> bool:
+        """The slot still holds the page the daemon says: key, size and checksum agree."""
+        try:
+            header = PageHeader.unpack(bytes(self.client.arena.view(page.offset, HEADER_BYTES)))
+        except (PageFormatError, PoolUnavailable, ValueError):
+            return False
+        assert self.layout is not None
+        return (header.key == page.key and header.payload_bytes == self.layout.payload_bytes
+                and header.layout_version == LAYOUT_VERSION and header.checksum == page.checksum)
+
+    def _end_load(self, load: _Load, ok: bool) -> None:
+        assert self.cache is not None
+        released = self._release(load.lease)
+        ok = ok and released
+        if ok:
+            self.counters["loaded_pages"] += len(load.pages)
+            self.counters["loaded_bytes"] += load.nbytes
+            req = self._requests.get(load.request_id)
+            if req is not None:  # the restored chunks are in the pool already
+                req.stored_chunks = max(req.stored_chunks, load.resume_chunks)
+        else:
+            self.counters["load_failures"] += 1
+            # The engine recomputes these blocks, every layer of them.
+            for b in load.incomplete:
+                self.cache.blocks.complete[b] = True
+        self.cache.blocks.release(load.held)
+        self._finished_loads[load.request_id] = ok
+
+    def _release(self, lease: int) -> bool:
+        if not lease:
+            return True
+        try:
+            return self.client.release(lease)
+        except _POOL_ERRORS as exc:
+            self._count_error("release", exc)
+            return False
+
+    # ------------------------------------------------------------------ store
+
+    def store(self, request_id: str, token_ids: Sequence[int], block_table: Sequence[int],
+              num_computed_tokens: int, ready: threading.Event | None = None) -> None:
+        req = self._requests.setdefault(request_id, _Request())
+        full = num_computed_tokens // self.chunk_tokens
+        if not self._usable() or full <= req.stored_chunks:
+            return
+        assert self.cache is not None and self.layout is not None and self.transfer is not None
+        keys = self._keys(req, token_ids, full)
+        bpp = self.layout.blocks_per_page
+        chunks = [j for j in range(req.stored_chunks, full)
+                  if self.cache.blocks.all_complete(block_table[j * bpp:(j + 1) * bpp])]
+        req.stored_chunks = full
+        if not chunks:
+            return
+        try:
+            reservation = self.client.reserve([keys[j] for j in chunks], self.layout.payload_bytes)
+            self._adopt_arena()
+        except _POOL_ERRORS as exc:
+            self._count_error("reserve", exc)
+            return
+        self.counters["store_dedup_pages"] += len(reservation.present)
+        self.counters["store_dropped_pages"] += reservation.dropped
+        reserved = {page.key: page for page in reservation.pages}
+        copies, pages, parents, held = [], [], [], []
+        for j in chunks:
+            page = reserved.get(keys[j])
+            if page is None:
+                continue
+            blocks = tuple(block_table[j * bpp:(j + 1) * bpp])
+            copies.append(PageCopy(page.offset + HEADER_BYTES, self.layout.payload_bytes, blocks))
+            pages.append(page)
+            parents.append(keys[j - 1] if j else self.namespace.digest())
+            held += blocks
+        if not copies:
+            return
+        self.cache.blocks.acquire(held)
+        try:
+            job = self.transfer.store(copies, ready)
+        except Exception:  # a failed store is skipped, never an engine crash
+            _log.exception("pool store failed to start")
+            self.cache.blocks.release(held)
+            self._abort([p.key for p in pages])
+            return
+        self._stores.append(_Store(job, pages, parents, held))
+
+    def _finish_store(self, store: _Store) -> None:
+        assert self.cache is not None and self.layout is not None
+        keys = [p.key for p in store.pages]
+        if store.job.failed:
+            self._abort(keys)
+        else:
+            checksums = [b"".join(parts) for parts in store.job.checksums()]
+            try:
+                for page, parent, checksum in zip(store.pages, store.parents, checksums):
+                    header = PageHeader(LAYOUT_VERSION, page.key, parent, self.layout.payload_bytes, checksum)
+                    self.client.arena.view(page.offset, HEADER_BYTES)[:] = header.pack()
+                self.client.commit(keys, checksums, [p.offset for p in store.pages])
+                self.counters["stored_pages"] += len(keys)
+                self.counters["stored_bytes"] += len(keys) * self.layout.payload_bytes
+            except _POOL_ERRORS as exc:
+                self._count_error("commit", exc)
+        self.cache.blocks.release(store.held)
+
+    def _abort(self, keys: list[bytes]) -> None:
+        try:
+            self.client.abort(keys)
+        except _POOL_ERRORS as exc:
+            self._count_error("abort", exc)
+
+    # ------------------------------------------------------------------ progress
+
+    def poll(self) -> dict[str, bool]:
+        for load in [x for x in self._loads if x.job.done()]:
+            self._loads.remove(load)
+            verified = load.headers_ok and self._checksums_match(load)
+            if not load.headers_ok:
+                self.counters["header_failures"] += 1
+            ok = not load.job.failed and (verified or not self.options.verify)
+            if ok:
+                self.transfer.consume(load.job)
+            self._end_load(load, ok)
+        for store in [x for x in self._stores if x.job.done()]:
+            self._stores.remove(store)
+            self._finish_store(store)
+        done, self._finished_loads = self._finished_loads, {}
+        return done
+
+    def _checksums_match(self, load: _Load) -> bool:
+        ok = True
+        for page, copied, n in zip(load.pages, load.job.checksums(), load.segments):
+            expected = [page.checksum[i * CHECKSUM_BYTES:(i + 1) * CHECKSUM_BYTES] for i in range(n)]
+            if copied[:n] != expected:
+                self.counters["checksum_failures"] += 1
+                ok = False
+        return ok
+
+    def forget(self, request_id: str) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is not None and req.match is not None:
+            self._release(req.match.lease)
+
+    def wait_idle(self) -> None:
+        """Block until every copy in flight has completed and been committed (tests, shutdown)."""
+        if self.transfer is not None:
+            self.transfer.synchronize()
+        self.poll()
+
+    def close(self) -> None:
+        """Finish copies in flight, unregister host memory, disconnect."""
+        self.wait_idle()
+        if self.registration is not None:
+            self.registration.unregister()
+        self.client.close()
+
+    def _count_error(self, op: str, exc: Exception) -> None:
+        self.counters["pool_errors"] += 1
+        _log.warning("pool %s failed: %s", op, exc)

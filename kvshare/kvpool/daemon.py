@@ -1,0 +1,285 @@
+"""The pool daemon: owns the arena file and the index, serves clients on a Unix socket.
+
+Single-threaded asyncio: every request runs to completion on the event loop before the
+next one starts, so the index needs no locks and each request is atomic.
+
+Robustness rules:
+- A malformed request (unknown op, missing or mistyped fields, a contract violation)
+  gets an error response; the connection stays open.
+- A frame that cannot be parsed (over the size limit, or not msgpack) closes that
+  connection only.
+- A connection that closes, for any reason, loses its leases and reservations.
+- No request can kill the daemon: unexpected exceptions are logged and answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvshare.kvpool.arena import DEFAULT_SLAB_BYTES, Arena, ArenaGeometry
+from kvshare.kvpool.index import PoolIndex, PoolRequestError
+from kvshare.kvpool.keys import KEY_BYTES
+from kvshare.kvpool.page import HEADER_BYTES
+from kvshare.kvpool.protocol import (
+    LENGTH,
+    PROTOCOL_VERSION,
+    ProtocolError,
+    decode_body,
+    encode_frame,
+    frame_length,
+)
+
+log = logging.getLogger(__name__)
+
+# sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
+_MAX_SOCKET_PATH_BYTES = 107
+
+Handler = Callable[[int, dict[str, Any]], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    size_bytes: int
+    socket_path: str
+    arena_path: str
+    slab_bytes: int = DEFAULT_SLAB_BYTES
+
+    def __post_init__(self) -> None:
+        ArenaGeometry(self.size_bytes, self.slab_bytes)
+        if not self.socket_path or len(os.fsencode(self.socket_path)) > _MAX_SOCKET_PATH_BYTES:
+            raise ValueError(
+                f"socket path must be 1..{_MAX_SOCKET_PATH_BYTES} bytes, got {self.socket_path!r}"
+            )
+        if not self.arena_path:
+            raise ValueError("arena path must not be empty")
+
+
+class PoolDaemon:
+    """Serves one arena. Use: `await PoolDaemon(config).serve()` until `stop()`."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        self.generation = os.urandom(16)
+        self.index = PoolIndex(ArenaGeometry(config.size_bytes, config.slab_bytes))
+        self._next_conn = 1
+        self._writers: dict[int, asyncio.StreamWriter] = {}
+        self._connection_tasks: set[asyncio.Task[None]] = set()
+        self._stopping: asyncio.Event | None = None
+        self._handlers: dict[str, Handler] = {
+            "hello": self._hello,
+            "lookup": self._lookup,
+            "release": self._release,
+            "reserve": self._reserve,
+            "commit": self._commit,
+            "abort": self._abort,
+            "clear": self._clear,
+            "stats": self._stats,
+        }
+
+    async def serve(
+        self, on_ready: Callable[[], None] | None = None, handle_signals: bool = True
+    ) -> None:
+        """Create the arena and socket, serve until `stop()` (or SIGINT/SIGTERM when
+        `handle_signals`), then close every connection and remove both."""
+        self._stopping = asyncio.Event()
+        listener = _bind_private_socket(self.config.socket_path)
+        arena: Arena | None = None
+        try:
+            arena = _create_arena(self.config)
+            server = await asyncio.start_unix_server(self._serve_connection, sock=listener)
+            loop = asyncio.get_running_loop()
+            if handle_signals:
+                for signum in (signal.SIGINT, signal.SIGTERM):
+                    loop.add_signal_handler(signum, self.stop)
+            if on_ready is not None:
+                on_ready()
+            await self._stopping.wait()
+            server.close()
+            # Abort (not close): a client that stops reading must not hold the shutdown
+            # in a flush. Each connection's task then ends on its own; let them finish
+            # rather than have asyncio.run cancel them mid-request.
+            for writer in self._writers.values():
+                writer.transport.abort()
+            await asyncio.gather(*self._connection_tasks)
+            await server.wait_closed()
+        finally:
+            listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.config.socket_path)
+            if arena is not None:
+                arena.close()
+                arena.unlink()
+
+    def stop(self) -> None:
+        """Ask `serve` to shut down; safe to call from a signal handler on the loop."""
+        if self._stopping is not None:
+            self._stopping.set()
+
+    async def _serve_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        conn = self._next_conn
+        self._next_conn += 1
+        self._writers[conn] = writer
+        task = asyncio.current_task()
+        assert task is not None
+        self._connection_tasks.add(task)
+        try:
+            while True:
+                header = await reader.readexactly(LENGTH.size)
+                body = await reader.readexactly(frame_length(header))
+                writer.write(encode_frame(self._respond(conn, decode_body(body))))
+                await writer.drain()
+        except ProtocolError as error:
+            log.warning("closing connection %d: %s", conn, error)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.index.disconnect(conn)
+            del self._writers[conn]
+            self._connection_tasks.discard(task)
+            writer.close()
+
+    def _respond(self, conn: int, request: Any) -> dict[str, Any]:
+        if not isinstance(request, dict):
+            return {"id": None, "ok": False, "error": "a request must be a map"}
+        request_id = request.get("id")
+        op = request.get("op")
+        handler = self._handlers.get(op) if isinstance(op, str) else None
+        if handler is None:
+            return {"id": request_id, "ok": False, "error": f"unknown op {op!r}"}
+        try:
+            response = handler(conn, request)
+        except (PoolRequestError, ValueError, TypeError, KeyError) as error:
+            return {"id": request_id, "ok": False, "error": f"{op}: {error}"}
+        except Exception as error:
+            log.exception("op %s failed", op)
+            return {"id": request_id, "ok": False, "error": f"{op}: internal error: {error!r}"}
+        response["id"] = request_id
+        response["ok"] = True
+        return response
+
+    # -- ops -------------------------------------------------------------------
+
+    def _hello(self, conn: int, request: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "version": PROTOCOL_VERSION,
+            "arena_path": self.config.arena_path,
+            "arena_bytes": self.config.size_bytes,
+            "slab_bytes": self.config.slab_bytes,
+            "generation": self.generation,
+            "header_bytes": HEADER_BYTES,
+        }
+
+    def _lookup(self, conn: int, request: dict[str, Any]) -> dict[str, Any]:
+        lease, pages = self.index.lookup(conn, _keys(request, "keys"))
+        return {"lease": lease, "pages": pages}
+
+    def _release(self, conn: int, request: dict[str, Any]) -> dict[str, Any]:
+        self.index.release(conn, _int(request, "lease"))
+        return {}
+
+    def _reserve(self, conn: int, request: dict[str, Any]) -> dict[str, Any]:
+        keys = _keys(request, "keys")
+        reserved, present, dropped = self.index.reserve(conn, keys, _int(request, "payload_bytes"))
+        return {"pages": reserved, "present": present, "dropped": dropped}
+
+    def _commit(self, conn: int, request: dict[str, Any]) -> dict[str, Any]:
+        keys = _keys(request, "keys")
+        checksums = _list_of(request, "checksums", bytes)
+        offsets = _list_of(request, "offsets", int) if request.get("offsets") is not None else None
+        self.index.commit(conn, keys, checksums, offsets)
+        return {}
+
+    def _abort(self, conn: int, request: dict[str, Any]) -> dict[str, Any]:
+        return {"aborted": self.index.abort(conn, _keys(request, "keys"))}
+
+    def _clear(self, conn: int, request: dict[str, Any]) -> dict[str, Any]:
+        return {"cleared": self.index.clear()}
+
+    def _stats(self, conn: int, request: dict[str, Any]) -> dict[str, Any]:
+        stats = self.index.stats()
+        stats["generation"] = self.generation.hex()
+        stats["arena_path"] = self.config.arena_path
+        stats["connections"] = len(self._writers)
+        return {"stats": stats}
+
+
+def _keys(request: dict[str, Any], name: str) -> list[bytes]:
+    keys = _list_of(request, name, bytes)
+    for key in keys:
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"every key must be {KEY_BYTES} bytes, got {len(key)}")
+    return keys
+
+
+def _list_of(request: dict[str, Any], name: str, kind: type) -> list[Any]:
+    values = request.get(name)
+    if not isinstance(values, list) or not all(type(v) is kind for v in values):
+        raise ValueError(f"field {name!r} must be a list of {kind.__name__}")
+    return values
+
+
+def _int(request: dict[str, Any], name: str) -> int:
+    value = request.get(name)
+    if type(value) is not int:
+        raise ValueError(f"field {name!r} must be an int, got {value!r}")
+    return value
+
+
+def _bind_private_socket(path: str) -> socket.socket:
+    """Bind a listening Unix socket at `path` with mode 0600 from the first instant.
+
+    Refuses if a daemon already answers there; removes a stale socket file.
+    """
+    os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise ValueError(f"{path} exists and is not a socket")
+        if _socket_answers(path):
+            raise ValueError(f"a pool daemon is already serving at {path}")
+        log.warning("removing stale socket %s", path)
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # The umask applies to bind(): no window in which the socket is wider than 0600.
+    previous_umask = os.umask(0o177)
+    try:
+        listener.bind(path)
+    except BaseException:
+        listener.close()
+        raise
+    finally:
+        os.umask(previous_umask)
+    listener.listen(128)
+    listener.setblocking(False)
+    return listener
+
+
+def _socket_answers(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def _create_arena(config: PoolConfig) -> Arena:
+    """Create the arena file. One left by a daemon that died (its socket no longer
+    answered, checked in `_bind_private_socket`) is replaced."""
+    if os.path.lexists(config.arena_path):
+        log.warning("replacing stale arena %s", config.arena_path)
+        os.unlink(config.arena_path)
+    return Arena.create(config.arena_path, config.size_bytes, config.slab_bytes)

@@ -1,0 +1,489 @@
+"""The pool index: the daemon's single authority over which key lives in which slot.
+
+Pure Python, no I/O: it needs the arena's geometry, never its mapping.
+
+Slots. The arena's slabs are handed on demand to page classes (one per slot size)
+and carved into `slab_bytes // slot_bytes` slots. A slot is free, or holds a page
+that is RESERVED (owned by the connection that reserved it, invisible to lookups,
+LESSONS #5) or COMMITTED (visible). A slab whose slots are all free goes straight
+back to the arena's free-slab list, so any class can take it next.
+
+Leases. `lookup` pins the pages it returns under a lease that lives until its
+connection releases it or disconnects - never a timeout (LESSONS #10, #14).
+
+Eviction. Each class keeps an LRU of its COMMITTED pages with no pins; pinned and
+reserved pages are never in it, so eviction can never take them. A page enters the
+LRU as most recent when it becomes evictable: at commit, and when its last pin goes
+(pins come from leases, and from a reserve that finds the key present, for the
+duration of that reserve). Within one request the keys are touched last to first, so
+a chain's first chunk ends most recent and eviction takes the tails of prefixes
+before their heads (a tail is useless without its head). Every per-key operation is
+O(1) (LESSONS #13).
+
+Full pool. `reserve` takes a slot from, in order: the class's free slots, a free
+slab, the class's least recently used evictable page. When none is left, the
+remaining keys are dropped and counted, never an error and never a wait (LESSONS #11).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from kvshare.kvpool.arena import ArenaGeometry
+from kvshare.kvpool.page import MAX_CHECKSUM_BYTES, slot_bytes_for
+
+# What lookup returns per page: (key, slot offset, payload bytes, checksum).
+PageTuple = tuple[bytes, int, int, bytes]
+
+
+class PoolRequestError(ValueError):
+    """A request that breaks the index's contract (unknown lease, commit of a key this
+    connection did not reserve, ...). Raised before any state changes."""
+
+
+class PageState(enum.Enum):
+    RESERVED = "reserved"
+    COMMITTED = "committed"
+
+
+_RESERVED = PageState.RESERVED
+_COMMITTED = PageState.COMMITTED
+
+
+@dataclass(frozen=True)
+class PageEntry:
+    """A read-only description of one live page, for checkers and tests."""
+
+    key: bytes
+    offset: int
+    slot_bytes: int
+    payload_bytes: int
+    state: PageState
+    pins: int
+    owner: int | None
+
+
+class _PageClass:
+    """All slabs of one slot size, and the LRU of their evictable pages."""
+
+    __slots__ = (
+        "committed",
+        "lru",
+        "pinned",
+        "reserved",
+        "slabs",
+        "slot_bytes",
+        "slots_per_slab",
+        "with_room",
+    )
+
+    def __init__(self, slot_bytes: int, slab_bytes: int) -> None:
+        self.slot_bytes = slot_bytes
+        self.slots_per_slab = slab_bytes // slot_bytes
+        self.slabs: dict[int, _Slab] = {}
+        # Stack of slabs that may have a free slot; stale entries (full or retired
+        # slabs) are dropped when met, so each slab is listed at most once.
+        self.with_room: list[_Slab] = []
+        self.lru: OrderedDict[bytes, _Page] = OrderedDict()
+        self.reserved = 0
+        self.committed = 0
+        self.pinned = 0
+
+
+class _Slab:
+    """One assignment of an arena slab to a class; hands out its slots.
+
+    Slots are carved lazily (`carved` counts slots ever handed out), so taking a slab
+    is O(1) whatever its slot count.
+    """
+
+    __slots__ = (
+        "capacity",
+        "carved",
+        "free",
+        "index",
+        "listed",
+        "live",
+        "offset",
+        "page_class",
+        "retired",
+    )
+
+    def __init__(self, index: int, offset: int, page_class: _PageClass) -> None:
+        self.index = index
+        self.offset = offset
+        self.page_class = page_class
+        self.capacity = page_class.slots_per_slab
+        self.carved = 0
+        self.free: list[int] = []
+        self.live = 0
+        self.listed = False
+        self.retired = False
+
+    def take(self) -> int:
+        if self.free:
+            offset = self.free.pop()
+        else:
+            offset = self.offset + self.carved * self.page_class.slot_bytes
+            self.carved += 1
+        self.live += 1
+        return offset
+
+    def give(self, offset: int) -> None:
+        self.free.append(offset)
+        self.live -= 1
+
+
+class _Page:
+    __slots__ = (
+        "checksum",
+        "key",
+        "offset",
+        "owner",
+        "page_class",
+        "payload_bytes",
+        "pins",
+        "slab",
+        "state",
+    )
+
+    def __init__(
+        self, key: bytes, slab: _Slab, offset: int, payload_bytes: int, owner: int
+    ) -> None:
+        self.key = key
+        self.slab = slab
+        self.page_class = slab.page_class
+        self.offset = offset
+        self.payload_bytes = payload_bytes
+        self.state = _RESERVED
+        self.owner: int | None = owner
+        self.pins = 0
+        self.checksum = b""
+
+
+class _Lease:
+    __slots__ = ("conn", "pages")
+
+    def __init__(self, conn: int, pages: list[_Page]) -> None:
+        self.conn = conn
+        self.pages = pages
+
+
+class PoolIndex:
+    """Key -> page metadata, slot allocation, LRU eviction and leases for one arena.
+
+    Connections are opaque ints chosen by the caller. Not thread-safe: the daemon calls
+    it from one event loop thread only.
+    """
+
+    def __init__(self, geometry: ArenaGeometry) -> None:
+        self.geometry = geometry
+        # Popped from the end: slab 0 is handed out first.
+        self._free_slabs: list[int] = list(range(geometry.slab_count - 1, -1, -1))
+        self._classes: dict[int, _PageClass] = {}
+        self._pages: dict[bytes, _Page] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._conn_leases: dict[int, set[int]] = {}
+        self._conn_reservations: dict[int, dict[bytes, _Page]] = {}
+        self._next_lease = 1
+        self._counters = dict.fromkeys(
+            (
+                "lookups",
+                "hit_keys",
+                "miss_keys",
+                "evictions",
+                "reserved_keys",
+                "dropped_keys",
+                "committed_keys",
+                "aborted_keys",
+                "cleared_keys",
+            ),
+            0,
+        )
+
+    # -- lookups and leases -------------------------------------------------------
+
+    def lookup(self, conn: int, keys: Sequence[bytes]) -> tuple[int, list[PageTuple]]:
+        """Pin the longest run of COMMITTED pages from keys[0] under a new lease.
+
+        Returns (lease, pages); (0, []) when keys[0] is not committed.
+        """
+        pages = self._pages
+        run: list[_Page] = []
+        for key in keys:
+            page = pages.get(key)
+            if page is None or page.state is not _COMMITTED:
+                break
+            run.append(page)
+        counters = self._counters
+        counters["lookups"] += 1
+        counters["hit_keys"] += len(run)
+        counters["miss_keys"] += len(keys) - len(run)
+        if not run:
+            return 0, []
+        for page in run:
+            self._pin(page)
+        lease = self._next_lease
+        self._next_lease += 1
+        self._leases[lease] = _Lease(conn, run)
+        self._conn_leases.setdefault(conn, set()).add(lease)
+        return lease, [(p.key, p.offset, p.payload_bytes, p.checksum) for p in run]
+
+    def release(self, conn: int, lease: int) -> None:
+        """Unpin the pages of `lease`, which `conn` must hold."""
+        held = self._leases.get(lease)
+        if held is None or held.conn != conn:
+            raise PoolRequestError(f"unknown lease {lease}")
+        del self._leases[lease]
+        self._conn_leases[conn].discard(lease)
+        self._unpin_all(held.pages)
+
+    # -- stores ---------------------------------------------------------------------
+
+    def reserve(
+        self, conn: int, keys: Sequence[bytes], payload_bytes: int
+    ) -> tuple[list[tuple[bytes, int]], list[bytes], int]:
+        """Reserve a slot for each key not yet in the pool, in order.
+
+        Duplicate keys count once. Returns (reserved [(key, offset)], present keys,
+        dropped count); len(reserved) + len(present) + dropped == number of distinct keys.
+        """
+        slot_bytes = slot_bytes_for(payload_bytes)
+        if slot_bytes > self.geometry.slab_bytes:
+            raise PoolRequestError(
+                f"a page of {payload_bytes} payload bytes needs a {slot_bytes}-byte slot, "
+                f"larger than a slab ({self.geometry.slab_bytes} bytes)"
+            )
+        present, missing = self._split_present(keys)
+        page_class = self._classes.get(slot_bytes)
+        if page_class is None:
+            page_class = self._classes[slot_bytes] = _PageClass(
+                slot_bytes, self.geometry.slab_bytes
+            )
+        # The present pages are pinned while this reserve evicts, so it never evicts
+        # the prefix it extends; unpinning them afterwards also marks them recent.
+        held = [page for page in present if page.state is _COMMITTED]
+        for page in held:
+            self._pin(page)
+        pending = self._conn_reservations.setdefault(conn, {})
+        reserved: list[tuple[bytes, int]] = []
+        for key in missing:
+            slot = self._allocate(page_class)
+            if slot is None:
+                break
+            slab, offset = slot
+            page = _Page(key, slab, offset, payload_bytes, conn)
+            self._pages[key] = page
+            pending[key] = page
+            page_class.reserved += 1
+            reserved.append((key, offset))
+        self._unpin_all(held)
+        dropped = len(missing) - len(reserved)
+        self._counters["reserved_keys"] += len(reserved)
+        self._counters["dropped_keys"] += dropped
+        return reserved, [page.key for page in present], dropped
+
+    def commit(
+        self,
+        conn: int,
+        keys: Sequence[bytes],
+        checksums: Sequence[bytes],
+        offsets: Sequence[int] | None = None,
+    ) -> None:
+        """Make pages that `conn` reserved visible, all or none.
+
+        With `offsets`, each key's reserved slot must be at that offset: a writer whose
+        reservation was lost and re-made elsewhere cannot commit a slot it did not write.
+        """
+        if len(checksums) != len(keys) or (offsets is not None and len(offsets) != len(keys)):
+            raise PoolRequestError("commit needs one checksum (and offset, if given) per key")
+        pending = self._conn_reservations.get(conn, {})
+        pages: list[_Page] = []
+        seen: set[bytes] = set()
+        for i, key in enumerate(keys):
+            page = pending.get(key)
+            if page is None or key in seen:
+                raise PoolRequestError(f"key {_hex(key)} is not reserved by this connection")
+            if offsets is not None and offsets[i] != page.offset:
+                raise PoolRequestError(
+                    f"key {_hex(key)} is reserved at offset {page.offset}, not {offsets[i]}"
+                )
+            checksum = checksums[i]
+            if not isinstance(checksum, bytes) or len(checksum) > MAX_CHECKSUM_BYTES:
+                raise PoolRequestError(f"checksum must be bytes of at most {MAX_CHECKSUM_BYTES}")
+            seen.add(key)
+            pages.append(page)
+        for page, checksum in zip(reversed(pages), reversed(checksums), strict=True):
+            del pending[page.key]
+            page.state = _COMMITTED
+            page.owner = None
+            page.checksum = checksum
+            page.page_class.reserved -= 1
+            page.page_class.committed += 1
+            page.page_class.lru[page.key] = page
+        self._counters["committed_keys"] += len(pages)
+
+    def abort(self, conn: int, keys: Sequence[bytes]) -> int:
+        """Free the reservations of `conn` among `keys`; others are ignored. Returns the count."""
+        pending = self._conn_reservations.get(conn)
+        if not pending:
+            return 0
+        aborted = 0
+        for key in keys:
+            page = pending.pop(key, None)
+            if page is not None:
+                self._free_reserved(page)
+                aborted += 1
+        self._counters["aborted_keys"] += aborted
+        return aborted
+
+    def disconnect(self, conn: int) -> None:
+        """Drop every lease of `conn` (unpin) and abort every reservation of `conn`."""
+        for lease in sorted(self._conn_leases.pop(conn, ())):
+            self._unpin_all(self._leases.pop(lease).pages)
+        pending = self._conn_reservations.pop(conn, {})
+        for page in pending.values():
+            self._free_reserved(page)
+        self._counters["aborted_keys"] += len(pending)
+
+    def clear(self) -> int:
+        """Free every COMMITTED page with no pins; returns how many were freed."""
+        cleared = 0
+        for page_class in self._classes.values():
+            while page_class.lru:
+                self._free_committed(page_class.lru.popitem(last=False)[1])
+                cleared += 1
+        self._counters["cleared_keys"] += cleared
+        return cleared
+
+    # -- introspection ----------------------------------------------------------------
+
+    def pages(self) -> Iterator[PageEntry]:
+        for page in self._pages.values():
+            yield PageEntry(
+                page.key,
+                page.offset,
+                page.page_class.slot_bytes,
+                page.payload_bytes,
+                page.state,
+                page.pins,
+                page.owner,
+            )
+
+    def stats(self) -> dict:
+        """Counters and occupancy; per class, free + reserved + committed == pages."""
+        classes = []
+        for slot_bytes, page_class in sorted(self._classes.items()):
+            total = len(page_class.slabs) * page_class.slots_per_slab
+            live = page_class.reserved + page_class.committed
+            classes.append(
+                {
+                    "slot_bytes": slot_bytes,
+                    "slots_per_slab": page_class.slots_per_slab,
+                    "slabs": len(page_class.slabs),
+                    "pages": total,
+                    "free": total - live,
+                    "reserved": page_class.reserved,
+                    "committed": page_class.committed,
+                    "pinned": page_class.pinned,
+                }
+            )
+        return {
+            "arena_bytes": self.geometry.size_bytes,
+            "slab_bytes": self.geometry.slab_bytes,
+            "slab_count": self.geometry.slab_count,
+            "free_slabs": len(self._free_slabs),
+            "unused_bytes": self.geometry.unused_bytes,
+            "classes": classes,
+            "pages": sum(c["pages"] for c in classes),
+            "free": sum(c["free"] for c in classes),
+            "reserved": sum(c["reserved"] for c in classes),
+            "committed": sum(c["committed"] for c in classes),
+            "pinned": sum(c["pinned"] for c in classes),
+            "leases": len(self._leases),
+            **self._counters,
+        }
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _split_present(self, keys: Sequence[bytes]) -> tuple[list[_Page], list[bytes]]:
+        """Split distinct keys into pages already in the pool and keys that are not."""
+        seen: set[bytes] = set()
+        present: list[_Page] = []
+        missing: list[bytes] = []
+        for key in keys:
+            if key in seen:
+                continue
+            seen.add(key)
+            page = self._pages.get(key)
+            if page is None:
+                missing.append(key)
+            else:
+                present.append(page)
+        return present, missing
+
+    def _allocate(self, page_class: _PageClass) -> tuple[_Slab, int] | None:
+        """Take a free slot of `page_class`, evicting if needed; None when the class is
+        full of pinned or reserved pages and no slab is free."""
+        while True:
+            stack = page_class.with_room
+            while stack:
+                slab = stack[-1]
+                if not slab.retired and slab.live < slab.capacity:
+                    return slab, slab.take()
+                stack.pop()
+                slab.listed = False
+            if self._free_slabs:
+                index = self._free_slabs.pop()
+                slab = _Slab(index, self.geometry.slab_offset(index), page_class)
+                page_class.slabs[index] = slab
+                slab.listed = True
+                stack.append(slab)
+                continue
+            if not page_class.lru:
+                return None
+            # Frees a slot of this class (or, if it was the slab's last page, a slab).
+            self._free_committed(page_class.lru.popitem(last=False)[1])
+            self._counters["evictions"] += 1
+
+    def _pin(self, page: _Page) -> None:
+        if page.pins == 0:
+            del page.page_class.lru[page.key]
+            page.page_class.pinned += 1
+        page.pins += 1
+
+    def _unpin_all(self, pages: list[_Page]) -> None:
+        # Last to first: the run's first page ends most recently used.
+        for page in reversed(pages):
+            page.pins -= 1
+            if page.pins == 0:
+                page.page_class.lru[page.key] = page
+                page.page_class.pinned -= 1
+
+    def _free_reserved(self, page: _Page) -> None:
+        page.page_class.reserved -= 1
+        self._free_slot(page)
+
+    def _free_committed(self, page: _Page) -> None:
+        """Free a COMMITTED page already removed from its class's LRU."""
+        page.page_class.committed -= 1
+        self._free_slot(page)
+
+    def _free_slot(self, page: _Page) -> None:
+        del self._pages[page.key]
+        slab = page.slab
+        slab.give(page.offset)
+        if slab.live == 0:
+            slab.retired = True
+            del page.page_class.slabs[slab.index]
+            self._free_slabs.append(slab.index)
+        elif not slab.listed:
+            slab.listed = True
+            page.page_class.with_room.append(slab)
+
+
+def _hex(key: bytes) -> str:
+    return key.hex() if isinstance(key, bytes) else repr(key)

@@ -1,0 +1,321 @@
+"""Moving pages between the arena and the engine's paged KV cache, in order.
+
+`CudaTransfer` copies whole pages (MiBs: the PCIe ceiling needs large copies) between
+the registered arena and a GPU staging buffer, and scatters/gathers between the staging
+buffer and the scattered blocks on the GPU. Two staging buffers per direction and two
+streams per direction (copy engine, SMs) let page i+1's copy overlap page i's scatter.
+
+`ThreadTransfer` (CPU) does the same work on a worker thread, straight from/into the
+arena.
+
+Ordering (ARCHITECTURE.md): a store waits for the compute work that produced its blocks
+(an event recorded on the compute stream, or a fence on the CPU); a load is done only
+when its last scatter has completed, and the compute stream waits on it before reading.
+`break_order` removes one of these waits: it exists only so that tests can show that the
+byte checks catch a missing dependency. Never set it in production.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from kvshare.kvpool.layout import PageLayout, checksum_into, word_weights
+
+BreakOrder = Literal["", "store", "load"]
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PageCopy:
+    """One page <-> one chunk's blocks. The first `nbytes` of the payload (at arena byte
+    `offset`) cover the first nbytes / slot_bytes cache slots. A load leaves the blocks
+    before `first_block` untouched (the engine already has them)."""
+
+    offset: int
+    nbytes: int
+    blocks: tuple[int, ...]
+    first_block: int = 0
+
+
+class TransferJob(ABC):
+    def __init__(self, num_pages: int, num_segments: int) -> None:
+        self.num_pages = num_pages
+        self.num_segments = num_segments
+        self.failed = False  # set when a copy raised: nothing it touched may be trusted
+
+    @abstractmethod
+    def done(self) -> bool:
+        """True once every copy of the job has completed (never blocks)."""
+
+    @abstractmethod
+    def wait(self) -> None: ...
+
+    @abstractmethod
+    def _checksum_array(self) -> np.ndarray: ...
+
+    def checksums(self) -> list[list[bytes]]:
+        """Per page, the 16-byte checksum of each segment copied. Valid once done()."""
+        values = self._checksum_array().astype("<i8")
+        return [[values[p, s].tobytes() for s in range(self.num_segments)] for p in range(self.num_pages)]
+
+
+class Transfer(ABC):
+    def __init__(self, kv: torch.Tensor, layout: PageLayout, break_order: BreakOrder = "") -> None:
+        self.kv = kv
+        self.layout = layout
+        self.break_order = break_order
+        self.arena: torch.Tensor | None = None
+
+    def set_arena(self, arena: torch.Tensor) -> None:
+        self.arena = arena
+
+    def page_view(self, data: torch.Tensor, nbytes: int) -> torch.Tensor:
+        """Bytes of a page as [slots, K|V, blocks, block_size, kv_heads, head_dim]."""
+        kv = self.kv
+        slots = nbytes // self.layout.slot_bytes
+        return data[:nbytes].view(kv.dtype).view(slots, 2, self.layout.blocks_per_page, *kv.shape[3:])
+
+    @abstractmethod
+    def load(self, copies: Sequence[PageCopy]) -> TransferJob: ...
+
+    @abstractmethod
+    def store(self, copies: Sequence[PageCopy], ready: threading.Event | None = None) -> TransferJob: ...
+
+    @abstractmethod
+    def consume(self, job: TransferJob) -> None:
+        """Order the compute stream after a finished load."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Wait for every enqueued copy."""
+
+
+def _num_segments(layout: PageLayout, copies: Sequence[PageCopy]) -> int:
+    return max(len(layout.segments(c.nbytes)) for c in copies)
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+class _CudaJob(TransferJob):
+    def __init__(self, num_pages: int, num_segments: int, event: torch.cuda.Event,
+                 host_checksums: torch.Tensor, always_done: bool) -> None:
+        super().__init__(num_pages, num_segments)
+        self.event = event
+        self.host_checksums = host_checksums
+        self.always_done = always_done
+
+    def done(self) -> bool:
+        return self.always_done or self.event.query()
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+    def _checksum_array(self) -> np.ndarray:
+        return self.host_checksums.numpy()
+
+
+class CudaTransfer(Transfer):
+    def __init__(self, kv: torch.Tensor, layout: PageLayout, break_order: BreakOrder = "",
+                 load_delay_cycles: int = 0) -> None:
+        super().__init__(kv, layout, break_order)
+        self.device = kv.device
+        self.load_delay_cycles = load_delay_cycles
+        self.streams = {name: torch.cuda.Stream(self.device) for name in
+                        ("load_copy", "load_scatter", "store_gather", "store_copy")}
+        nbytes = layout.payload_bytes
+        self.staging = {d: [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+                        for d in ("load", "store")}
+        # filled[d][b]: staging buffer b holds data; free[d][b]: its consumer is done with it.
+        self.filled = {d: [torch.cuda.Event() for _ in range(2)] for d in ("load", "store")}
+        self.free = {d: [torch.cuda.Event() for _ in range(2)] for d in ("load", "store")}
+        self.weights = word_weights(layout.payload_bytes // 8, self.device)
+
+    def _indices(self, copies: Sequence[PageCopy], stream: torch.cuda.Stream) -> list[torch.Tensor]:
+        """Block ids of every copy, uploaded in one pinned, asynchronous copy on `stream`."""
+        flat = [b for c in copies for b in c.blocks[c.first_block:]]
+        with torch.cuda.stream(stream):
+            ids = torch.tensor(flat, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+        out, start = [], 0
+        for c in copies:
+            n = len(c.blocks) - c.first_block
+            out.append(ids[start:start + n])
+            start += n
+        return out
+
+    def load(self, copies: Sequence[PageCopy]) -> TransferJob:
+        assert self.arena is not None
+        copy_s, scatter_s = self.streams["load_copy"], self.streams["load_scatter"]
+        indices = self._indices(copies, scatter_s)
+        with torch.cuda.stream(scatter_s):
+            sums = torch.zeros((len(copies), 2, 2), dtype=torch.int64, device=self.device)
+        if self.load_delay_cycles:
+            with torch.cuda.stream(copy_s):
+                torch.cuda._sleep(self.load_delay_cycles)
+        for i, (c, idx) in enumerate(zip(copies, indices)):
+            b = i % 2
+            buf = self.staging["load"][b]
+            copy_s.wait_event(self.free["load"][b])
+            with torch.cuda.stream(copy_s):
+                buf[:c.nbytes].copy_(self.arena[c.offset:c.offset + c.nbytes], non_blocking=True)
+                self.filled["load"][b].record(copy_s)
+            scatter_s.wait_event(self.filled["load"][b])
+            with torch.cuda.stream(scatter_s):
+                for s, (lo, hi) in enumerate(self.layout.segments(c.nbytes)):
+                    checksum_into(buf[lo:hi], self.weights, sums[i, s])
+                view = self.page_view(buf, c.nbytes)
+                self.kv[:view.shape[0]].index_copy_(2, idx, view[:, :, c.first_block:])
+                self.free["load"][b].record(scatter_s)
+        return self._finish(copies, sums, scatter_s, always_done=self.break_order == "load")
+
+    def store(self, copies: Sequence[PageCopy], ready: threading.Event | None = None) -> TransferJob:
+        assert self.arena is not None
+        gather_s, copy_s = self.streams["store_gather"], self.streams["store_copy"]
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(self.device))
+        if self.break_order != "store":
+            gather_s.wait_event(produced)
+        indices = self._indices(copies, gather_s)
+        with torch.cuda.stream(gather_s):
+            sums = torch.zeros((len(copies), 2, 2), dtype=torch.int64, device=self.device)
+        for i, (c, idx) in enumerate(zip(copies, indices)):
+            b = i % 2
+            buf = self.staging["store"][b]
+            gather_s.wait_event(self.free["store"][b])
+            with torch.cuda.stream(gather_s):
+                torch.index_select(self.kv, 2, idx, out=self.page_view(buf, c.nbytes))
+                for s, (lo, hi) in enumerate(self.layout.segments(c.nbytes)):
+                    checksum_into(buf[lo:hi], self.weights, sums[i, s])
+                self.filled["store"][b].record(gather_s)
+            copy_s.wait_event(self.filled["store"][b])
+            with torch.cuda.stream(copy_s):
+                self.arena[c.offset:c.offset + c.nbytes].copy_(buf[:c.nbytes], non_blocking=True)
+                self.free["store"][b].record(copy_s)
+        copy_s.wait_stream(gather_s)
+        return self._finish(copies, sums, copy_s, always_done=False)
+
+    def _finish(self, copies: Sequence[PageCopy], sums: torch.Tensor, stream: torch.cuda.Stream,
+                always_done: bool) -> TransferJob:
+        host = torch.empty(sums.shape, dtype=torch.int64, pin_memory=True)
+        event = torch.cuda.Event()
+        with torch.cuda.stream(stream):
+            host.copy_(sums, non_blocking=True)
+            event.record(stream)
+        return _CudaJob(len(copies), _num_segments(self.layout, copies), event, host, always_done)
+
+    def consume(self, job: TransferJob) -> None:
+        if self.break_order != "load":
+            assert isinstance(job, _CudaJob)
+            torch.cuda.current_stream(self.device).wait_event(job.event)
+
+    def synchronize(self) -> None:
+        for stream in self.streams.values():
+            stream.synchronize()
+
+
+# --------------------------------------------------------------------------- CPU
+
+
+class _ThreadJob(TransferJob):
+    def __init__(self, num_pages: int, num_segments: int, always_done: bool) -> None:
+        super().__init__(num_pages, num_segments)
+        self.finished = threading.Event()
+        self.sums = np.zeros((num_pages, 2, 2), dtype=np.int64)
+        self.always_done = always_done
+
+    def done(self) -> bool:
+        return self.always_done or self.finished.is_set()
+
+    def wait(self) -> None:
+        self.finished.wait()
+
+    def _checksum_array(self) -> np.ndarray:
+        return self.sums
+
+
+class ThreadTransfer(Transfer):
+    """CPU: one worker thread runs jobs in order, reading/writing the arena directly."""
+
+    def __init__(self, kv: torch.Tensor, layout: PageLayout, break_order: BreakOrder = "",
+                 load_delay_seconds: float = 0.0) -> None:
+        super().__init__(kv, layout, break_order)
+        self.load_delay_seconds = load_delay_seconds
+        self.weights = word_weights(layout.payload_bytes // 8, kv.device)
+        self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.worker = threading.Thread(target=self._run, name="kvshare-transfer", daemon=True)
+        self.worker.start()
+
+    def _run(self) -> None:
+        while True:
+            self.jobs.get()()
+
+    def _page(self, c: PageCopy) -> torch.Tensor:
+        assert self.arena is not None
+        return self.arena[c.offset:c.offset + c.nbytes]
+
+    def _checksums(self, job: _ThreadJob, i: int, data: torch.Tensor) -> None:
+        out = torch.zeros(2, dtype=torch.int64)
+        for s, (lo, hi) in enumerate(self.layout.segments(data.numel())):
+            checksum_into(data[lo:hi], self.weights, out)
+            job.sums[i, s] = out.numpy()
+
+    def load(self, copies: Sequence[PageCopy]) -> TransferJob:
+        job = _ThreadJob(len(copies), _num_segments(self.layout, copies), self.break_order == "load")
+
+        def run() -> None:
+            try:
+                if self.load_delay_seconds:
+                    time.sleep(self.load_delay_seconds)
+                for i, c in enumerate(copies):
+                    data = self._page(c)
+                    self._checksums(job, i, data)
+                    view = self.page_view(data, c.nbytes)
+                    idx = torch.tensor(c.blocks[c.first_block:], dtype=torch.int64)
+                    self.kv[:view.shape[0]].index_copy_(2, idx, view[:, :, c.first_block:])
+            except Exception:
+                _log.exception("pool copy failed")
+                job.failed = True
+            finally:
+                job.finished.set()
+
+        self.jobs.put(run)
+        return job
+
+    def store(self, copies: Sequence[PageCopy], ready: threading.Event | None = None) -> TransferJob:
+        job = _ThreadJob(len(copies), _num_segments(self.layout, copies), False)
+
+        def run() -> None:
+            try:
+                if ready is not None and self.break_order != "store":
+                    ready.wait()
+                for i, c in enumerate(copies):
+                    data = self._page(c)
+                    torch.index_select(self.kv, 2, torch.tensor(c.blocks, dtype=torch.int64),
+                                       out=self.page_view(data, c.nbytes))
+                    self._checksums(job, i, data)
+            except Exception:
+                _log.exception("pool copy failed")
+                job.failed = True
+            finally:
+                job.finished.set()
+
+        self.jobs.put(run)
+        return job
+
+    def consume(self, job: TransferJob) -> None:
+        """Nothing to order on the CPU: the engine thread only runs after done() was seen."""
+
+    def synchronize(self) -> None:
+        barrier = threading.Event()
+        self.jobs.put(barrier.set)
+        barrier.wait()

@@ -1,0 +1,230 @@
+"""The byte test: store and load through the real pool across two processes, compare every byte.
+
+A storing process and a loading process (both `python -m kvshare.validate.bytes_check`)
+take trials from the parent over stdin. Per trial:
+- store side: poison the chunk's blocks, then write a deterministic pattern into them
+  on the compute stream *after an imposed delay* (`torch.cuda._sleep`; on the CPU a
+  producer thread that sleeps), and store the chunks through the connector;
+- load side: poison fresh blocks, restore the prefix through the connector with the
+  load stream delayed the same way, then read the blocks on the compute stream and
+  compare them with the pattern, byte for byte, on every cache slot the restore covers
+  (sliding-window slots only inside the window, as the engine restores them).
+
+With the right ordering no byte differs. With `break_order` (test-only) one stream
+dependency is removed, and the delay makes the stale/poisoned bytes show.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from kvshare.kvpool.connector import ConnectorOptions
+from kvshare.models.loader import parse_dtype
+from kvshare.validate.harness import ConnectorHarness
+
+_POISON_STORE = 3.0  # what a stored block holds before the producer writes it
+_POISON_LOAD = -5.0  # what a restore target holds before the load writes it
+
+
+@dataclass(frozen=True)
+class BytesCheckConfig:
+    pool: str
+    shape: str = "tiny-gemma3"
+    device: str = "cpu"
+    dtype: str = "auto"
+    chunk_tokens: int = 256
+    block_size: int = 16
+    num_chunks: int = 6
+    trials: int = 20
+    delay: float = 0.05
+    break_order: str = ""
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self) -> None:
+        if self.num_chunks < 1 or self.trials < 1:
+            raise ValueError("num_chunks and trials must be >= 1")
+        if self.chunk_tokens % self.block_size:
+            raise ValueError("chunk_tokens must be a multiple of block_size")
+        if self.break_order not in ("", "store", "load"):
+            raise ValueError(f"unknown break_order {self.break_order!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        return parse_dtype(self.dtype)
+
+
+@dataclass
+class TrialResult:
+    trial: int
+    hit_tokens: int
+    compared_bytes: int
+    mismatched_bytes: int
+    load_ok: bool
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return self.load_ok and self.mismatched_bytes == 0 and self.compared_bytes > 0
+
+
+def _harness(config: BytesCheckConfig, role: str) -> ConnectorHarness:
+    num_blocks = config.num_chunks * config.chunk_tokens // config.block_size + 1
+    options = ConnectorOptions(
+        chunk_tokens=config.chunk_tokens,
+        break_order=config.break_order if config.break_order == role else "",  # type: ignore[arg-type]
+        load_delay=config.delay if role == "load" else 0.0,
+    )
+    return ConnectorHarness(config.pool, config.shape, config.device, config.torch_dtype, num_blocks,
+                            config.run_id, options, config.block_size)
+
+
+def _sleep_current_stream(side: ConnectorHarness, seconds: float) -> None:
+    if side.device.type == "cuda":
+        torch.cuda._sleep(int(seconds * 1.5e9))
+
+
+def run_store(config: BytesCheckConfig, trial: int, side: ConnectorHarness) -> dict:
+    blocks = side.cache.blocks.allocate(side.cache.blocks.blocks_needed(config.num_chunks * config.chunk_tokens))
+    idx = torch.tensor(blocks, device=side.device)
+    side.kv[:, :, idx] = _POISON_STORE
+    if side.device.type == "cuda":
+        torch.cuda.synchronize()
+    pattern = side.pattern(trial, len(blocks))
+    ready = None
+    if side.device.type == "cuda":
+        _sleep_current_stream(side, config.delay)
+        side.kv.index_copy_(2, idx, pattern)
+    else:
+        ready = threading.Event()
+
+        def produce() -> None:
+            time.sleep(config.delay)
+            side.kv.index_copy_(2, idx, pattern)
+            ready.set()
+
+        threading.Thread(target=produce, daemon=True).start()
+    tokens = side.tokens(trial, config.num_chunks)
+    request = f"store-{trial}"
+    side.connector.store(request, tokens, blocks, len(tokens) - 1, ready=ready)
+    side.connector.wait_idle()
+    side.connector.forget(request)
+    side.cache.blocks.release(blocks)
+    return {"trial": trial, "stored": side.connector.counters["stored_pages"]}
+
+
+def run_load(config: BytesCheckConfig, trial: int, side: ConnectorHarness) -> TrialResult:
+    start = time.monotonic()
+    hit, ok, blocks = side.restore(trial, config.num_chunks, _POISON_LOAD)
+    got = side.kv[:, :, torch.tensor(blocks, device=side.device)].clone()  # the consumer
+    compared, mismatched = _compare(side, got, side.pattern(trial, len(blocks)), hit)
+    side.cache.blocks.release(blocks)
+    return TrialResult(trial, hit, compared, mismatched, ok, time.monotonic() - start)
+
+
+def _compare(side: ConnectorHarness, got: torch.Tensor, expected: torch.Tensor, hit: int) -> tuple[int, int]:
+    """Bytes compared and bytes differing, over the slots the restore must have written."""
+    model = side.model
+    if hit == 0:
+        return 0, 0
+    item = got.element_size()
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[item]
+    window = model.sliding_window
+    full_from_token = 0 if window is None else max(0, hit - window + 1)
+    full_from_block = (full_from_token // side.chunk_tokens) * side.chunk_tokens // side.block_size
+    num_global = side.cache.layout.num_global_slots
+    hit_blocks = hit // side.block_size
+    diff = got.view(as_int)[:, :, :hit_blocks] != expected.view(as_int)[:, :, :hit_blocks]
+    # Sliding slots of chunks restored global-only are not restored: exclude them.
+    counted = torch.ones_like(diff)
+    counted[num_global:, :, :full_from_block] = False
+    compared = int(counted.sum()) * item
+    mismatched = int((diff & counted).sum()) * item
+    return compared, mismatched
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _worker(role: str, config: BytesCheckConfig) -> None:
+    """Serve trials from stdin, one JSON line out per trial."""
+    side = _harness(config, role)
+    if role == "store":
+        # One untimed store first: lazy CUDA initialization (allocations, pinned buffers)
+        # synchronizes the device and would hide a missing wait in the first trial.
+        run_store(config, -1, side)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        trial = int(line)
+        if role == "store":
+            print(json.dumps(run_store(config, trial, side)), flush=True)
+        else:
+            print(json.dumps(asdict(run_load(config, trial, side))), flush=True)
+
+
+def _spawn(role: str, config: BytesCheckConfig) -> subprocess.Popen[str]:
+    args = [sys.executable, "-m", "kvshare.validate.bytes_check", "--role", role,
+            "--config", json.dumps(asdict(config))]
+    proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    _read_json(proc)
+    return proc
+
+
+def _read_json(proc: subprocess.Popen[str]) -> dict:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"bytes-check worker exited with status {proc.wait()}")
+    return json.loads(line)
+
+
+def run_bytes_check(config: BytesCheckConfig, progress: object = None) -> list[TrialResult]:
+    """Run config.trials store/load trials across two fresh processes."""
+    store, load = _spawn("store", config), _spawn("load", config)
+    results = []
+    try:
+        for trial in range(config.trials):
+            for proc in (store, load):
+                assert proc.stdin is not None
+                proc.stdin.write(f"{trial}\n")
+                proc.stdin.flush()
+                reply = _read_json(proc)
+            results.append(TrialResult(**reply))
+            if callable(progress):
+                progress(results[-1])
+    finally:
+        for proc in (store, load):
+            if proc.stdin is not None:
+                proc.stdin.close()
+            proc.wait(timeout=60)
+    return results
+
+
+def summarize(results: list[TrialResult]) -> dict:
+    return {
+        "trials": len(results),
+        "failed_trials": sum(not r.passed for r in results),
+        "compared_bytes": sum(r.compared_bytes for r in results),
+        "mismatched_bytes": sum(r.mismatched_bytes for r in results),
+        "restored_tokens": sum(r.hit_tokens for r in results),
+        "median_seconds": float(np.median([r.seconds for r in results])) if results else 0.0,
+    }
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--role", choices=("store", "load"), required=True)
+    parser.add_argument("--config", required=True)
+    cli = parser.parse_args()
+    _worker(cli.role, BytesCheckConfig(**json.loads(cli.config)))

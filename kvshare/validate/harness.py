@@ -1,0 +1,93 @@
+"""A connector over a private paged KV cache with a model's layout, and no model.
+
+The validation checks drive the real pool connector and daemon with deterministic KV
+patterns instead of a model's activations, so every byte has a known expected value.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvshare.engine.block_manager import BlockManager
+from kvshare.engine.connector import KVCacheLayout, PagedKVCache
+from kvshare.kvpool.client import PoolClient
+from kvshare.kvpool.connector import ConnectorOptions, PoolConnector
+from kvshare.kvpool.keys import Namespace, chunk_keys
+from kvshare.kvpool.layout import LAYOUT_VERSION
+from kvshare.models.presets import shape_preset
+from kvshare.models.random_weights import fill_uniform_
+
+
+class ConnectorHarness:
+    def __init__(self, pool: str, shape: str, device: str, dtype: torch.dtype, num_blocks: int,
+                 run_id: str, options: ConnectorOptions, block_size: int = 16) -> None:
+        self.model = shape_preset(shape)
+        self.device = torch.device(device)
+        self.chunk_tokens = options.chunk_tokens
+        layout = KVCacheLayout.allocate(self.model, num_blocks, block_size, dtype, self.device)
+        self.cache = PagedKVCache(layout, BlockManager(num_blocks, block_size, self.model.sliding_window))
+        namespace = Namespace(
+            architecture=self.model.architecture, config_digest=self.model.digest(),
+            weights_digest=f"validate:{run_id}", kv_dtype=str(dtype),
+            layout_version=LAYOUT_VERSION, chunk_tokens=options.chunk_tokens,
+        )
+        self.connector = PoolConnector(PoolClient(pool), namespace, options)
+        self.connector.bind(self.cache)
+        if self.connector.registration is not None:
+            self.connector.registration.wait()
+
+    @property
+    def kv(self) -> torch.Tensor:
+        return self.cache.layout.kv
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.layout.block_size
+
+    def tokens(self, trial: int, num_chunks: int) -> list[int]:
+        """A prompt of num_chunks full chunks (+1 token), unique per trial."""
+        n = num_chunks * self.chunk_tokens + 1
+        return [(trial * 7919 + i * 31) % 30000 + 1 for i in range(n)]
+
+    def pattern(self, trial: int, blocks: int) -> torch.Tensor:
+        """The expected KV of `blocks` blocks of trial `trial` (every slot, K and V)."""
+        shape = (self.kv.shape[0], 2, blocks, *self.kv.shape[3:])
+        out = torch.empty(shape, dtype=self.kv.dtype, device=self.device)
+        fill_uniform_(out, key=trial * 1_000_003 + 17, low=-4.0, high=4.0)
+        return out
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def store_pattern(self, trial: int, num_chunks: int) -> list[bytes]:
+        """Store trial's pattern as a prefix of num_chunks chunks; returns the chunk keys."""
+        blocks = self.cache.blocks.allocate(self.cache.blocks.blocks_needed(num_chunks * self.chunk_tokens))
+        self.kv.index_copy_(2, torch.tensor(blocks, device=self.device), self.pattern(trial, len(blocks)))
+        tokens = self.tokens(trial, num_chunks)
+        request = f"store-{trial}"
+        self.connector.store(request, tokens, blocks, len(tokens) - 1)
+        self.connector.wait_idle()
+        self.connector.forget(request)
+        self.cache.blocks.release(blocks)
+        return chunk_keys(self.connector.namespace, tokens)
+
+    def restore(self, trial: int, num_chunks: int, poison: float) -> tuple[int, bool, list[int]]:
+        """Restore trial's prefix into fresh, poisoned blocks: (hit tokens, ok, blocks).
+
+        The caller releases the blocks (cache.blocks.release) after reading them.
+        """
+        tokens = self.tokens(trial, num_chunks)
+        blocks = self.cache.blocks.allocate(self.cache.blocks.blocks_needed(num_chunks * self.chunk_tokens))
+        self.kv[:, :, torch.tensor(blocks, device=self.device)] = poison
+        self.sync()
+        request = f"load-{trial}"
+        hit = self.connector.match(request, tokens, 0).num_tokens
+        ok = False
+        if hit:
+            self.connector.load(request, blocks)
+            while (done := self.connector.poll().get(request)) is None:
+                pass
+            ok = done
+        self.connector.forget(request)
+        return hit, ok, blocks

@@ -1,0 +1,72 @@
+"""The byte test across two processes catches a missing ordering dependency every trial.
+
+CPU: the producer is a delayed thread (store) and the load worker is delayed (load).
+The CUDA variant (GPU machine) imposes torch.cuda._sleep on the producing stream.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvshare.kvpool.client import PoolClient
+from kvshare.kvpool.launch import PoolProcess, PoolProcessConfig
+from kvshare.validate.bytes_check import BytesCheckConfig, run_bytes_check, summarize
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolProcess]:
+    folder = tmp_path_factory.mktemp("pool")
+    config = PoolProcessConfig(
+        size_bytes=2 << 30, slab_bytes=256 << 20, socket_path=str(folder / "pool.sock"),
+        arena_path=f"/dev/shm/kvshare-test-{uuid.uuid4().hex}.arena",
+    )
+    with PoolProcess(config) as process:
+        yield process
+    assert not Path(config.arena_path).exists()
+
+
+def _check(pool: PoolProcess, device: str, trials: int, **overrides: object) -> dict:
+    client = PoolClient(pool.address)
+    client.clear()  # each check starts with every slab free for its page size
+    client.close()
+    config = BytesCheckConfig(pool=pool.address, device=device, trials=trials, **overrides)  # type: ignore[arg-type]
+    return summarize(run_bytes_check(config))
+
+
+@pytest.mark.parametrize("shape, num_chunks", [("tiny-gemma3", 6), ("tiny-llama", 3)])
+def test_cpu_bytes_exact_with_delayed_producers(pool: PoolProcess, shape: str, num_chunks: int) -> None:
+    summary = _check(pool, "cpu", 4, shape=shape, num_chunks=num_chunks, delay=0.05)
+    assert summary["failed_trials"] == 0, summary
+    assert summary["mismatched_bytes"] == 0
+    assert summary["compared_bytes"] > 0
+
+
+@pytest.mark.parametrize("broken", ["store", "load"])
+def test_cpu_broken_ordering_is_caught_every_trial(pool: PoolProcess, broken: str) -> None:
+    summary = _check(pool, "cpu", 3, delay=0.2, break_order=broken)
+    assert summary["failed_trials"] == summary["trials"] == 3, summary
+
+
+CUDA_TRIALS = int(os.environ.get("KVSHARE_GPU_BYTE_TRIALS", "20"))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", ["gemma3-27b", "qwen3-8b"])
+def test_cuda_bytes_exact_with_sleep_on_producing_stream(pool: PoolProcess, shape: str) -> None:
+    summary = _check(pool, "cuda", CUDA_TRIALS, shape=shape, num_chunks=2, delay=0.05)
+    assert summary["failed_trials"] == 0, summary
+    assert summary["mismatched_bytes"] == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("broken", ["store", "load"])
+def test_cuda_broken_stream_wait_is_caught_every_trial(pool: PoolProcess, broken: str) -> None:
+    summary = _check(pool, "cuda", CUDA_TRIALS, shape="qwen3-8b", num_chunks=2, delay=0.05,
+                     break_order=broken)
+    assert summary["failed_trials"] == summary["trials"] == CUDA_TRIALS, summary
+

@@ -1,0 +1,172 @@
+"""`kvshare pool` / `kvshare pool-stats`, and the per-user default paths."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from kvshare.kvpool.cli import READY_PREFIX, main, register, run_pool
+from kvshare.kvpool.client import PoolClient
+from kvshare.kvpool.paths import default_pool_paths, ensure_private_dir
+from tests.kvpool.pool_fixture import MIB, PoolFactory, child_env
+
+
+@pytest.fixture
+def pools() -> Iterator[PoolFactory]:
+    factory = PoolFactory()
+    yield factory
+    factory.close()
+
+
+def test_register_adds_both_subcommands() -> None:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["pool", "--size", "4GiB"])
+    assert args.func is run_pool and args.slab_size == "1GiB" and args.socket is None
+    args = parser.parse_args(["pool-stats", "--json"])
+    assert args.json is True
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--size", "lots"], "not a size"),
+        (["--size", "4XiB"], "unknown size unit"),
+        (["--size", "1MiB", "--slab-size", "2MiB"], "smaller than one slab"),
+        (["--size", "4MiB", "--slab-size", "1000"], "multiple of 4096"),
+    ],
+)
+def test_bad_sizes_exit_2_with_a_clear_message(
+    pools: PoolFactory, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    socket_path = os.path.join(pools.folder, "never.sock")
+    assert main(["pool", "--socket", socket_path, "--arena", socket_path + ".arena", *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not os.path.exists(socket_path)
+
+
+def test_a_second_daemon_on_the_same_socket_refuses(
+    pools: PoolFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pool = pools.start()
+    other_arena = os.path.join(pools.folder, "other.arena")
+    argv = [
+        "pool",
+        "--size",
+        "4MiB",
+        "--slab-size",
+        "1MiB",
+        "--socket",
+        pool.config.socket_path,
+        "--arena",
+        other_arena,
+    ]
+    assert main(argv) == 1
+    assert "already serving" in capsys.readouterr().err
+    assert not os.path.exists(other_arena)
+    assert os.path.exists(pool.config.arena_path)
+    client = PoolClient(pool.address)
+    assert client.stats()["arena_path"] == pool.config.arena_path
+    client.close()
+
+
+def test_pool_stats_prints_json_and_tables(
+    pools: PoolFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pool = pools.start(pools.config(size_bytes=3 * MIB, slab_bytes=MIB))
+    client = PoolClient(pool.address)
+    stored = [bytes([n]) * 16 for n in range(5)]
+    client.reserve(stored, 4096)
+    client.commit(stored, [b""] * 5)
+    client.close()
+
+    assert main(["pool-stats", "--socket", pool.config.socket_path, "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert (stats["arena_bytes"], stats["slab_count"], stats["committed"]) == (3 * MIB, 3, 5)
+    assert stats["classes"][0]["committed"] == 5
+
+    assert main(["pool-stats", "--socket", pool.config.socket_path]) == 0
+    tables = capsys.readouterr().out
+    assert "page classes" in tables and "committed" in tables and "3.00 MiB" not in tables
+    assert "3 MiB" in tables
+
+
+def test_pool_stats_without_a_daemon_exits_1(
+    pools: PoolFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["pool-stats", "--socket", os.path.join(pools.folder, "none.sock")]) == 1
+    assert "pool-stats" in capsys.readouterr().err
+
+
+def test_default_socket_lives_in_a_private_runtime_folder(pools: PoolFactory) -> None:
+    runtime = os.path.join(pools.folder, "xdg")
+    os.makedirs(runtime, mode=0o755)
+    arena = os.path.join(pools.folder, "pool.arena")
+    env = dict(child_env(), XDG_RUNTIME_DIR=runtime)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvshare.kvpool.cli",
+            "pool",
+            "--size",
+            "2MiB",
+            "--slab-size",
+            "1MiB",
+            "--arena",
+            arena,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert process.stdout is not None
+        ready = process.stdout.readline()
+        socket_path = os.path.join(runtime, "kvshare", "pool.sock")
+        assert ready.startswith(READY_PREFIX) and f"socket={socket_path}" in ready
+        assert "size=2 MiB" in ready
+        assert stat.S_IMODE(os.stat(os.path.dirname(socket_path)).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(socket_path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(arena).st_mode) == 0o600
+    finally:
+        process.terminate()
+        assert process.wait(10) == 0
+        process.stdout.close()
+    assert not os.path.exists(socket_path) and not os.path.exists(arena)
+
+
+def test_default_pool_paths() -> None:
+    uid = os.getuid()
+    with_xdg = default_pool_paths({"XDG_RUNTIME_DIR": "/run/user/1234"})
+    assert with_xdg.runtime_dir == "/run/user/1234/kvshare"
+    assert with_xdg.socket_path == "/run/user/1234/kvshare/pool.sock"
+    without = default_pool_paths({})
+    assert without.runtime_dir == f"/tmp/kvshare-{uid}"
+    assert without.socket_path == f"/tmp/kvshare-{uid}/pool.sock"
+    expected_dir = "/dev/shm" if os.path.isdir("/dev/shm") else without.runtime_dir
+    assert without.arena_path == os.path.join(expected_dir, f"kvshare-{uid}-pool.arena")
+
+
+def test_ensure_private_dir_creates_tightens_and_refuses(pools: PoolFactory) -> None:
+    fresh = os.path.join(pools.folder, "a", "b")
+    ensure_private_dir(fresh)
+    assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o700
+    os.chmod(fresh, 0o777)
+    ensure_private_dir(fresh)
+    assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o700
+    not_a_dir = os.path.join(pools.folder, "file")
+    open(not_a_dir, "w").close()
+    with pytest.raises((ValueError, FileExistsError)):
+        ensure_private_dir(not_a_dir)
+    link = os.path.join(pools.folder, "link")
+    os.symlink(fresh, link)
+    with pytest.raises(ValueError):
+        ensure_private_dir(link)

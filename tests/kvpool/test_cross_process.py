@@ -1,0 +1,109 @@
+"""Cross-process restore: process A stores a prompt; a fresh process B restores it.
+
+B's pool hits must cover every full chunk (never the last token), and its greedy output
+must be token-identical to B without a pool. Parametrized over chunk sizes equal to and
+larger than the block size, prompts aligned to neither (LESSONS #3), a sliding-window
+model with prompts longer than its window, and concurrent requests sharing the restored
+prefix (LESSONS #2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvshare.kvpool.launch import PoolProcess, PoolProcessConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolProcess]:
+    folder = tmp_path_factory.mktemp("pool")
+    config = PoolProcessConfig(
+        size_bytes=1 << 30, slab_bytes=128 << 20, socket_path=str(folder / "pool.sock"),
+        arena_path=f"/dev/shm/kvshare-test-{uuid.uuid4().hex}.arena",
+    )
+    with PoolProcess(config) as process:
+        yield process
+
+
+def run_engine(tmp_path: Path, model: str, prompts: list[list[int]], pool: str | None,
+               chunk_tokens: int = 256, hash_seed: str = "0") -> dict:
+    prompt_file = tmp_path / f"prompts-{uuid.uuid4().hex}.json"
+    prompt_file.write_text(json.dumps(prompts))
+    args = [sys.executable, "-m", "tests.kvpool.engine_worker", "--model", model,
+            "--prompts", str(prompt_file), "--chunk-tokens", str(chunk_tokens)]
+    if pool:
+        args += ["--pool", pool]
+    env = {**os.environ, "PYTHONHASHSEED": hash_seed, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def random_tokens(seed: int, n: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    "model, vocab, chunk, context",
+    [
+        ("shape:tiny-llama", 512, 256, 1000),
+        ("shape:tiny-llama", 512, 16, 203),
+        ("shape:tiny-gemma3", 512, 256, 700),  # window 64: earlier chunks restore global layers only
+        ("shape:tiny-gemma3", 512, 32, 301),
+    ],
+)
+def test_fresh_process_restores_every_full_chunk(pool: PoolProcess, tmp_path: Path, model: str,
+                                                 vocab: int, chunk: int, context: int) -> None:
+    prefix = random_tokens(context, context, vocab)
+    follow_up = prefix + random_tokens(context + 1, 37, vocab)
+    # Different hash seeds: keys must not depend on Python's hash() (LESSONS #4).
+    run_engine(tmp_path, model, [prefix], pool.address, chunk, hash_seed="1")
+    with_pool = run_engine(tmp_path, model, [follow_up], pool.address, chunk, hash_seed="2")
+    without = run_engine(tmp_path, model, [follow_up], None, chunk)
+    out = with_pool["outputs"][0]
+    assert out["pool_hit"] == (context // chunk) * chunk
+    assert out["gpu_hit"] == 0
+    assert out["computed"] == len(follow_up) - out["pool_hit"]
+    assert out["token_ids"] == without["outputs"][0]["token_ids"]
+    assert with_pool["stats"].get("checksum_failures", 0) == 0
+
+
+def test_smollm2_2k_prompt_restored_in_fresh_process(pool: PoolProcess, tmp_path: Path) -> None:
+    from kvshare.models.gguf_file import read_gguf_tokenizer
+    from kvshare.models.packaged import packaged_model_path
+
+    tok = read_gguf_tokenizer(packaged_model_path("smollm2-135m"))
+    story = " ".join(f"Chapter {i}: the harbor town kept its lamps lit through the winter storms."
+                     for i in range(150))
+    context = tok.encode_chat([{"role": "user", "content": story}], add_generation_prompt=False)[:2048]
+    question = tok.encode_chat([{"role": "user", "content": "Summarize the story in one line."}])
+    run_engine(tmp_path, "smollm2-135m", [context], pool.address)
+    follow_up = context + question
+    with_pool = run_engine(tmp_path, "smollm2-135m", [follow_up], pool.address)
+    without = run_engine(tmp_path, "smollm2-135m", [follow_up], None)
+    assert with_pool["outputs"][0]["pool_hit"] == 2048
+    assert with_pool["outputs"][0]["token_ids"] == without["outputs"][0]["token_ids"]
+
+
+def test_concurrent_requests_sharing_a_restored_prefix(pool: PoolProcess, tmp_path: Path) -> None:
+    prefix = random_tokens(11, 600, 512)
+    prompts = [prefix + random_tokens(12 + i, 20 + 7 * i, 512) for i in range(3)]
+    run_engine(tmp_path, "shape:tiny-gemma3", [prefix], pool.address)
+    with_pool = run_engine(tmp_path, "shape:tiny-gemma3", prompts, pool.address)
+    without = run_engine(tmp_path, "shape:tiny-gemma3", prompts, None)
+    hits = [o["pool_hit"] + o["gpu_hit"] for o in with_pool["outputs"]]
+    assert all(h == 512 for h in hits), hits
+    for a, b in zip(with_pool["outputs"], without["outputs"]):
+        assert a["token_ids"] == b["token_ids"]

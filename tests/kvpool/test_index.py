@@ -1,0 +1,276 @@
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvshare.kvpool.arena import ArenaGeometry
+from kvshare.kvpool.index import PageState, PoolIndex, PoolRequestError
+from kvshare.kvpool.page import slot_bytes_for
+
+PAYLOAD = 4096
+SLOT = slot_bytes_for(PAYLOAD)  # 8 KiB
+SLAB = 4 * SLOT
+A, B = 1, 2  # connections
+
+
+def keys(*numbers: int) -> list[bytes]:
+    return [n.to_bytes(16, "big") for n in numbers]
+
+
+def make_index(slabs: int = 2, extra_bytes: int = 0) -> PoolIndex:
+    return PoolIndex(ArenaGeometry(slabs * SLAB + extra_bytes, SLAB))
+
+
+def store(index: PoolIndex, stored: list[bytes], conn: int = A) -> list[int]:
+    reserved, _, dropped = index.reserve(conn, stored, PAYLOAD)
+    assert dropped == 0 and [key for key, _ in reserved] == stored
+    index.commit(conn, stored, [b"sum:" + key[-2:] for key in stored])
+    return [offset for _, offset in reserved]
+
+
+def live_keys(index: PoolIndex) -> set[bytes]:
+    return {entry.key for entry in index.pages()}
+
+
+def test_lookup_returns_the_longest_committed_run_from_the_first_key() -> None:
+    index = make_index()
+    offsets = store(index, keys(1, 2, 3))
+    lease, pages = index.lookup(B, keys(1, 2, 3, 4))
+    assert lease > 0
+    assert pages == [
+        (k, o, PAYLOAD, b"sum:" + k[-2:]) for k, o in zip(keys(1, 2, 3), offsets, strict=True)
+    ]
+    assert index.lookup(B, keys(9, 1, 2)) == (0, [])
+    _, pages = index.lookup(B, keys(1, 9, 2))
+    assert [page[0] for page in pages] == keys(1)
+    stats = index.stats()
+    assert (stats["lookups"], stats["hit_keys"], stats["miss_keys"]) == (3, 4, 6)
+
+
+def test_reserved_pages_are_invisible_until_commit() -> None:
+    """LESSONS #5: a page being written must never be returned by a lookup."""
+    index = make_index()
+    store(index, keys(1))
+    index.reserve(A, keys(2, 3), PAYLOAD)
+    _, pages = index.lookup(B, keys(1, 2, 3))
+    assert [page[0] for page in pages] == keys(1)
+    assert index.lookup(B, keys(2)) == (0, [])
+    index.commit(A, keys(2, 3), [b"", b""])
+    _, pages = index.lookup(B, keys(1, 2, 3))
+    assert [page[0] for page in pages] == keys(1, 2, 3)
+
+
+def test_reserve_skips_present_keys_and_counts_duplicates_once() -> None:
+    index = make_index()
+    store(index, keys(1))
+    index.reserve(B, keys(2), PAYLOAD)
+    reserved, present, dropped = index.reserve(A, keys(1, 2, 3, 3, 4), PAYLOAD)
+    assert [key for key, _ in reserved] == keys(3, 4)
+    assert present == keys(1, 2)
+    assert dropped == 0
+
+
+def test_only_the_reserving_connection_can_commit_and_commit_is_all_or_nothing() -> None:
+    index = make_index()
+    index.reserve(A, keys(1, 2), PAYLOAD)
+    index.reserve(B, keys(3), PAYLOAD)
+    with pytest.raises(PoolRequestError):
+        index.commit(B, keys(1), [b""])
+    with pytest.raises(PoolRequestError):
+        index.commit(A, keys(1, 3), [b"", b""])  # key 3 belongs to B: nothing commits
+    with pytest.raises(PoolRequestError):
+        index.commit(A, keys(1, 1), [b"", b""])
+    with pytest.raises(PoolRequestError):
+        index.commit(A, keys(1), [b"", b""])
+    assert index.lookup(A, keys(1)) == (0, [])
+    index.commit(A, keys(1, 2), [b"x", b"y"])
+    assert [page[3] for page in index.lookup(A, keys(1, 2))[1]] == [b"x", b"y"]
+
+
+def test_commit_with_offsets_checks_the_slot_that_was_written() -> None:
+    index = make_index()
+    ((_, offset),) = index.reserve(A, keys(1), PAYLOAD)[0]
+    with pytest.raises(PoolRequestError):
+        index.commit(A, keys(1), [b""], offsets=[offset + SLOT])
+    index.commit(A, keys(1), [b""], offsets=[offset])
+    assert index.lookup(A, keys(1))[1][0][1] == offset
+
+
+def test_abort_frees_only_own_reservations() -> None:
+    index = make_index()
+    index.reserve(A, keys(1, 2), PAYLOAD)
+    index.reserve(B, keys(3), PAYLOAD)
+    assert index.abort(A, keys(1, 3, 9)) == 1
+    assert live_keys(index) == set(keys(2, 3))
+    assert index.stats()["reserved"] == 2
+
+
+def test_eviction_takes_the_least_recently_used_and_chain_tails_first() -> None:
+    index = make_index(slabs=1)  # 4 slots
+    store(index, keys(1, 2))
+    store(index, keys(3, 4))
+    # Within one commit, the first key of the run ends most recent: order 2, 1, 4, 3.
+    index.reserve(A, keys(5), PAYLOAD)
+    assert live_keys(index) == set(keys(1, 3, 4, 5))
+    lease, _ = index.lookup(B, keys(1))
+    index.release(B, lease)  # 1 becomes most recent: order 4, 3, 1
+    index.reserve(A, keys(6, 7), PAYLOAD)
+    assert live_keys(index) == set(keys(1, 5, 6, 7))
+    assert index.stats()["evictions"] == 3
+
+
+def test_released_run_is_touched_so_its_first_key_is_most_recent() -> None:
+    index = make_index(slabs=1)
+    store(index, keys(1))
+    store(index, keys(2, 3, 4))  # order: 1, 4, 3, 2
+    lease, _ = index.lookup(B, keys(2, 3))
+    index.release(B, lease)  # order: 1, 4, 3, 2 -> 1, 4, then 3, 2 again
+    lease, _ = index.lookup(B, keys(3, 4))
+    index.release(B, lease)  # order: 1, 2, 4, 3
+    for evicted, new_key in [(1, 10), (2, 11), (4, 12)]:
+        index.reserve(A, keys(new_key), PAYLOAD)
+        assert keys(evicted)[0] not in live_keys(index)
+
+
+def test_reserve_never_evicts_the_present_prefix_it_extends() -> None:
+    index = make_index(slabs=1)
+    store(index, keys(1, 2, 3, 4))
+    reserved, present, dropped = index.reserve(A, keys(1, 2, 3, 4, 5, 6), PAYLOAD)
+    assert present == keys(1, 2, 3, 4)
+    assert reserved == [] and dropped == 2
+    assert live_keys(index) == set(keys(1, 2, 3, 4))
+    # The present prefix is now recent: an unrelated store evicts from its tail.
+    store(index, keys(7))
+    assert live_keys(index) == set(keys(1, 2, 3, 7))
+
+
+def test_pinned_and_reserved_pages_are_never_evicted_and_a_full_pool_drops() -> None:
+    """LESSONS #10, #11: reserve returns fewer pages, never an error, never a reused slot."""
+    index = make_index(slabs=1)
+    offsets = store(index, keys(1, 2, 3))
+    lease, _ = index.lookup(B, keys(1, 2, 3))
+    index.reserve(A, keys(4), PAYLOAD)
+    reserved, present, dropped = index.reserve(A, keys(5, 6, 7), PAYLOAD)
+    assert (reserved, present, dropped) == ([], [], 3)
+    assert index.stats()["dropped_keys"] == 3
+    assert sorted(entry.offset for entry in index.pages() if entry.key in keys(1, 2, 3)) == offsets
+    index.release(B, lease)
+    _, _, dropped = index.reserve(A, keys(5), PAYLOAD)
+    assert dropped == 0
+    assert live_keys(index) == set(keys(1, 2, 4, 5))  # the run's tail (3) went first
+
+
+def test_a_lease_lives_until_released_whatever_happens_meanwhile() -> None:
+    """LESSONS #14: no timeout; only release or disconnect ends a lease."""
+    index = make_index(slabs=1)
+    offsets = store(index, keys(1, 2))
+    lease, _ = index.lookup(B, keys(1, 2))
+    for round_ in range(50):
+        new = keys(1000 + 2 * round_, 1001 + 2 * round_)
+        index.reserve(A, new, PAYLOAD)
+        index.commit(A, new, [b"", b""])
+        live_offsets = sorted(entry.offset for entry in index.pages())
+        assert len(set(live_offsets)) == 4 and live_offsets[-1] + SLOT <= SLAB
+        index.clear()
+    assert [entry.offset for entry in index.pages() if entry.key in keys(1, 2)] == offsets
+    index.release(B, lease)
+    assert index.clear() == 2
+
+
+def test_release_rejects_unknown_or_foreign_leases() -> None:
+    index = make_index()
+    store(index, keys(1))
+    lease, _ = index.lookup(A, keys(1))
+    with pytest.raises(PoolRequestError):
+        index.release(B, lease)
+    with pytest.raises(PoolRequestError):
+        index.release(A, lease + 1)
+    index.release(A, lease)
+    with pytest.raises(PoolRequestError):
+        index.release(A, lease)
+
+
+def test_disconnect_drops_leases_and_reservations() -> None:
+    index = make_index()
+    store(index, keys(1, 2))
+    index.lookup(B, keys(1, 2))
+    index.lookup(B, keys(1))
+    index.reserve(B, keys(3, 4), PAYLOAD)
+    stats = index.stats()
+    assert (stats["pinned"], stats["reserved"], stats["leases"]) == (2, 2, 2)
+    index.disconnect(B)
+    stats = index.stats()
+    assert (stats["pinned"], stats["reserved"], stats["leases"]) == (0, 0, 0)
+    assert live_keys(index) == set(keys(1, 2))
+    assert index.clear() == 2
+
+
+def test_clear_keeps_pinned_and_reserved_pages() -> None:
+    index = make_index()
+    store(index, keys(1, 2, 3))
+    index.lookup(B, keys(1))
+    index.reserve(A, keys(4), PAYLOAD)
+    assert index.clear() == 2
+    states = {entry.key: (entry.state, entry.pins) for entry in index.pages()}
+    assert states == {keys(1)[0]: (PageState.COMMITTED, 1), keys(4)[0]: (PageState.RESERVED, 0)}
+
+
+def test_free_slabs_move_between_page_classes() -> None:
+    index = make_index(slabs=2, extra_bytes=SLOT)
+    big_payload = SLAB - 4096  # one slot per slab
+    store(index, keys(*range(8)))  # fills both slabs with small pages
+    assert index.reserve(A, keys(100), big_payload)[2] == 1  # no slab for the big class
+    index.clear()
+    stats = index.stats()
+    assert (stats["free_slabs"], stats["pages"]) == (2, 0)
+    reserved, _, dropped = index.reserve(A, keys(100, 101, 102), big_payload)
+    assert sorted(offset for _, offset in reserved) == [0, SLAB] and dropped == 1
+    assert stats["unused_bytes"] == SLOT
+
+
+def test_page_larger_than_a_slab_is_a_request_error() -> None:
+    index = make_index()
+    with pytest.raises(PoolRequestError):
+        index.reserve(A, keys(1), SLAB)
+    with pytest.raises(ValueError):
+        index.reserve(A, keys(1), 0)
+
+
+def test_stats_accounting_adds_up() -> None:
+    index = make_index(slabs=3, extra_bytes=100)
+    offsets = store(index, keys(1, 2, 3, 4, 5))
+    offsets += [offset for _, offset in index.reserve(A, keys(6, 7), PAYLOAD)[0]]
+    assert len(set(offsets)) == 7 and all(offset % SLOT == 0 for offset in offsets)
+    index.lookup(B, keys(1, 2))
+    stats = index.stats()
+    (klass,) = stats["classes"]
+    assert klass["slot_bytes"] == SLOT and klass["slabs"] == 2 and klass["pages"] == 8
+    assert klass["free"] + klass["reserved"] + klass["committed"] == klass["pages"]
+    assert (klass["free"], klass["reserved"], klass["committed"], klass["pinned"]) == (1, 2, 5, 2)
+    assert stats["free_slabs"] + klass["slabs"] == stats["slab_count"] == 3
+    assert stats["pages"] * SLOT <= stats["arena_bytes"]
+
+
+def test_a_million_pages_evict_at_over_100k_per_second() -> None:
+    """LESSONS #13: every per-key operation is O(1), so eviction stays fast at 1M pages."""
+    pages, batch = 1_000_000, 1000
+    index = PoolIndex(ArenaGeometry(pages * SLOT, 1000 * SLOT))  # virtual: never mapped
+    all_keys = [n.to_bytes(16, "little") for n in range(pages + 200_000)]
+    checksums = [b""] * batch
+    for start in range(0, pages, batch):
+        chunk = all_keys[start : start + batch]
+        index.reserve(A, chunk, PAYLOAD)
+        index.commit(A, chunk, checksums)
+    assert index.stats()["committed"] == pages
+    begin = time.perf_counter()
+    for start in range(pages, pages + 200_000, batch):
+        chunk = all_keys[start : start + batch]
+        index.reserve(A, chunk, PAYLOAD)
+        index.commit(A, chunk, checksums)
+    elapsed = time.perf_counter() - begin
+    stats = index.stats()
+    assert stats["evictions"] == 200_000 and stats["committed"] == pages
+    rate = 200_000 / elapsed
+    print(f"index: {rate:,.0f} evictions/s (reserve + evict + commit) at {pages:,} pages")
+    assert rate > 100_000

@@ -1,0 +1,275 @@
+"""Stateful property test of PoolIndex against an executable model.
+
+The model predicts every outcome exactly - which keys a reserve gets, skips, drops, and
+which page each eviction takes (per-class LRU) - so a wrong victim, a reused slot, a
+pinned page evicted, or a visible reservation all fail a step. Two page classes share
+two slabs, so slabs move between classes as they empty.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, OrderedDict
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    multiple,
+    rule,
+)
+
+from kvshare.kvpool.arena import ArenaGeometry
+from kvshare.kvpool.index import PageState, PoolIndex, PoolRequestError
+from kvshare.kvpool.page import slot_bytes_for
+
+SLAB = 32768
+PAYLOADS = (4096, 3 * 4096 + 1)  # slots of 8 KiB (4 per slab) and 20 KiB (1 per slab)
+SLOTS = tuple(slot_bytes_for(p) for p in PAYLOADS)
+GEOMETRY = ArenaGeometry(2 * SLAB + 8192, SLAB)  # 2 slabs and an unused tail
+CONNS = (1, 2, 3)
+KEYS = [bytes([n]) * 16 for n in range(24)]
+
+
+class IndexMachine(RuleBasedStateMachine):
+    leases = Bundle("leases")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = PoolIndex(GEOMETRY)
+        self.offset: dict[bytes, int] = {}  # every live page
+        self.slot: dict[bytes, int] = {}
+        self.payload: dict[bytes, int] = {}
+        self.checksum: dict[bytes, bytes] = {}
+        self.owner: dict[bytes, int] = {}  # reserved pages only
+        self.committed: set[bytes] = set()
+        self.pins: Counter[bytes] = Counter()
+        # Evictable pages (committed, no pins) per slot size, least recent first.
+        self.lru: dict[int, OrderedDict[bytes, None]] = {slot: OrderedDict() for slot in SLOTS}
+        self.live_leases: dict[int, tuple[int, list[bytes], list[int]]] = {}
+
+    # -- model helpers --------------------------------------------------------------
+
+    def has_room(self, slot: int) -> bool:
+        """A class has a free slot in its slabs, or a free slab exists (empty slabs
+        go back to the arena at once)."""
+        in_class = [k for k in self.offset if self.slot[k] == slot]
+        class_slabs = {self.offset[k] // SLAB for k in in_class}
+        used_slabs = {offset // SLAB for offset in self.offset.values()}
+        per_slab = SLAB // slot
+        return len(in_class) < len(class_slabs) * per_slab or len(used_slabs) < GEOMETRY.slab_count
+
+    def forget(self, key: bytes) -> None:
+        for table in (self.offset, self.slot, self.payload, self.checksum, self.owner):
+            table.pop(key, None)
+        self.committed.discard(key)
+
+    def unpin(self, run: list[bytes]) -> None:
+        for key in reversed(run):
+            self.pins[key] -= 1
+            if self.pins[key] == 0:
+                self.lru[self.slot[key]][key] = None
+
+    def pin(self, run: list[bytes]) -> None:
+        for key in run:
+            if self.pins[key] == 0:
+                del self.lru[self.slot[key]][key]
+            self.pins[key] += 1
+
+    def candidates(self) -> list[bytes]:
+        return sorted(self.offset) + KEYS[:2]
+
+    # -- rules ---------------------------------------------------------------------
+
+    @rule(
+        conn=st.sampled_from(CONNS),
+        keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=8),
+        payload=st.sampled_from(PAYLOADS),
+    )
+    def reserve(self, conn: int, keys: list[bytes], payload: int) -> None:
+        slot = slot_bytes_for(payload)
+        distinct = list(dict.fromkeys(keys))
+        present = [k for k in distinct if k in self.offset]
+        missing = [k for k in distinct if k not in self.offset]
+        held = [k for k in present if k in self.committed]
+        reserved, got_present, dropped = self.index.reserve(conn, keys, payload)
+        assert got_present == present
+        self.pin(held)  # the index holds the present prefix while it evicts
+        placed = iter(reserved)
+        count = 0
+        for key in missing:
+            if not self.has_room(slot):
+                if not self.lru[slot]:
+                    break
+                victim = next(iter(self.lru[slot]))
+                del self.lru[slot][victim]
+                self.forget(victim)
+            got_key, offset = next(placed)
+            assert got_key == key
+            assert offset not in self.offset.values(), "slot handed out twice"
+            self.offset[key], self.slot[key], self.payload[key] = offset, slot, payload
+            self.owner[key] = conn
+            count += 1
+        assert next(placed, None) is None
+        assert dropped == len(missing) - count
+        self.unpin(held)
+
+    @rule(conn=st.sampled_from(CONNS), data=st.data(), with_offsets=st.booleans())
+    def commit(self, conn: int, data: st.DataObject, with_offsets: bool) -> None:
+        own = sorted(k for k, owner in self.owner.items() if owner == conn)
+        if not own:
+            return
+        keys = data.draw(st.lists(st.sampled_from(own), min_size=1, unique=True))
+        checksums = [b"c" + key[:1] * n for n, key in enumerate(keys)]
+        offsets = [self.offset[k] for k in keys] if with_offsets else None
+        self.index.commit(conn, keys, checksums, offsets)
+        for key, checksum in reversed(list(zip(keys, checksums, strict=True))):
+            del self.owner[key]
+            self.committed.add(key)
+            self.checksum[key] = checksum
+            self.lru[self.slot[key]][key] = None
+
+    @rule(conn=st.sampled_from(CONNS), data=st.data())
+    def commit_not_own(self, conn: int, data: st.DataObject) -> None:
+        """Committing a key this connection did not reserve fails and changes nothing."""
+        foreign = [k for k in KEYS if self.owner.get(k) != conn]
+        keys = data.draw(st.lists(st.sampled_from(foreign), min_size=1, max_size=3))
+        with pytest.raises(PoolRequestError):
+            self.index.commit(conn, keys, [b""] * len(keys))
+
+    @rule(conn=st.sampled_from(CONNS), data=st.data())
+    def commit_wrong_offset(self, conn: int, data: st.DataObject) -> None:
+        own = sorted(k for k, owner in self.owner.items() if owner == conn)
+        if not own:
+            return
+        key = data.draw(st.sampled_from(own))
+        with pytest.raises(PoolRequestError):
+            self.index.commit(conn, [key], [b""], [self.offset[key] + 4096])
+
+    @rule(conn=st.sampled_from(CONNS), data=st.data())
+    def abort(self, conn: int, data: st.DataObject) -> None:
+        keys = data.draw(st.lists(st.sampled_from(self.candidates()), max_size=4))
+        mine = {k for k in keys if self.owner.get(k) == conn}
+        assert self.index.abort(conn, keys) == len(mine)
+        for key in mine:
+            self.forget(key)
+
+    @rule(target=leases, conn=st.sampled_from(CONNS), data=st.data())
+    def lookup(self, conn: int, data: st.DataObject) -> object:
+        runs = st.lists(
+            st.sampled_from(sorted(self.committed) or KEYS[:1]), min_size=1, unique=True
+        )
+        anything = st.lists(st.sampled_from(self.candidates()), min_size=1, max_size=6)
+        keys = data.draw(st.one_of(runs, anything))
+        run: list[bytes] = []
+        for key in keys:
+            if key not in self.committed:
+                break
+            run.append(key)
+        lease, pages = self.index.lookup(conn, keys)
+        expected = [(k, self.offset[k], self.payload[k], self.checksum[k]) for k in run]
+        assert pages == expected
+        if not run:
+            assert lease == 0
+            return multiple()
+        assert lease not in self.live_leases
+        self.pin(run)
+        self.live_leases[lease] = (conn, run, [page[1] for page in pages])
+        return lease
+
+    @rule(lease=consumes(leases))
+    def release(self, lease: int) -> None:
+        if lease in self.live_leases:
+            conn, run, _ = self.live_leases.pop(lease)
+            self.index.release(conn, lease)
+            self.unpin(run)
+        else:  # died with a disconnect
+            with pytest.raises(PoolRequestError):
+                self.index.release(CONNS[0], lease)
+
+    @rule(lease=leases, conn=st.sampled_from(CONNS))
+    def release_by_another_connection(self, lease: int, conn: int) -> None:
+        holder = self.live_leases[lease][0] if lease in self.live_leases else None
+        if conn == holder:
+            return
+        with pytest.raises(PoolRequestError):
+            self.index.release(conn, lease)
+
+    @rule(conn=st.sampled_from(CONNS))
+    def disconnect(self, conn: int) -> None:
+        self.index.disconnect(conn)
+        for lease in sorted(lease for lease, held in self.live_leases.items() if held[0] == conn):
+            self.unpin(self.live_leases.pop(lease)[1])
+        for key in [k for k, owner in self.owner.items() if owner == conn]:
+            self.forget(key)
+
+    @rule()
+    def clear(self) -> None:
+        evictable = [key for lru in self.lru.values() for key in lru]
+        assert self.index.clear() == len(evictable)
+        for lru in self.lru.values():
+            lru.clear()
+        for key in evictable:
+            self.forget(key)
+
+    # -- invariants --------------------------------------------------------------------
+
+    @invariant()
+    def pages_match_the_model(self) -> None:
+        entries = {entry.key: entry for entry in self.index.pages()}
+        assert set(entries) == set(self.offset)
+        for key, entry in entries.items():
+            assert entry.offset == self.offset[key]
+            assert entry.slot_bytes == self.slot[key]
+            assert entry.pins == self.pins[key]
+            if key in self.committed:
+                assert (entry.state, entry.owner) == (PageState.COMMITTED, None)
+            else:
+                assert (entry.state, entry.owner) == (PageState.RESERVED, self.owner[key])
+
+    @invariant()
+    def slots_are_disjoint_aligned_and_inside_one_slab_per_class(self) -> None:
+        spans = sorted((self.offset[k], self.slot[k]) for k in self.offset)
+        for (offset, slot), (next_offset, _) in itertools.pairwise(spans):
+            assert offset + slot <= next_offset, "two live pages overlap"
+        slab_class: dict[int, int] = {}
+        for offset, slot in spans:
+            slab = offset // SLAB
+            assert slab < GEOMETRY.slab_count
+            assert (offset - slab * SLAB) % slot == 0 and offset + slot <= (slab + 1) * SLAB
+            assert slab_class.setdefault(slab, slot) == slot, "a slab serves two classes"
+
+    @invariant()
+    def counts_add_up(self) -> None:
+        stats = self.index.stats()
+        slabs = 0
+        for klass in stats["classes"]:
+            assert klass["free"] + klass["reserved"] + klass["committed"] == klass["pages"]
+            assert klass["pages"] == klass["slabs"] * klass["slots_per_slab"]
+            assert klass["free"] >= 0
+            slabs += klass["slabs"]
+        assert slabs + stats["free_slabs"] == GEOMETRY.slab_count
+        slot_bytes = sum(klass["pages"] * klass["slot_bytes"] for klass in stats["classes"])
+        assert slot_bytes <= GEOMETRY.slab_count * SLAB <= stats["arena_bytes"]
+        assert stats["committed"] == len(self.committed)
+        assert stats["reserved"] == len(self.owner)
+        assert stats["pinned"] == sum(1 for n in self.pins.values() if n > 0)
+        assert stats["leases"] == len(self.live_leases)
+
+    @invariant()
+    def leased_pages_stay_put(self) -> None:
+        """A page under a live lease is committed at the offset the lookup returned."""
+        entries = {entry.key: entry for entry in self.index.pages()}
+        for _, run, offsets in self.live_leases.values():
+            for key, offset in zip(run, offsets, strict=True):
+                entry = entries[key]
+                assert (entry.state, entry.offset) == (PageState.COMMITTED, offset)
+                assert entry.pins > 0
+
+
+IndexMachine.TestCase.settings = settings(max_examples=250, stateful_step_count=40, deadline=None)
+TestIndexMachine = IndexMachine.TestCase
