@@ -12,6 +12,7 @@ import sys
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "kvshare.engine.cli",
     "kvshare.kvpool.cli",
+    "kvshare.validate.cli",
 )
 
 

@@ -19,12 +19,12 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 
 import torch
 
 from kvshare.kvpool.client import PoolClient, PoolUnavailable
 from kvshare.kvpool.connector import ConnectorOptions
-from kvshare.kvpool.launch import PoolProcess
 from kvshare.kvpool.page import HEADER_BYTES
 from kvshare.validate.harness import ConnectorHarness
 from kvshare.validate.result import CheckResult
@@ -69,17 +69,19 @@ def run_killed_writer_check(pool: str, *, pages: int = 8, commit_early: bool = F
     return result
 
 
-def run_restart_check(pool: PoolProcess, *, shape: str = "tiny-llama", device: str = "cpu",
+def run_restart_check(address: str, stop: Callable[[], object], start: Callable[[], object], *,
+                      shape: str = "tiny-llama", device: str = "cpu",
                       dtype: torch.dtype = torch.float32) -> CheckResult:
+    """`stop`/`start` stop and restart the daemon serving `address` (same paths)."""
     result = CheckResult("faults.daemon_restart")
     options = ConnectorOptions(chunk_tokens=256)
-    harness = ConnectorHarness(pool.address, shape, device, dtype, 2 * 256 // 16 + 1, uuid.uuid4().hex, options)
+    harness = ConnectorHarness(address, shape, device, dtype, 2 * 256 // 16 + 1, uuid.uuid4().hex, options)
     harness.store_pattern(0, 2)
     hit, ok, blocks = harness.restore(0, 2, poison=-1.0)
     harness.cache.blocks.release(blocks)
     result.expect(hit == 512 and ok, "no restore before the restart")
     generation = harness.connector.client.generation
-    pool.stop()
+    stop()
     try:
         hit, ok, blocks = harness.restore(0, 2, poison=-1.0)
         harness.cache.blocks.release(blocks)
@@ -89,7 +91,7 @@ def run_restart_check(pool: PoolProcess, *, shape: str = "tiny-llama", device: s
         result.fail(f"the connector raised with the daemon down: {exc}")
     errors_while_down = harness.connector.stats().get("pool_errors", 0)
     result.expect(errors_while_down > 0, "pool errors were not counted while the daemon was down")
-    pool.start()
+    start()
     time.sleep(harness.connector.client.retry_interval + 0.1)
     harness.store_pattern(2, 2)
     hit, ok, blocks = harness.restore(2, 2, poison=-1.0)

@@ -55,7 +55,8 @@ def test_killed_writer_check_fails_when_pages_commit_before_writing(pools: PoolF
 
 
 def test_clients_recover_from_a_daemon_restart(pools: PoolFactory) -> None:
-    result = run_restart_check(small_pool(pools))
+    pool = small_pool(pools)
+    result = run_restart_check(pool.address, pool.stop, pool.start)
     assert result.passed, result.failures
 
 
