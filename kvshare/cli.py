@@ -12,7 +12,9 @@ import sys
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "kvshare.engine.cli",
     "kvshare.kvpool.cli",
+    "kvshare.serve.cli",
     "kvshare.validate.cli",
+    "kvshare.bench.cli",
 )
 
 

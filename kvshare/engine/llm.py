@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.connector import KVConnector
@@ -15,13 +15,16 @@ from kvshare.models.loader import LoadedModel, load_model
 class LLM:
     """Load a model and generate. `kv_pool="unix:/path/to.sock"` attaches the shared pool.
 
-    Extra keyword arguments are EngineConfig fields (block_size, max_num_batched_tokens,
+    `kv_pool_options` are extra ConnectorOptions (test-only switches). Extra keyword
+    arguments are EngineConfig fields (block_size, max_num_batched_tokens,
     kv_cache_memory, ...). `weights_seed` picks the random weights of a shape:NAME model.
     """
 
     def __init__(self, model: str, *, device: str = "cpu", dtype: str = "auto",
                  kv_pool: str | KVConnector | None = None, weights_seed: int = 0,
-                 chunk_tokens: int = 256, cache_salt: str = "", **engine_options: object) -> None:
+                 chunk_tokens: int = 256, cache_salt: str = "",
+                 kv_pool_options: Mapping[str, object] | None = None,
+                 **engine_options: object) -> None:
         self.config = EngineConfig(device=device, dtype=dtype, **engine_options)  # type: ignore[arg-type]
         self.loaded: LoadedModel = load_model(model, device=device, dtype=self.config.resolved_dtype,
                                               seed=weights_seed)
@@ -30,7 +33,7 @@ class LLM:
             from kvshare.kvpool.connector import PoolConnector
 
             connector = PoolConnector.for_model(kv_pool, self.loaded, chunk_tokens=chunk_tokens,
-                                                cache_salt=cache_salt)
+                                                cache_salt=cache_salt, **(kv_pool_options or {}))
         self.engine = LLMEngine(self.loaded, self.config, connector)
         self._ids = itertools.count()
 

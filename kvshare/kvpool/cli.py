@@ -31,6 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pool.add_argument("--socket", help="socket path (default: per-user runtime folder)")
     pool.add_argument("--arena", help="arena file (default: /dev/shm/kvshare-<uid>-pool.arena)")
     pool.add_argument("--slab-size", default="1GiB", help="slab size (default: 1GiB)")
+    pool.add_argument("--preallocate", action="store_true",
+                      help="allocate the whole arena at start (reserves the memory; faster CUDA registration)")
     pool.add_argument("--log-level", default="INFO", choices=_LOG_LEVELS)
     pool.set_defaults(func=run_pool)
 
@@ -49,6 +51,7 @@ def run_pool(args: argparse.Namespace) -> int:
         config = PoolConfig(
             size_bytes=parse_size(args.size),
             slab_bytes=parse_size(args.slab_size),
+            preallocate=args.preallocate,
             socket_path=args.socket or defaults.socket_path,
             arena_path=args.arena or defaults.arena_path,
         )

@@ -145,9 +145,16 @@ class PoolClient:
 
     # -- operations -------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+    def lookup(self, keys: Sequence[bytes],
+               states: Sequence[tuple[int, bytes]] | None = None) -> LookupResult:
+        """The longest committed run from keys[0], pinned. With `states` ([(chunk index,
+        state key)]), the run ends after a chunk with a committed state page, which is
+        the last page of the result (see PoolIndex.lookup)."""
+        message: dict[str, Any] = {"op": "lookup", "keys": list(keys)}
+        if states is not None:
+            message["states"] = [[i, k] for i, k in states]
         with self._lock:
-            response = self._request_locked({"op": "lookup", "keys": list(keys)})
+            response = self._request_locked(message)
             lease = response["lease"]
             if lease:
                 self._leases.add(lease)

@@ -52,6 +52,7 @@ class PoolConfig:
     socket_path: str
     arena_path: str
     slab_bytes: int = DEFAULT_SLAB_BYTES
+    preallocate: bool = False
 
     def __post_init__(self) -> None:
         ArenaGeometry(self.size_bytes, self.slab_bytes)
@@ -181,7 +182,12 @@ class PoolDaemon:
         }
 
     def _lookup(self, conn: int, request: dict[str, Any]) -> dict[str, Any]:
-        lease, pages = self.index.lookup(conn, _keys(request, "keys"))
+        states = None
+        if "states" in request:
+            states = [(int(i), k) for i, k in _list_of(request, "states", list)]
+            if not all(isinstance(k, bytes) and len(k) == KEY_BYTES for _, k in states):
+                raise ValueError(f"every state key must be {KEY_BYTES} bytes")
+        lease, pages = self.index.lookup(conn, _keys(request, "keys"), states)
         return {"lease": lease, "pages": pages}
 
     def _release(self, conn: int, request: dict[str, Any]) -> dict[str, Any]:
@@ -282,4 +288,4 @@ def _create_arena(config: PoolConfig) -> Arena:
     if os.path.lexists(config.arena_path):
         log.warning("replacing stale arena %s", config.arena_path)
         os.unlink(config.arena_path)
-    return Arena.create(config.arena_path, config.size_bytes, config.slab_bytes)
+    return Arena.create(config.arena_path, config.size_bytes, config.slab_bytes, config.preallocate)

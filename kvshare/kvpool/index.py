@@ -206,10 +206,16 @@ class PoolIndex:
 
     # -- lookups and leases -------------------------------------------------------
 
-    def lookup(self, conn: int, keys: Sequence[bytes]) -> tuple[int, list[PageTuple]]:
+    def lookup(
+        self, conn: int, keys: Sequence[bytes], states: Sequence[tuple[int, bytes]] | None = None
+    ) -> tuple[int, list[PageTuple]]:
         """Pin the longest run of COMMITTED pages from keys[0] under a new lease.
 
-        Returns (lease, pages); (0, []) when keys[0] is not committed.
+        With `states` ([(chunk index, state key)], for models whose resumable prefixes
+        need a recurrent-state snapshot), the run is cut back to the longest one that ends
+        right after a chunk i with a committed state key, and that state page is appended
+        to the result (a prefix without its state is useless). Returns (lease, pages);
+        (0, []) when nothing usable hits.
         """
         pages = self._pages
         run: list[_Page] = []
@@ -218,10 +224,12 @@ class PoolIndex:
             if page is None or page.state is not _COMMITTED:
                 break
             run.append(page)
+        if states is not None:
+            run = self._cut_at_state(run, states)
         counters = self._counters
         counters["lookups"] += 1
         counters["hit_keys"] += len(run)
-        counters["miss_keys"] += len(keys) - len(run)
+        counters["miss_keys"] += max(0, len(keys) - len(run))
         if not run:
             return 0, []
         for page in run:
@@ -231,6 +239,16 @@ class PoolIndex:
         self._leases[lease] = _Lease(conn, run)
         self._conn_leases.setdefault(conn, set()).add(lease)
         return lease, [(p.key, p.offset, p.payload_bytes, p.checksum) for p in run]
+
+    def _cut_at_state(self, run: list[_Page], states: Sequence[tuple[int, bytes]]) -> list[_Page]:
+        """run[:i + 1] + [state page] for the largest i with a committed state, else []."""
+        for index, key in sorted(states, reverse=True):
+            if index >= len(run):
+                continue
+            page = self._pages.get(key)
+            if page is not None and page.state is _COMMITTED:
+                return [*run[: index + 1], page]
+        return []
 
     def release(self, conn: int, lease: int) -> None:
         """Unpin the pages of `lease`, which `conn` must hold."""
@@ -443,11 +461,19 @@ class PoolIndex:
                 slab.listed = True
                 stack.append(slab)
                 continue
-            if not page_class.lru:
+            # Evict this class's least recently used page: that frees a slot (or, if it
+            # was its slab's last page, a slab). With nothing evictable here, evict from
+            # the class with the most evictable pages until one of its slabs is empty,
+            # so that a page size new to a full pool is not starved by another's.
+            victim = page_class if page_class.lru else self._largest_evictable_class()
+            if victim is None:
                 return None
-            # Frees a slot of this class (or, if it was the slab's last page, a slab).
-            self._free_committed(page_class.lru.popitem(last=False)[1])
+            self._free_committed(victim.lru.popitem(last=False)[1])
             self._counters["evictions"] += 1
+
+    def _largest_evictable_class(self) -> _PageClass | None:
+        classes = [c for c in self._classes.values() if c.lru]
+        return max(classes, key=lambda c: (len(c.lru), c.slot_bytes)) if classes else None
 
     def _pin(self, page: _Page) -> None:
         if page.pins == 0:

@@ -25,6 +25,7 @@ class PoolProcessConfig:
     socket_path: str
     arena_path: str
     slab_bytes: int = DEFAULT_SLAB_BYTES
+    preallocate: bool = False
     log_level: str = "WARNING"
     ready_timeout: float = 30.0
 
@@ -64,6 +65,7 @@ class PoolProcess:
             str(config.size_bytes),
             "--slab-size",
             str(config.slab_bytes),
+            *(["--preallocate"] if config.preallocate else []),
             "--socket",
             config.socket_path,
             "--arena",

@@ -1,8 +1,11 @@
-"""The one thing a model asks of whoever runs it: attention over its KV cache.
+"""What a model asks of whoever runs it: attention over its KV cache, and the recurrent
+state of its linear-attention layers.
 
 Models stay ignorant of paging, batching and pools: each attention layer hands its new
-queries, keys and values to an `AttentionContext` and gets the attention output back.
-The engine implements the context over its paged cache; tests may implement it densely.
+queries, keys and values to an `AttentionContext` and gets the attention output back; each
+linear-attention (Gated DeltaNet) layer loads its per-sequence state from a
+`RecurrentStateContext` at the start of a step and saves it at the end. The engine
+implements the contexts over its paged cache and state slots; tests may implement them densely.
 """
 
 from __future__ import annotations
@@ -30,3 +33,24 @@ class AttentionContext(Protocol):
         number of keys a query sees, itself included (HF's sliding window semantics).
         """
         ...
+
+
+class RecurrentStateContext(Protocol):
+    """Per-sequence state of linear-attention layers for the tokens of one step."""
+
+    # New tokens of each sequence this step, in order (sum = T); a segment of 1 is a decode step.
+    seq_lens: tuple[int, ...]
+
+    def load_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv_state [B, conv_dim, kernel-1] in the model dtype, recurrent_state [B, Hv, Dk, Dv]
+        float32) at the start of this step, one row per sequence (zeros for a sequence starting
+        fresh)."""
+        ...
+
+    def save_state(self, layer: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
+        """The states at the end of this step, same shapes."""
+        ...
+
+
+class HybridContext(AttentionContext, RecurrentStateContext, Protocol):
+    """What a hybrid model (attention and linear-attention layers) runs against."""

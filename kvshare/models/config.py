@@ -13,8 +13,10 @@ from typing import Any, Literal
 
 import xxhash
 
-Architecture = Literal["llama", "qwen3", "gemma3"]
-LayerKind = Literal["full", "sliding"]
+Architecture = Literal["llama", "qwen3", "gemma3", "qwen3_5"]
+# "full" and "sliding" layers attend over a KV cache; "linear" layers (Qwen3.5's Gated
+# DeltaNet) carry a fixed-size recurrent state per sequence instead.
+LayerKind = Literal["full", "sliding", "linear"]
 RopeScaling = Literal["default", "linear", "llama3"]
 Activation = Literal["silu", "gelu_tanh"]
 
@@ -23,11 +25,21 @@ _HF_MODEL_TYPES: dict[str, Architecture] = {
     "qwen3": "qwen3",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5": "qwen3_5",
 }
+# The text model_type of a multimodal wrapper whose text_config does not name its own.
+_TEXT_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text"}
 _HF_ARCHITECTURES: dict[Architecture, str] = {
     "llama": "LlamaForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",
+}
+_HF_LAYER_TYPES: dict[str, LayerKind] = {
+    "full_attention": "full",
+    "sliding_attention": "sliding",
+    "linear_attention": "linear",
 }
 _ACTIVATIONS: dict[str, Activation] = {
     "silu": "silu",
@@ -92,7 +104,7 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a decoder-only transformer (Llama, Qwen3 or Gemma 3)."""
+    """Shape and numerics of a decoder-only model (Llama, Qwen3, Gemma 3 or Qwen3.5)."""
 
     architecture: Architecture
     vocab_size: int
@@ -116,6 +128,14 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Qwen3.5: rotary embedding on the first `rotary_dim` of each head only, and the shape
+    # of the Gated DeltaNet ("linear") layers; the linear fields are 0 in models without them.
+    partial_rotary_factor: float = 1.0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -130,6 +150,7 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         # Floats, so that equal configs (e.g. 16 and 16.0) have equal digests.
         object.__setattr__(self, "rms_norm_eps", float(self.rms_norm_eps))
+        object.__setattr__(self, "partial_rotary_factor", float(self.partial_rotary_factor))
         if self.query_pre_attn_scalar is not None:
             object.__setattr__(self, "query_pre_attn_scalar", float(self.query_pre_attn_scalar))
         if not self.layer_kinds:
@@ -140,16 +161,96 @@ class ModelConfig:
             raise ValueError("sliding layers need a positive sliding_window")
         if self.architecture == "gemma3" and self.query_pre_attn_scalar is None:
             raise ValueError("gemma3 needs query_pre_attn_scalar")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(f"the rotary part of a head must be even and non-empty, got {self.rotary_dim}")
+        if self.linear_layers:
+            self._validate_linear()
+
+    def _validate_linear(self) -> None:
+        if self.architecture != "qwen3_5":
+            raise ValueError(f"linear (Gated DeltaNet) layers need architecture qwen3_5, not {self.architecture}")
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive in a model with linear layers")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.linear_num_key_heads})"
+            )
+        if self.linear_conv_kernel_dim < 2:
+            raise ValueError(f"linear_conv_kernel_dim must be at least 2, got {self.linear_conv_kernel_dim}")
 
     # Derived properties: what the layers and the engine ask of the config.
     @property
     def uses_gemma_norms(self) -> bool:
-        """Gemma: RMSNorm scales by (1 + w) in float32, sandwich norms, scaled embeddings."""
+        """Gemma: sandwich norms around attention and MLP, scaled embeddings."""
         return self.architecture == "gemma3"
 
     @property
+    def unit_offset_norms(self) -> bool:
+        """RMSNorm scales by (1 + w) in float32 (Gemma 3, Qwen3.5), not by w after the cast."""
+        return self.architecture in ("gemma3", "qwen3_5")
+
+    @property
     def qk_norm(self) -> bool:
-        return self.architecture in ("qwen3", "gemma3")
+        return self.architecture in ("qwen3", "gemma3", "qwen3_5")
+
+    @property
+    def attn_output_gate(self) -> bool:
+        """Qwen3.5: q_proj also yields a per-head gate; attention output is scaled by sigmoid(gate)."""
+        return self.architecture == "qwen3_5"
+
+    @property
+    def q_proj_size(self) -> int:
+        """Rows of q_proj: the queries, followed per head by the gate when there is one."""
+        return self.num_heads * self.head_dim * (2 if self.attn_output_gate else 1)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each head that rotary embedding rotates (HF: int(head_dim * factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    # The layers the engine allocates for: KV cache (attention) or recurrent state (linear).
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.layer_kinds) if kind != "linear")
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.layer_kinds) if kind == "linear")
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a linear layer's causal conv: its q, k and v, concatenated."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        """Per sequence and linear layer, in the model dtype: the last kernel-1 conv inputs."""
+        return self.linear_conv_dim, self.linear_conv_kernel_dim - 1
+
+    @property
+    def recurrent_state_shape(self) -> tuple[int, int, int]:
+        """Per sequence and linear layer, float32: (value heads, key head dim, value head dim)."""
+        return self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim
+
+    def state_bytes_per_sequence(self, dtype_size: int) -> int:
+        """Bytes of conv (model dtype of `dtype_size` bytes) and recurrent (float32) state of one
+        sequence over all linear layers; 0 for models without them."""
+        conv = self.conv_state_shape[0] * self.conv_state_shape[1] * dtype_size
+        heads, dk, dv = self.recurrent_state_shape
+        return len(self.linear_layers) * (conv + heads * dk * dv * 4)
 
     @property
     def attn_scale(self) -> float:
@@ -171,20 +272,31 @@ class ModelConfig:
         return 2 * self.num_kv_heads * self.head_dim
 
     def num_parameters(self) -> int:
-        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        """Projections, MLPs and embeddings (norms and other per-channel vectors left out)."""
+        attn = self.hidden_size * (self.q_proj_size + self.head_dim * (self.num_heads + 2 * self.num_kv_heads))
+        linear = (self.hidden_size * (self.linear_conv_dim + 2 * self.linear_value_dim
+                                      + 2 * self.linear_num_value_heads)
+                  + self.linear_conv_dim * self.linear_conv_kernel_dim)
         mlp = 3 * self.hidden_size * self.intermediate_size
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp) + embed
+        num_linear = len(self.linear_layers)
+        return (self.num_layers - num_linear) * attn + num_linear * linear + self.num_layers * mlp + embed
 
     def digest(self) -> str:
         """Stable digest of everything that changes the model's numbers (pool namespace)."""
-        return xxhash.xxh3_128_hexdigest(json.dumps(asdict(self), sort_keys=True).encode())
+        fields = asdict(self)
+        # Fields added later count only when set: older configs keep their digests (namespaces).
+        for name, default in _LATER_FIELDS.items():
+            if fields[name] == default:
+                del fields[name]
+        return xxhash.xxh3_128_hexdigest(json.dumps(fields, sort_keys=True).encode())
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Build from an HF config.json dict (text configs; Gemma 3's text_config is unwrapped)."""
+        """Build from an HF config.json dict (text configs; a multimodal text_config is unwrapped)."""
         if "text_config" in hf:
-            hf = {**hf["text_config"], "model_type": hf["text_config"].get("model_type", "gemma3_text")}
+            text_type = _TEXT_MODEL_TYPES.get(hf.get("model_type", ""), "gemma3_text")
+            hf = {**hf["text_config"], "model_type": hf["text_config"].get("model_type", text_type)}
         model_type = hf.get("model_type", "")
         if model_type not in _HF_MODEL_TYPES:
             raise ValueError(
@@ -195,7 +307,8 @@ class ModelConfig:
         if act_name not in _ACTIVATIONS:
             raise ValueError(f"unsupported activation {act_name!r}")
         num_heads = int(hf["num_attention_heads"])
-        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
+        # Qwen3.5's HF default head_dim is 256, not hidden // heads.
+        head_dim = int(hf.get("head_dim") or (256 if arch == "qwen3_5" else hf["hidden_size"] // num_heads))
         rope_params = hf.get("rope_parameters") or {}
         kinds: tuple[LayerKind, ...] = ()
         local_rope = None
@@ -211,10 +324,16 @@ class ModelConfig:
             )
             kinds = _gemma3_layer_kinds(hf)
         else:
+            # Qwen3.5's mrope_section is ignored: for text its three position streams are equal,
+            # which makes multimodal rope the plain rope.
             rope = RopeConfig.from_hf(
                 float(rope_params.get("rope_theta", hf.get("rope_theta", 1e4))),
                 rope_params or hf.get("rope_scaling"),
             )
+        linear: dict[str, Any] = {}
+        if arch == "qwen3_5":
+            kinds = _qwen3_5_layer_kinds(hf)
+            linear = _qwen3_5_linear_fields(hf, rope_params)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -240,13 +359,14 @@ class ModelConfig:
             ),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **linear,
         )
 
     def to_hf(self) -> dict[str, Any]:
         """The HF config.json dict of this model (used to build the reference model in tests)."""
         hf: dict[str, Any] = {
             "architectures": [_HF_ARCHITECTURES[self.architecture]],
-            "model_type": "gemma3_text" if self.architecture == "gemma3" else self.architecture,
+            "model_type": _TEXT_MODEL_TYPES.get(self.architecture, self.architecture),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -268,9 +388,7 @@ class ModelConfig:
             hf.update(
                 hidden_activation=act,
                 sliding_window=self.sliding_window,
-                layer_types=[
-                    "sliding_attention" if k == "sliding" else "full_attention" for k in self.layer_kinds
-                ],
+                layer_types=[_hf_layer_type(k) for k in self.layer_kinds],
                 # HF types it as an int (256, 168): a float such as 16.0 is rejected.
                 query_pre_attn_scalar=int(self.query_pre_attn_scalar)
                 if self.query_pre_attn_scalar.is_integer() else self.query_pre_attn_scalar,
@@ -280,11 +398,34 @@ class ModelConfig:
                     "sliding_attention": {"rope_type": "default", "rope_theta": self.local_rope.theta},
                 },
             )
+        elif self.architecture == "qwen3_5":
+            hf.update(
+                hidden_act=act,
+                layer_types=[_hf_layer_type(k) for k in self.layer_kinds],
+                rope_parameters={"rope_type": "default", "rope_theta": self.rope.theta,
+                                 "partial_rotary_factor": self.partial_rotary_factor,
+                                 **(self.rope.to_hf() or {})},
+                linear_num_key_heads=self.linear_num_key_heads,
+                linear_num_value_heads=self.linear_num_value_heads,
+                linear_key_head_dim=self.linear_key_head_dim,
+                linear_value_head_dim=self.linear_value_head_dim,
+                linear_conv_kernel_dim=self.linear_conv_kernel_dim,
+            )
         else:
             hf.update(hidden_act=act, rope_theta=self.rope.theta, rope_scaling=self.rope.to_hf())
             if self.rope.to_hf():
                 hf["rope_parameters"] = {"rope_theta": self.rope.theta, **self.rope.to_hf()}
         return hf
+
+
+_LATER_FIELDS: dict[str, object] = {
+    "partial_rotary_factor": 1.0,
+    "linear_num_key_heads": 0,
+    "linear_num_value_heads": 0,
+    "linear_key_head_dim": 0,
+    "linear_value_head_dim": 0,
+    "linear_conv_kernel_dim": 0,
+}
 
 
 def _gemma3_layer_kinds(hf: dict[str, Any]) -> tuple[LayerKind, ...]:
@@ -294,3 +435,31 @@ def _gemma3_layer_kinds(hf: dict[str, Any]) -> tuple[LayerKind, ...]:
     pattern = int(hf.get("sliding_window_pattern", 6))
     return tuple("sliding" if (i + 1) % pattern else "full" for i in range(n))
 
+
+
+def _hf_layer_type(kind: LayerKind) -> str:
+    return next(name for name, k in _HF_LAYER_TYPES.items() if k == kind)
+
+
+def _qwen3_5_layer_kinds(hf: dict[str, Any]) -> tuple[LayerKind, ...]:
+    if hf.get("layer_types"):
+        unknown = set(hf["layer_types"]) - {"full_attention", "linear_attention"}
+        if unknown:
+            raise ValueError(f"unsupported qwen3_5 layer types {sorted(unknown)}")
+        return tuple(_HF_LAYER_TYPES[t] for t in hf["layer_types"])
+    interval = int(hf.get("full_attention_interval", 4))
+    return tuple("linear" if (i + 1) % interval else "full" for i in range(int(hf["num_hidden_layers"])))
+
+
+def _qwen3_5_linear_fields(hf: dict[str, Any], rope_params: dict[str, Any]) -> dict[str, Any]:
+    """Partial rotary and Gated DeltaNet shape, with HF's Qwen3_5TextConfig defaults."""
+    return {
+        "partial_rotary_factor": float(
+            rope_params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+        ),
+        "linear_num_key_heads": int(hf.get("linear_num_key_heads", 16)),
+        "linear_num_value_heads": int(hf.get("linear_num_value_heads", 32)),
+        "linear_key_head_dim": int(hf.get("linear_key_head_dim", 128)),
+        "linear_value_head_dim": int(hf.get("linear_value_head_dim", 128)),
+        "linear_conv_kernel_dim": int(hf.get("linear_conv_kernel_dim", 4)),
+    }

@@ -1,19 +1,24 @@
-"""One decoder-only transformer covering Llama, Qwen3 and Gemma 3.
+"""One decoder-only model covering Llama, Qwen3, Gemma 3 and the Qwen3.5 hybrid.
 
-The families differ only in details the config names: q/k norms (Qwen3, Gemma 3),
-Gemma's (1 + w) norms in float32, sandwich norms around attention and MLP, scaled
-embeddings, GELU, per-layer sliding windows and per-kind rotary embeddings.
-Parameter names follow HF checkpoints except for the fused `qkv_proj` and
-`gate_up_proj`, which `PACKED_PARAMETERS` maps.
+The families differ only in details the config names: q/k norms (Qwen3, Gemma 3, Qwen3.5),
+(1 + w) norms in float32 (Gemma 3, Qwen3.5), Gemma's sandwich norms around attention and
+MLP and scaled embeddings, GELU, per-layer sliding windows and per-kind rotary embeddings,
+partial rotary and gated attention output (Qwen3.5), and the token mixer of each layer:
+attention, or Gated DeltaNet for Qwen3.5's "linear" layers.
+Parameter names follow HF checkpoints except for the fused `qkv_proj`, `gate_up_proj` and
+`in_proj`, which `PACKED_PARAMETERS` maps.
 """
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
-from kvshare.models.attention import AttentionContext
+from kvshare.models.attention import AttentionContext, RecurrentStateContext
 from kvshare.models.config import ModelConfig
+from kvshare.models.gated_deltanet import GatedDeltaNet
 from kvshare.models.layers import GatedMLP, RMSNorm, SelfAttention, rope_cos_sin, rope_inv_freq
 
 # HF parameter name fragment -> (fused parameter name fragment, shard index).
@@ -23,25 +28,46 @@ PACKED_PARAMETERS: dict[str, tuple[str, int]] = {
     "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
+    "in_proj_qkv": ("in_proj", 0),
+    "in_proj_z": ("in_proj", 1),
+    "in_proj_b": ("in_proj", 2),
+    "in_proj_a": ("in_proj", 3),
 }
+
+
+def packed_shard_sizes(config: ModelConfig, fused: str) -> tuple[int, ...]:
+    """Rows of each HF tensor inside the fused parameter `fused`, in shard order."""
+    if fused == "qkv_proj":
+        kv = config.num_kv_heads * config.head_dim
+        return config.q_proj_size, kv, kv
+    if fused == "gate_up_proj":
+        return config.intermediate_size, config.intermediate_size
+    if fused == "in_proj":
+        heads = config.linear_num_value_heads
+        return config.linear_conv_dim, config.linear_value_dim, heads, heads
+    raise ValueError(f"{fused!r} is not a fused parameter")
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        gemma = config.uses_gemma_norms
+        offset = config.unit_offset_norms
         eps = config.rms_norm_eps
         self.kind = config.layer_kinds[layer]
-        self.self_attn = SelfAttention(config, layer)
+        # The token mixer: attention over the KV cache, or Gated DeltaNet over recurrent state.
+        if self.kind == "linear":
+            self.linear_attn = GatedDeltaNet(config, layer)
+        else:
+            self.self_attn = SelfAttention(config, layer)
         self.mlp = GatedMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, gemma)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, gemma)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, offset)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, offset)
         # Gemma normalizes the outputs of attention and MLP too ("sandwich" norms); there
         # post_attention_layernorm is the attention output's norm, elsewhere the MLP input's.
-        self.sandwich = gemma
-        if gemma:
-            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, gemma)
-            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, gemma)
+        self.sandwich = config.uses_gemma_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
 
     def forward(
         self,
@@ -49,8 +75,12 @@ class DecoderLayer(nn.Module):
         rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
         ctx: AttentionContext,
     ) -> torch.Tensor:
-        cos, sin = rope[self.kind]
-        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, ctx)
+        normed = self.input_layernorm(hidden)
+        if self.kind == "linear":
+            attn = self.linear_attn(normed, cast(RecurrentStateContext, ctx))
+        else:
+            cos, sin = rope[self.kind]
+            attn = self.self_attn(normed, cos, sin, ctx)
         if self.sandwich:
             hidden = hidden + self.post_attention_layernorm(attn)
             return hidden + self.post_feedforward_layernorm(
@@ -65,11 +95,14 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.uses_gemma_norms)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.unit_offset_norms)
 
 
 class CausalLM(nn.Module):
-    """forward(input_ids [T], positions [T], ctx) -> hidden [T, H]; logits on request."""
+    """forward(input_ids [T], positions [T], ctx) -> hidden [T, H]; logits on request.
+
+    A hybrid model (with linear layers) needs a ctx that is also a RecurrentStateContext.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -82,11 +115,11 @@ class CausalLM(nn.Module):
     def rope_tables(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """cos/sin per layer kind, computed once per forward and shared by all layers."""
+        """cos/sin per attention layer kind, computed once per forward and shared by all layers."""
         tables = {}
-        for kind in set(self.config.layer_kinds):
+        for kind in set(self.config.layer_kinds) - {"linear"}:
             layer = self.config.layer_kinds.index(kind)
-            inv_freq = rope_inv_freq(self.config.rope_of(layer), self.config.head_dim, positions.device)
+            inv_freq = rope_inv_freq(self.config.rope_of(layer), self.config.rotary_dim, positions.device)
             tables[kind] = rope_cos_sin(positions, inv_freq, dtype)
         return tables
 

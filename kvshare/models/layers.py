@@ -13,23 +13,24 @@ from kvshare.models.config import ModelConfig, RopeConfig
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm in float32. Llama/Qwen scale by w after casting back; Gemma by (1 + w) before."""
+    """RMSNorm in float32. Llama/Qwen3 scale by w after casting back; Gemma 3 and Qwen3.5 by
+    (1 + w) before (`unit_offset`)."""
 
-    def __init__(self, dim: int, eps: float, gemma_style: bool) -> None:
+    def __init__(self, dim: int, eps: float, unit_offset: bool) -> None:
         super().__init__()
         self.eps = eps
-        self.gemma_style = gemma_style
+        self.unit_offset = unit_offset
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             # One fused kernel (fp32 inside) instead of ~8 passes over the activations;
             # the CPU path below is HF's exact op sequence (the parity reference).
-            weight = 1.0 + self.weight if self.gemma_style else self.weight
+            weight = 1.0 + self.weight if self.unit_offset else self.weight
             return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.gemma_style:
+        if self.unit_offset:
             return (normed * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * normed.to(x.dtype)
 
@@ -64,7 +65,10 @@ def rope_cos_sin(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, D]."""
+    """x [T, H, D]; cos/sin [T, R] rotate the first R <= D dims (partial rotary), the rest pass."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
@@ -87,7 +91,11 @@ class GatedMLP(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    """Projections, optional q/k norms, rotary embedding; the context does the attention."""
+    """Projections, optional q/k norms, rotary embedding; the context does the attention.
+
+    With an output gate (Qwen3.5), q_proj yields [query | gate] per head and the attention
+    output is multiplied by sigmoid(gate) before o_proj.
+    """
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -97,16 +105,17 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.attn_scale
         self.window = config.window_of(layer)
-        q_size = config.num_heads * config.head_dim
+        self.output_gate = config.attn_output_gate
         kv_size = config.num_kv_heads * config.head_dim
-        self.split_sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_bias)
+        self.split_sizes = (config.q_proj_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split_sizes), bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size,
+                                bias=config.attention_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.uses_gemma_norms)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.uses_gemma_norms)
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.unit_offset_norms)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.unit_offset_norms)
 
     def forward(
         self,
@@ -116,7 +125,10 @@ class SelfAttention(nn.Module):
         ctx: AttentionContext,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -125,4 +137,7 @@ class SelfAttention(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         out = ctx.attend(self.layer, q, k, v, scale=self.scale, window=self.window)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        out = out.reshape(-1, self.num_heads * self.head_dim)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(out.shape))
+        return self.o_proj(out)

@@ -17,13 +17,16 @@ import torch
 import xxhash
 
 from kvshare.models.config import ModelConfig
-from kvshare.models.decoder import PACKED_PARAMETERS, CausalLM
+from kvshare.models.decoder import PACKED_PARAMETERS, CausalLM, packed_shard_sizes
 from kvshare.models.presets import shape_preset
 from kvshare.models.random_weights import fill_random_weights_
 from kvshare.models.tokenizer import Tokenizer
 
 SHAPE_PREFIX = "shape:"
 _CHECKPOINT_PREFIXES = ("model.language_model.", "language_model.")
+# Parts of multimodal / multi-token-prediction checkpoints (Qwen3.5) a text model does not use.
+_UNUSED_PREFIXES = ("mtp.", "model.visual.", "visual.")
+_FUSED = tuple(dict.fromkeys(fused for fused, _ in PACKED_PARAMETERS.values()))
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ def _load_random(spec: str, device: torch.device, dtype: torch.dtype, seed: int)
     shape = spec[len(SHAPE_PREFIX):]
     config = shape_preset(shape)
     model = empty_model(config, device, dtype)
-    fill_random_weights_(model, seed, gemma_norms=config.uses_gemma_norms)
+    fill_random_weights_(model, seed, unit_offset_norms=config.unit_offset_norms)
     weights_id = f"random:{shape}:{seed}:{str(dtype).removeprefix('torch.')}"
     return LoadedModel(name=spec, config=config, model=model, tokenizer=None, weights_id=weights_id)
 
@@ -134,7 +137,7 @@ def _files_digest(files: Iterable[Path]) -> str:
 
 
 def load_weights_(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy HF-named tensors into `model`, packing q/k/v and gate/up into fused params.
+    """Copy HF-named tensors into `model`, packing q/k/v, gate/up and GDN in_proj_* into fused params.
 
     Every parameter must be written exactly once; a missing or unexpected tensor is an error
     (a silently uninitialized weight would be garbage output).
@@ -143,6 +146,8 @@ def load_weights_(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) 
     written: set[str] = set()
     with torch.no_grad():
         for hf_name, tensor in tensors:
+            if hf_name.startswith(_UNUSED_PREFIXES):
+                continue
             name = hf_name
             for prefix in _CHECKPOINT_PREFIXES:
                 if name.startswith(prefix):
@@ -162,7 +167,8 @@ def load_weights_(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) 
                 written.add(f"{target}#{shard}")
     expected = set()
     for name in params:
-        shards = _shard_count(name)
+        fused = _fused_of(name)
+        shards = len(packed_shard_sizes(model.config, fused)) if fused else 0
         expected.update({name} if shards == 0 else {f"{name}#{i}" for i in range(shards)})
     if missing := sorted(expected - written):
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -175,21 +181,34 @@ def _packed_target(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def _shard_count(name: str) -> int:
-    if ".qkv_proj." in name:
-        return 3
-    return 2 if ".gate_up_proj." in name else 0
+def _fused_of(name: str) -> str | None:
+    return next((fused for fused in _FUSED if f".{fused}." in name), None)
 
 
 def _shard_rows(model: CausalLM, target: str, shard: int) -> slice:
-    config = model.config
-    if ".qkv_proj." in target:
-        q = config.num_heads * config.head_dim
-        kv = config.num_kv_heads * config.head_dim
-        starts, sizes = (0, q, q + kv), (q, kv, kv)
-    else:
-        starts, sizes = (0, config.intermediate_size), (config.intermediate_size,) * 2
-    return slice(starts[shard], starts[shard] + sizes[shard])
+    fused = _fused_of(target)
+    assert fused is not None
+    sizes = packed_shard_sizes(model.config, fused)
+    start = sum(sizes[:shard])
+    return slice(start, start + sizes[shard])
+
+
+def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The model's parameters under HF checkpoint names, fused ones split back into their
+    parts (copies): what `load_weights_` reads, e.g. to build an HF reference model."""
+    parts: dict[str, list[str]] = {}
+    for part, (fused, _) in sorted(PACKED_PARAMETERS.items(), key=lambda item: item[1][1]):
+        parts.setdefault(fused, []).append(part)
+    out = {}
+    for name, param in model.named_parameters():
+        fused = _fused_of(name)
+        if fused is None:
+            out[name] = param.detach().clone()
+            continue
+        chunks = param.detach().split(packed_shard_sizes(model.config, fused), dim=0)
+        for part, chunk in zip(parts[fused], chunks):
+            out[name.replace(f".{fused}.", f".{part}.")] = chunk.clone()
+    return out
 
 
 def _copy_checked(dest: torch.Tensor, src: torch.Tensor, name: str) -> None:

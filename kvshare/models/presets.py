@@ -10,6 +10,11 @@ def _gemma3_kinds(num_layers: int, pattern: int = 6) -> tuple:
     return tuple("sliding" if (i + 1) % pattern else "full" for i in range(num_layers))
 
 
+def _qwen3_5_kinds(num_layers: int, interval: int = 4) -> tuple:
+    """Every `interval`-th layer full (gated) attention, the others Gated DeltaNet."""
+    return tuple("linear" if (i + 1) % interval else "full" for i in range(num_layers))
+
+
 SHAPE_PRESETS: dict[str, ModelConfig] = {
     "tiny-llama": ModelConfig(
         architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -29,6 +34,15 @@ SHAPE_PRESETS: dict[str, ModelConfig] = {
         hidden_act="gelu_tanh", layer_kinds=_gemma3_kinds(6), sliding_window=64,
         query_pre_attn_scalar=16, max_position_embeddings=8192, tie_word_embeddings=True,
         bos_token_id=2, eos_token_ids=(1,),
+    ),
+    # Two full-attention and six linear layers; value heads share key heads (Hv = 2 Hk), and
+    # key and value head dims differ, so that no mix-up of the two passes unnoticed.
+    "tiny-qwen3.5": ModelConfig(
+        architecture="qwen3_5", vocab_size=512, hidden_size=64, intermediate_size=128,
+        num_layers=8, num_heads=4, num_kv_heads=2, head_dim=32, rope=RopeConfig(theta=1e7),
+        partial_rotary_factor=0.25, layer_kinds=_qwen3_5_kinds(8), max_position_embeddings=8192,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, bos_token_id=1, eos_token_ids=(2,),
     ),
     "qwen3-8b": ModelConfig(
         architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -62,6 +76,14 @@ SHAPE_PRESETS: dict[str, ModelConfig] = {
         hidden_act="gelu_tanh", layer_kinds=_gemma3_kinds(62), sliding_window=1024,
         query_pre_attn_scalar=168, max_position_embeddings=131072, tie_word_embeddings=True,
         bos_token_id=2, eos_token_ids=(1, 106),
+    ),
+    # Qwen/Qwen3.5-27B's text model (config.json text_config); eos: <|im_end|>, <|endoftext|>.
+    "qwen3.5-27b": ModelConfig(
+        architecture="qwen3_5", vocab_size=248320, hidden_size=5120, intermediate_size=17408,
+        num_layers=64, num_heads=24, num_kv_heads=4, head_dim=256, rope=RopeConfig(theta=1e7),
+        partial_rotary_factor=0.25, layer_kinds=_qwen3_5_kinds(64), max_position_embeddings=262144,
+        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, eos_token_ids=(248046, 248044),
     ),
 }
 

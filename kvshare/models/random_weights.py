@@ -52,15 +52,32 @@ def _parameter_key(seed: int, name: str) -> int:
     return _signed(xxhash.xxh3_64_intdigest(f"kvshare-random:{seed}:{name}".encode()))
 
 
-def fill_random_weights_(model: nn.Module, seed: int, *, gemma_norms: bool, std: float = 0.02) -> None:
+def fill_random_weights_(
+    model: nn.Module, seed: int, *, unit_offset_norms: bool, std: float = 0.02
+) -> None:
     """Initialize every parameter of `model` from (name, seed); norms near identity."""
     bound = std * math.sqrt(3.0)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            key = _parameter_key(seed, name)
-            if name.endswith("norm.weight"):
-                # Llama scales by w, Gemma by (1 + w): both start near identity.
-                center = 0.0 if gemma_norms else 1.0
-                fill_uniform_(param, key, center - 0.1, center + 0.1)
-            else:
-                fill_uniform_(param, key, -bound, bound)
+            low, high = _value_range(name, param, unit_offset_norms, bound)
+            fill_uniform_(param, _parameter_key(seed, name), low, high)
+
+
+def _value_range(name: str, param: torch.Tensor, unit_offset_norms: bool, bound: float) -> tuple[float, float]:
+    if name.endswith("linear_attn.norm.weight"):
+        return 0.9, 1.1  # the gated norm scales by w, whatever the other norms do
+    if name.endswith("norm.weight"):
+        # Llama scales by w, Gemma and Qwen3.5 by (1 + w): both start near identity.
+        center = 0.0 if unit_offset_norms else 1.0
+        return center - 0.1, center + 0.1
+    # Gated DeltaNet, in HF's init ranges: decay rates A = exp(A_log) in [0.01, 16] (from
+    # near-perfect memory to forgetting within a token), dt_bias around HF's 1, and the conv
+    # in torch's default range 1/sqrt(kernel), so that its outputs are not vanishingly small.
+    if name.endswith("A_log"):
+        return math.log(0.01), math.log(16.0)
+    if name.endswith("dt_bias"):
+        return 0.5, 1.5
+    if name.endswith("conv1d.weight"):
+        limit = param.shape[-1] ** -0.5
+        return -limit, limit
+    return -bound, bound

@@ -20,7 +20,8 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-CHECKS = ("bytes", "pool-fill", "corruption", "faults", "regression")
+# Regression runs before faults: the daemon restart in faults disturbs a serving cluster.
+CHECKS = ("bytes", "pool-fill", "corruption", "regression", "faults")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -60,7 +61,7 @@ def _environment(args: argparse.Namespace, wanted: list[str]) -> Iterator[tuple[
         target = args.target
         pool: _Pool | None = _Pool(args.pool) if args.pool else None
         if args.up is not None or ("regression" in wanted and target is None):
-            from kvshare.serve.up import Cluster, UpConfig
+            from kvshare.serve.launcher import Cluster, UpConfig
 
             cluster = stack.enter_context(Cluster(UpConfig.from_args(shlex.split(args.up or ""))))
             target = cluster.url
@@ -117,7 +118,10 @@ def _validate(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    wanted = list(CHECKS) if "all" in args.checks else args.checks
+    from kvshare.validate.result import CheckResult
+
+    wanted = list(CHECKS) if "all" in args.checks else [c for c in CHECKS if c in args.checks]
+    wanted += [c for c in args.checks if c not in CHECKS and c != "all"]
     unknown = [c for c in wanted if c not in CHECKS]
     console = Console()
     if unknown:
@@ -128,7 +132,13 @@ def _validate(args: argparse.Namespace) -> int:
         for name in wanted:
             start = time.monotonic()
             with console.status(f"validate {name} ..."):
-                for result in _run_check(name, args, pool, target):
+                try:
+                    outcome = _run_check(name, args, pool, target)
+                except Exception as exc:  # a check that cannot run is a failed check, not a crash
+                    failed = CheckResult(name)
+                    failed.fail(f"{type(exc).__name__}: {exc}")
+                    outcome = [failed]
+                for result in outcome:
                     results.append(result)
                     seconds[result.name] = time.monotonic() - start
     table = Table(title="kvshare validate")

@@ -12,6 +12,7 @@ history, so both runs send identical prompts. The report names the first differi
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -51,9 +52,13 @@ class _Service:
     def admin_all(self, path: str, body: dict | None = None) -> None:
         self.http.post(f"{self.url}/admin/all/{path}", json=body or {}).raise_for_status()
 
-    def clear_pool(self) -> None:
-        replicas = self.http.get(f"{self.url}/admin/replicas").json()
-        self.http.post(f"{replicas[0]['url'].rstrip('/')}/admin/clear_pool").raise_for_status()
+    def clear_pool(self, attempts: int = 10) -> None:
+        """Clear the shared pool; a replica whose pool client is reconnecting answers 503."""
+        for _ in range(attempts - 1):
+            if self.http.post(f"{self.url}/admin/all/clear_pool").status_code < 500:
+                return
+            time.sleep(1.0)
+        self.admin_all("clear_pool")
 
     def complete(self, prompt: str, replica: int, max_tokens: int) -> dict:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,

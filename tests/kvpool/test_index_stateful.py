@@ -102,12 +102,17 @@ class IndexMachine(RuleBasedStateMachine):
         placed = iter(reserved)
         count = 0
         for key in missing:
-            if not self.has_room(slot):
-                if not self.lru[slot]:
+            # Evict this class's LRU page; with none, the largest evictable class's
+            # (ties: the larger slot), one page at a time until a slot or slab frees.
+            while not self.has_room(slot):
+                victim_slot = slot if self.lru[slot] else self.largest_evictable_slot()
+                if victim_slot is None:
                     break
-                victim = next(iter(self.lru[slot]))
-                del self.lru[slot][victim]
+                victim = next(iter(self.lru[victim_slot]))
+                del self.lru[victim_slot][victim]
                 self.forget(victim)
+            if not self.has_room(slot):
+                break
             got_key, offset = next(placed)
             assert got_key == key
             assert offset not in self.offset.values(), "slot handed out twice"
@@ -117,6 +122,10 @@ class IndexMachine(RuleBasedStateMachine):
         assert next(placed, None) is None
         assert dropped == len(missing) - count
         self.unpin(held)
+
+    def largest_evictable_slot(self) -> int | None:
+        candidates = [slot for slot, lru in self.lru.items() if lru]
+        return max(candidates, key=lambda slot: (len(self.lru[slot]), slot)) if candidates else None
 
     @rule(conn=st.sampled_from(CONNS), data=st.data(), with_offsets=st.booleans())
     def commit(self, conn: int, data: st.DataObject, with_offsets: bool) -> None:

@@ -17,7 +17,8 @@ from kvshare.models.decoder import CausalLM
 from kvshare.models.loader import load_model
 from kvshare.models.random_weights import fill_random_weights_, fill_uniform_
 
-CASES = [("tiny-llama", 0, "float32"), ("tiny-gemma3", 7, "bfloat16"), ("tiny-qwen3", 1, "float16")]
+CASES = [("tiny-llama", 0, "float32"), ("tiny-gemma3", 7, "bfloat16"), ("tiny-qwen3", 1, "float16"),
+         ("tiny-qwen3.5", 2, "bfloat16")]
 BOUND = 0.02 * math.sqrt(3.0)
 
 _DIGEST_SCRIPT = """
@@ -67,7 +68,7 @@ def test_seed_shape_and_dtype_change_the_weights() -> None:
 @pytest.mark.parametrize(("shape", "dtype"), [("tiny-llama", "float32"), ("tiny-gemma3", "bfloat16")])
 def test_values_lie_in_the_intended_range(shape: str, dtype: str) -> None:
     loaded = load_model("shape:" + shape, dtype=dtype, seed=3)
-    norm_center = 0.0 if loaded.config.uses_gemma_norms else 1.0
+    norm_center = 0.0 if loaded.config.unit_offset_norms else 1.0
     for name, p in loaded.model.named_parameters():
         center, half = (norm_center, 0.1) if name.endswith("norm.weight") else (0.0, BOUND)
         lo, hi = (torch.tensor(v, dtype=p.dtype).item() for v in (center - half, center + half))
@@ -82,7 +83,7 @@ def test_values_lie_in_the_intended_range(shape: str, dtype: str) -> None:
             assert values.max().item() - values.min().item() > half, name
 
 
-@pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen3", "tiny-gemma3"])
+@pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen3", "tiny-gemma3", "tiny-qwen3.5"])
 def test_every_parameter_is_written(monkeypatch: pytest.MonkeyPatch, shape: str) -> None:
     empty = loader.empty_model
 
@@ -114,7 +115,7 @@ def test_fill_is_independent_of_the_model_instance() -> None:
     with torch.no_grad():
         for p in b.parameters():
             p.zero_()
-    fill_random_weights_(b, 5, gemma_norms=False)
+    fill_random_weights_(b, 5, unit_offset_norms=False)
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(pa, pb), name
 

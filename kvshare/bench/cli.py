@@ -1,0 +1,166 @@
+"""`kvshare bench WORKLOAD` (blocked OFF/ON benchmark of a cluster) and `kvshare demo`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvshare.bench.design import DEFAULT_DESIGN, Design
+
+if TYPE_CHECKING:
+    from kvshare.bench.runner import Workload
+
+
+def _design(text: str) -> Design:
+    try:
+        return Design.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected integers joined by ',', got {text!r}") from error
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--target", metavar="URL", help="router URL of a running cluster")
+    target.add_argument("--up", metavar="ARGS",
+                        help='start a cluster with these `kvshare up` arguments and benchmark it '
+                             '(--up="" for the default; write --up="--flag" when ARGS starts with -)')
+    parser.add_argument("--model", help="model spec whose tokenizer builds the prompts "
+                                        "(default: the model id the server lists)")
+    parser.add_argument("--design", type=_design, default=Design.parse(DEFAULT_DESIGN),
+                        help=f"blocks in order, OFF or ON joined by '-' (default {DEFAULT_DESIGN})")
+    parser.add_argument("--seed", type=int, default=0, help="prompts, request order and bootstrap")
+    parser.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
+    parser.add_argument("--settle-timeout", type=float, default=10.0,
+                        help="longest wait, before a follow-up, for the pool's stores to commit")
+    parser.add_argument("--json", type=Path, help="write every request's timings and usage here")
+    parser.add_argument("--markdown", type=Path, help="write a Markdown summary here")
+    parser.add_argument("--plot", type=Path, help="write a PNG plot here")
+    parser.set_defaults(func=run_bench_command)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser(
+        "bench", help="benchmark a cluster with the KV pool off and on (blocked design)",
+        description="Run a workload in blocks (default OFF-ON-ON-OFF). At each block start the "
+                    "pool is switched on or off on every replica and cleared, and every GPU-local "
+                    "prefix cache is reset.")
+    workloads = bench.add_subparsers(dest="workload", required=True, metavar="WORKLOAD")
+
+    cross = workloads.add_parser("cross-replica", help="prefill on replica 0, measure the follow-up on 1")
+    _common(cross)
+    cross.add_argument("--lengths", type=_int_list, default=(1024, 2048, 4096), help="context tokens")
+    cross.add_argument("--requests-per-block", type=int, default=8, help="follow-ups per length")
+    cross.add_argument("--question-tokens", type=int, default=32)
+    cross.add_argument("--output-tokens", type=int, default=8)
+    cross.add_argument("--replica-a", type=int, default=0, help="replica A, which prefills the context")
+    cross.add_argument("--replica-b", type=int, default=1,
+                       help="replica B, which is measured (may equal A: caches are reset between)")
+    cross.add_argument("--shared-context", action="store_true",
+                       help="one context per length per block, prefilled once; each follow-up asks its own question")
+    cross.set_defaults(make_workload=_cross_replica)
+
+    sessions = workloads.add_parser("sessions", help="multi-turn sessions that resend their history")
+    _common(sessions)
+    sessions.add_argument("--sessions", type=int, default=4, help="per placement per block")
+    sessions.add_argument("--turns", type=int, default=6)
+    sessions.add_argument("--context", type=int, default=4096, help="tokens of the first turn's document")
+    sessions.add_argument("--question-tokens", type=int, default=32)
+    sessions.add_argument("--output-tokens", type=int, default=32)
+    sessions.add_argument("--placement", choices=("alternate", "fixed", "both"), default="both")
+    sessions.set_defaults(make_workload=_sessions)
+
+    shared = workloads.add_parser("shared-prefix", help="concurrent users over a few shared documents")
+    _common(shared)
+    shared.add_argument("--documents", type=int, default=4)
+    shared.add_argument("--users", type=int, default=64, help="questions per block, one per user")
+    shared.add_argument("--concurrency", type=int, default=8)
+    shared.add_argument("--doc-tokens", type=int, default=4096)
+    shared.add_argument("--question-tokens", type=int, default=32)
+    shared.add_argument("--output-tokens", type=int, default=16)
+    shared.set_defaults(make_workload=_shared_prefix)
+
+    demo = subparsers.add_parser(
+        "demo", help="start the default cluster and show what the shared pool does (minutes, CPU)")
+    demo.add_argument("--out", type=Path, default=Path("kvshare-demo"), help="folder for the results")
+    demo.add_argument("--up", metavar="ARGS", default="", help="`kvshare up` arguments (default: none)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=run_demo_command)
+
+
+def _cross_replica(args: argparse.Namespace) -> Workload:
+    from kvshare.bench.cross_replica import CrossReplica
+
+    return CrossReplica(args.lengths, args.requests_per_block, args.question_tokens, args.output_tokens,
+                        args.replica_a, args.replica_b, args.shared_context)
+
+
+def _sessions(args: argparse.Namespace) -> Workload:
+    from kvshare.bench.sessions import PLACEMENTS, Sessions
+
+    placements = PLACEMENTS if args.placement == "both" else (args.placement,)
+    return Sessions(args.sessions, args.context, args.turns, args.question_tokens, args.output_tokens,
+                    placements)
+
+
+def _shared_prefix(args: argparse.Namespace) -> Workload:
+    from kvshare.bench.shared_prefix import SharedPrefix
+
+    return SharedPrefix(args.documents, args.users, args.concurrency, args.doc_tokens,
+                        args.question_tokens, args.output_tokens)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from kvshare.bench.cluster import cluster_target
+    from kvshare.bench.driver import BENCH_ERRORS, BenchOptions, Outputs, report, run_with_progress
+    from kvshare.bench.stats import BootstrapSpec
+
+    console = Console()
+    log = Path(tempfile.gettempdir()) / f"kvshare-bench-up-{os.getpid()}.log"
+    try:
+        workload = args.make_workload(args)
+        spec = BootstrapSpec(args.resamples, seed=args.seed)
+        command = shlex.join(["kvshare", *sys.argv[1:]])
+        if args.up is not None:
+            console.print(f"starting the cluster (kvshare up {args.up}); its output goes to {log}")
+        with cluster_target(args.target, args.up, log) as target:
+            options = BenchOptions(args.design, args.seed, spec, args.model or target.model,
+                                   args.timeout, command, args.settle_timeout)
+            run = run_with_progress(workload, target.url, options, console)
+        report(run, options, Outputs(args.json, args.markdown, args.plot), console)
+    except BENCH_ERRORS as error:
+        console.print(f"[red]kvshare bench:[/red] {error}")
+        return 2 if isinstance(error, ValueError) else 1
+    except RuntimeError as error:  # the cluster did not start (kvshare.serve.launcher)
+        console.print(f"[red]kvshare bench:[/red] {error}\n(cluster output: {log})")
+        return 1
+    return 0
+
+
+def run_demo_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from kvshare.bench.demo import run_demo
+    from kvshare.bench.driver import BENCH_ERRORS
+
+    console = Console()
+    try:
+        run_demo(args.out, args.up, args.seed, console)
+    except (*BENCH_ERRORS, RuntimeError) as error:  # RuntimeError: the cluster did not start
+        console.print(f"[red]kvshare demo:[/red] {error}")
+        return 1
+    return 0

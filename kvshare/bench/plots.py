@@ -1,0 +1,86 @@
+"""PNG plots: median TTFT (log axis) with its bootstrap interval, OFF and ON.
+
+Workloads with points along x (context length, turn) get one curve per (series, condition);
+those without (shared-prefix) get the TTFT distribution per condition as an empirical CDF.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+from kvshare.bench.design import CONDITIONS, OFF
+from kvshare.bench.records import BenchRun
+from kvshare.bench.summary import TTFT, Comparison, samples
+
+_PLAIN = FuncFormatter(lambda value, _: f"{value:g}")  # 1024, not 2^10
+_STYLE = {OFF: {"linestyle": "--", "marker": "o"}, "ON": {"linestyle": "-", "marker": "s"}}
+
+
+def plot_run(run: BenchRun, comparisons: Sequence[Comparison], path: Path) -> None:
+    # A bare Figure renders with the Agg canvas: no pyplot, no global figure registry, no display.
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    curves = [c for c in comparisons if c.metric == TTFT and c.x is not None]
+    if curves:
+        _curves(ax, curves, log_x=run.info.workload == "cross-replica")
+        ax.set_xlabel(run.info.x_label)
+    else:
+        _ecdf(ax, run)
+    ax.set_title(f"kvshare {run.info.workload} ({run.info.model}, {run.info.design.label})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=120)
+
+
+def _curves(ax: Axes, curves: Sequence[Comparison], log_x: bool) -> None:
+    for series in dict.fromkeys(c.series for c in curves):
+        for condition in CONDITIONS:
+            points = [(c.x, c.off if condition == OFF else c.on) for c in curves if c.series == series]
+            points = [(x, e) for x, e in points if e is not None]
+            if not points:
+                continue
+            xs = np.array([x for x, _ in points], dtype=float)
+            ys = np.array([e.value for _, e in points])
+            err = np.array([[e.value - e.low for _, e in points], [e.high - e.value for _, e in points]])
+            ax.errorbar(xs, ys, yerr=err, capsize=3, label=f"{series}, pool {condition}",
+                        **_STYLE[condition])
+    if log_x:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({c.x for c in curves if c.x is not None}))
+        ax.xaxis.set_major_formatter(_PLAIN)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    _log_seconds(ax, "y")
+    ax.set_ylabel("median TTFT, s (95% interval)")
+
+
+def _ecdf(ax: Axes, run: BenchRun) -> None:
+    values = samples(run.records())
+    for condition in CONDITIONS:
+        ttfts = np.sort([s.value for s in values if s.metric == TTFT and s.condition == condition])
+        if len(ttfts):
+            ax.step(ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), where="post",
+                    label=f"pool {condition}", linestyle=_STYLE[condition]["linestyle"])
+    _log_seconds(ax, "x")
+    ax.set_xlabel("TTFT, s")
+    ax.set_ylabel("fraction of requests")
+
+
+def _one_two_five(value: float, _: object) -> str:
+    """Labels for a log axis: 0.1, 0.2, 0.5, 1, 2, 5, ... and nothing at the other ticks."""
+    mantissa = value / 10 ** math.floor(math.log10(value)) if value > 0 else 0.0
+    return f"{value:g}" if round(mantissa, 6) in (1.0, 2.0, 5.0) else ""
+
+
+def _log_seconds(ax: Axes, which: str) -> None:
+    (ax.set_xscale if which == "x" else ax.set_yscale)("log")
+    axis = ax.xaxis if which == "x" else ax.yaxis
+    axis.set_major_formatter(FuncFormatter(_one_two_five))
+    axis.set_minor_formatter(FuncFormatter(_one_two_five))

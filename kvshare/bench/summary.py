@@ -1,0 +1,166 @@
+"""From records to results: per-block medians, pooled medians per condition, ON/OFF ratios.
+
+A sample is one value of one metric at one point (series, x) in one block. `ttft_s` comes from
+every measured request that streamed content; `session_s` is a session's time spent waiting
+for answers: the sum of its requests' total times (the bench's own pauses between turns, and
+the building of prompts, are not in it).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvshare.bench.design import OFF, ON, Design
+from kvshare.bench.records import BlockResult, RequestRecord
+from kvshare.bench.stats import BootstrapSpec, Estimate, median_interval, ratio_interval
+
+TTFT = "ttft_s"
+SESSION = "session_s"
+METRICS = (TTFT, SESSION)
+
+Point = tuple[str, str, int | None]  # (metric, series, x)
+
+
+@dataclass(frozen=True)
+class Sample:
+    metric: str
+    series: str
+    x: int | None
+    block: int
+    condition: str
+    value: float
+
+    @property
+    def point(self) -> Point:
+        return self.metric, self.series, self.x
+
+
+def _end(record: RequestRecord) -> float:
+    return record.start_s + record.result.total_s
+
+
+def samples(records: Iterable[RequestRecord]) -> list[Sample]:
+    out = []
+    sessions: dict[tuple[int, str], list[RequestRecord]] = defaultdict(list)
+    for r in records:
+        if not r.measured:
+            continue
+        if r.result.ttft_s is not None:
+            out.append(Sample(TTFT, r.tag.series, r.tag.x, r.block, r.condition, r.result.ttft_s))
+        if r.tag.session is not None:
+            sessions[r.block, r.tag.session].append(r)
+    for group in sessions.values():
+        first = group[0]
+        waited = sum(r.result.total_s for r in group)
+        out.append(Sample(SESSION, first.tag.series, None, first.block, first.condition, waited))
+    return out
+
+
+def pool_hit_rate(records: Iterable[RequestRecord]) -> float | None:
+    """pool_hit_tokens / prompt_tokens over the records (usage.kv); None with no prompt tokens."""
+    prompt = hits = 0
+    for r in records:
+        prompt += r.usage_int("prompt_tokens")
+        hits += r.usage_int("kv", "pool_hit_tokens")
+    return hits / prompt if prompt else None
+
+
+@dataclass(frozen=True)
+class Comparison:
+    metric: str
+    series: str
+    x: int | None
+    block_medians: tuple[float | None, ...]  # per design block; None: no sample in that block
+    counts: tuple[int, int]  # samples (OFF, ON)
+    off: Estimate | None
+    on: Estimate | None
+    ratio: Estimate | None  # median ON / median OFF
+    hit_rates: tuple[float | None, float | None]  # pool hit rate (OFF, ON) of the point's requests
+
+    def __post_init__(self) -> None:
+        if self.metric not in METRICS:
+            raise ValueError(f"metric must be one of {METRICS}, got {self.metric!r}")
+
+
+def _strata(samples: Sequence[Sample], design: Design, condition: str) -> list[list[float]]:
+    return [[s.value for s in samples if s.block == b.index]
+            for b in design.blocks if b.condition == condition]
+
+
+def compare(
+    blocks: Sequence[BlockResult], design: Design, spec: BootstrapSpec
+) -> list[Comparison]:
+    """One comparison per (metric, series, x), in metric order, then first appearance, then x."""
+    records = [r for b in blocks for r in b.records]
+    by_point: dict[Point, list[Sample]] = defaultdict(list)
+    for s in samples(records):
+        by_point[s.point].append(s)
+    series_order = list(dict.fromkeys(r.tag.series for r in records))
+    ordered = sorted(by_point, key=lambda p: (METRICS.index(p[0]), series_order.index(p[1]),
+                                              -1 if p[2] is None else p[2]))
+    return [_compare(point, by_point[point], records, design, spec) for point in ordered]
+
+
+def _compare(
+    point: Point, group: list[Sample], records: list[RequestRecord], design: Design, spec: BootstrapSpec
+) -> Comparison:
+    metric, series, x = point
+    medians = tuple(
+        float(np.median(values)) if (values := [s.value for s in group if s.block == b.index]) else None
+        for b in design.blocks
+    )
+    off, on = _strata(group, design, OFF), _strata(group, design, ON)
+    n_off, n_on = sum(map(len, off)), sum(map(len, on))
+    mine = [r for r in records if r.measured and r.tag.series == series
+            and (metric == SESSION or r.tag.x == x)]
+    return Comparison(
+        metric, series, x, medians, (n_off, n_on),
+        off=median_interval(off, spec) if n_off else None,
+        on=median_interval(on, spec) if n_on else None,
+        ratio=ratio_interval(on, off, spec) if n_off and n_on else None,
+        hit_rates=(pool_hit_rate(r for r in mine if r.condition == OFF),
+                   pool_hit_rate(r for r in mine if r.condition == ON)),
+    )
+
+
+@dataclass(frozen=True)
+class BlockRow:
+    index: int
+    condition: str
+    requests: int
+    no_content: int  # measured requests that streamed no content (no TTFT)
+    median_ttft_s: float | None  # of measured requests
+    span_s: float  # first send to last response end
+    requests_per_s: float
+    tokens_per_s: float  # prompt + completion tokens
+    output_tokens_per_s: float
+    pool_hit_rate: float | None  # of measured requests
+    loaded_bytes: int | None  # pool -> replicas, all replicas
+    stored_bytes: int | None  # replicas -> pool
+    settle_s: float  # waited in all for stores to commit before requests (runner.settle)
+
+
+def block_row(result: BlockResult) -> BlockRow:
+    records = result.records
+    measured = [r for r in records if r.measured]
+    ttfts = [r.result.ttft_s for r in measured if r.result.ttft_s is not None]
+    span = max(map(_end, records)) - min(r.start_s for r in records) if records else 0.0
+    prompt = sum(r.usage_int("prompt_tokens") for r in records)
+    output = sum(r.usage_int("completion_tokens") for r in records)
+    return BlockRow(
+        index=result.block.index, condition=result.block.condition, requests=len(records),
+        no_content=len(measured) - len(ttfts),
+        median_ttft_s=float(np.median(ttfts)) if ttfts else None,
+        span_s=span,
+        requests_per_s=len(records) / span if span else 0.0,
+        tokens_per_s=(prompt + output) / span if span else 0.0,
+        output_tokens_per_s=output / span if span else 0.0,
+        pool_hit_rate=pool_hit_rate(measured),
+        loaded_bytes=result.pool_bytes("loaded_bytes"),
+        stored_bytes=result.pool_bytes("stored_bytes"),
+        settle_s=sum(r.settle_s or 0.0 for r in records),
+    )

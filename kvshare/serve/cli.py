@@ -1,0 +1,211 @@
+"""`kvshare serve` (one replica), `kvshare router` (N replicas behind one API) and
+`kvshare up` (pool + replicas + router on this host)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from typing import TYPE_CHECKING
+
+from kvshare.engine.cli import add_model_arguments, engine_options
+
+if TYPE_CHECKING:
+    from kvshare.serve.launcher import UpConfig
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# `kvshare serve` flags that `kvshare up` passes through to every replica (dest, flag).
+_ENGINE_FLAGS = (("dtype", "--dtype"), ("weights_seed", "--weights-seed"),
+                 ("max_num_batched_tokens", "--max-num-batched-tokens"),
+                 ("max_num_seqs", "--max-num-seqs"), ("max_model_len", "--max-model-len"),
+                 ("kv_cache_memory", "--kv-cache-memory"), ("attention_backend", "--attention-backend"))
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from kvshare.serve.policies import POLICIES
+
+    serve = subparsers.add_parser("serve", help="serve one model over an OpenAI-compatible HTTP API")
+    add_model_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    pool = serve.add_mutually_exclusive_group()
+    pool.add_argument("--kv-pool", metavar="unix:PATH",
+                      help="the shared pool's socket (default: the per-user default socket)")
+    pool.add_argument("--no-kv-pool", action="store_true", help="run without the shared pool")
+    serve.add_argument("--chunk-tokens", type=int, default=256, help="tokens per pool page")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
+    serve.add_argument("--served-model-name", help="the model name clients send (default: --model)")
+    serve.add_argument("--max-body-bytes", default="8MiB", help="largest request body (default: 8MiB)")
+    serve.add_argument("--log-level", default="INFO", choices=_LOG_LEVELS)
+    # Test-only: break the pool's load ordering so `kvshare validate regression` can show
+    # it catches the wrong answers that follow (never use in production).
+    serve.add_argument("--unsafe-break-stream-order", choices=("store", "load"), default="",
+                       help=argparse.SUPPRESS)
+    serve.add_argument("--unsafe-load-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    serve.add_argument("--unsafe-skip-checksums", action="store_true", help=argparse.SUPPRESS)
+    serve.set_defaults(func=run_serve)
+
+    router = subparsers.add_parser("router", help="route the OpenAI API over several replicas")
+    router.add_argument("--replica", action="append", required=True, metavar="URL",
+                        help="a replica's base URL (repeat; the order gives replica indexes)")
+    router.add_argument("--policy", default="cache-aware", choices=POLICIES)
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8080)
+    router.add_argument("--model", help="the served model, for its tokenizer and chat template "
+                        "(routing keys); without one, keys hash the raw prompt text")
+    router.add_argument("--block-tokens", type=int, default=16, help="routing-key block size")
+    router.add_argument("--chunk-tokens", type=int, default=256, help="the pool's tokens per page")
+    router.add_argument("--pool-credit", type=float, default=0.8,
+                        help="cache-aware: worth of a pool-resident token relative to a GPU hit")
+    router.add_argument("--load-penalty-tokens", type=float, default=64.0,
+                        help="cache-aware: score cost of one request in flight, in tokens")
+    router.add_argument("--health-interval", type=float, default=1.0, help="seconds between checks")
+    router.add_argument("--log-level", default="INFO", choices=_LOG_LEVELS)
+    router.set_defaults(func=run_router)
+
+    up = subparsers.add_parser("up", help="start pool + replicas + router on this host",
+                               description="With no arguments: 2 replicas of SmolLM2-135M-Instruct "
+                               "on the CPU, a 2 GiB pool, the router on port 8080.")
+    add_up_arguments(up)
+    up.set_defaults(func=run_up)
+
+
+def add_up_arguments(up: argparse.ArgumentParser) -> None:
+    from kvshare.serve.policies import POLICIES
+
+    add_model_arguments(up)
+    up.set_defaults(gpu_memory_fraction=None)  # per replica; default 0.9 / replicas on CUDA
+    up.add_argument("--replicas", type=int, default=2)
+    up.add_argument("--pool-size", default="2GiB")
+    up.add_argument("--pool-preallocate", action="store_true",
+                    help="allocate the pool arena at start (reserves the memory; faster CUDA registration)")
+    up.add_argument("--no-kv-pool", action="store_true", help="replicas without the shared pool")
+    up.add_argument("--chunk-tokens", type=int, default=256)
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8080,
+                    help="router port; replicas take the next ones (0: any free ports)")
+    up.add_argument("--policy", default="cache-aware", choices=POLICIES)
+    up.add_argument("--api-key", help="passed to every replica")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from kvshare import LLM
+    from kvshare.kvpool.connector import PoolConnector
+    from kvshare.kvpool.paths import default_pool_paths
+    from kvshare.serve.server import ServeConfig, build_app
+    from kvshare.sizes import parse_size
+
+    logging.basicConfig(level=args.log_level, format=_LOG_FORMAT)
+    pool = None if args.no_kv_pool else args.kv_pool or f"unix:{default_pool_paths().socket_path}"
+    try:
+        config = ServeConfig(args.served_model_name or args.model, args.api_key,
+                             parse_size(args.max_body_bytes))
+        unsafe = {"break_order": args.unsafe_break_stream_order, "load_delay": args.unsafe_load_delay,
+                  "verify": not args.unsafe_skip_checksums}
+        llm = LLM(args.model, kv_pool=pool, chunk_tokens=args.chunk_tokens, kv_pool_options=unsafe,
+                  **engine_options(args))  # type: ignore[arg-type]
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvshare serve: {exc}", file=sys.stderr)
+        return 2
+    engine = llm.engine
+    banner = (f"kvshare serve: {config.served_model_name} ready on http://{args.host}:{args.port} "
+              f"({engine.blocks.num_blocks} KV blocks, context {engine.max_model_len}, "
+              f"pool {pool or 'off'})")
+    try:
+        web.run_app(build_app(engine, config), host=args.host, port=args.port,
+                    handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
+                    print=lambda _: print(banner, flush=True))
+    except OSError as exc:
+        print(f"kvshare serve: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if isinstance(engine.connector, PoolConnector):
+            engine.connector.close()
+    return 0
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from kvshare.serve.policies import PolicyConfig
+    from kvshare.serve.router import RouterConfig, build_router_app
+    from kvshare.serve.routing_keys import RoutingKeys, load_routing_tokenizer
+
+    logging.basicConfig(level=args.log_level, format=_LOG_FORMAT)
+    try:
+        tokenizer = load_routing_tokenizer(args.model)
+        config = RouterConfig(
+            tuple(args.replica), args.policy,
+            PolicyConfig(pool_credit=args.pool_credit, load_penalty_tokens=args.load_penalty_tokens,
+                         chunk_tokens=args.chunk_tokens),
+            block_tokens=args.block_tokens, health_interval=args.health_interval)
+        keys = RoutingKeys(tokenizer, config.block_tokens)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvshare router: {exc}", file=sys.stderr)
+        return 2
+    if tokenizer is None and args.policy == "cache-aware":
+        logging.getLogger(__name__).warning(
+            "no tokenizer for %s: routing keys hash raw prompt text (token-id prompts stay exact)",
+            args.model)
+    banner = (f"kvshare router: {args.policy} over {len(config.replicas)} replicas, "
+              f"ready on http://{args.host}:{args.port}")
+    try:
+        web.run_app(build_router_app(config, keys), host=args.host, port=args.port,
+                    handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
+                    print=lambda _: print(banner, flush=True))
+    except OSError as exc:
+        print(f"kvshare router: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _engine_argv(args: argparse.Namespace) -> tuple[str, ...]:
+    argv: list[str] = []
+    for dest, flag in _ENGINE_FLAGS:
+        value = getattr(args, dest)
+        if value is not None:
+            argv += [flag, str(value)]
+    return tuple(argv)
+
+
+def up_config(args: argparse.Namespace) -> UpConfig:
+    """The UpConfig of parsed `kvshare up` arguments (ValueError if they are invalid)."""
+    from kvshare.serve.launcher import UpConfig
+    from kvshare.sizes import parse_size
+
+    return UpConfig(
+        replicas=args.replicas, model=args.model, device=args.device,
+        engine_args=_engine_argv(args), gpu_memory_fraction=args.gpu_memory_fraction,
+        pool_size=parse_size(args.pool_size), pool_preallocate=args.pool_preallocate,
+        kv_pool=not args.no_kv_pool,
+        chunk_tokens=args.chunk_tokens, host=args.host, port=args.port, policy=args.policy,
+        api_key=args.api_key)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from kvshare.serve.launcher import Cluster
+
+    try:
+        config = up_config(args)
+    except ValueError as exc:
+        print(f"kvshare up: {exc}", file=sys.stderr)
+        return 2
+    # SIGTERM shuts down like Ctrl-C: KeyboardInterrupt unwinds through Cluster.__exit__.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        with Cluster(config) as cluster:
+            print(f"kvshare up: router {cluster.url}; replicas {', '.join(cluster.replica_urls)}; "
+                  f"pool {cluster.pool_address if config.kv_pool else 'off'} (Ctrl-C stops all)",
+                  flush=True)
+            print(f"kvshare up: {cluster.wait_any_exit()}; shutting down", file=sys.stderr)
+            return 1
+    except RuntimeError as exc:
+        print(f"kvshare up: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("kvshare up: stopped; pool files removed", file=sys.stderr)
+        return 130

@@ -1,0 +1,285 @@
+"""The engine on its own thread, fed by a command queue; outputs go back to asyncio.
+
+Thread confinement is the whole synchronization story:
+- Only the engine thread touches the engine (and its connector and pool client). The HTTP
+  side sends commands: add a request, abort one, or call a function on the engine (admin
+  calls, stats snapshots), whose result resolves an asyncio future.
+- Only the event loop touches the per-request queues: the engine thread hands each step's
+  outputs over with one `loop.call_soon_threadsafe`, and the loop fans them out.
+- The loop steps while any request is unfinished and blocks on the queue otherwise, so an
+  idle server uses no CPU and a busy one never waits for the HTTP side.
+- An exception from a step fails every unfinished request (which of them the step broke
+  is unknown), frees their blocks, and the thread keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from kvshare.engine.llm_engine import LLMEngine, RequestOutput
+from kvshare.engine.sampling_params import SamplingParams
+from kvshare.kvpool.connector import PoolConnector
+
+_log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# After a step that produced no output (all requests loading from the pool, or a prefill
+# chunk that samples nothing), wait this long for commands before stepping again: a busy
+# spin would take the GIL from the copy thread and the event loop.
+_IDLE_STEP_WAIT_S = 0.001
+
+
+class EngineFailure(Exception):
+    """The engine raised while this request was unfinished, or refused to add it."""
+
+    def __init__(self, message: str, user_error: bool = False) -> None:
+        super().__init__(message)
+        self.user_error = user_error  # the request itself was bad (engine ValueError)
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    running: int = 0  # admitted: computing, decoding or loading from the pool
+    waiting: int = 0
+    gpu_cache_usage: float = 0.0  # share of KV blocks held by requests
+    num_blocks: int = 0
+    pool_enabled: bool = False
+    kv_pool: dict[str, int] | None = None  # the connector's counters; None without a pool
+
+
+def snapshot_of(engine: LLMEngine) -> EngineSnapshot:
+    scheduler, connector = engine.scheduler, engine.connector
+    return EngineSnapshot(
+        running=len(scheduler.running) + len(scheduler.loading),
+        waiting=len(scheduler.waiting),
+        gpu_cache_usage=engine.blocks.usage,
+        num_blocks=engine.blocks.num_blocks,
+        pool_enabled=connector is not None and connector.enabled,
+        kv_pool=connector.stats() if connector is not None else None,
+    )
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future[Any]
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+_Command = _Add | _Abort | _Call | _Stop
+_Item = RequestOutput | EngineFailure
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():  # the awaiting handler was cancelled meanwhile: nobody wants it
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+class RequestStream:
+    """The outputs of one request, in order; ends with a finished output or a failure."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+
+    def put(self, item: _Item) -> None:
+        self._queue.put_nowait(item)
+
+    async def get(self) -> RequestOutput:
+        item = await self._queue.get()
+        if isinstance(item, EngineFailure):
+            raise item
+        return item
+
+
+class EngineThread:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # loop thread only
+        self._thread = threading.Thread(target=self._run, name="kvshare-engine", daemon=True)
+        self.snapshot = snapshot_of(engine)  # replaced (never mutated) after each loop turn
+
+    # ------------------------------------------------------------ asyncio side
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Run the engine; outputs are delivered on `loop`, where every other method is called."""
+        self._loop = loop
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._thread.is_alive():
+            self._commands.put(_Stop())
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        stream = self._streams[request_id] = RequestStream()
+        self._commands.put(_Add(request_id, prompt_token_ids, params))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (client gone) and free its blocks; later outputs are dropped."""
+        if self._streams.pop(request_id, None) is not None:
+            self._commands.put(_Abort(request_id))
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run fn(engine) on the engine thread between steps; its exception propagates."""
+        if self._loop is None or not self.alive:
+            raise RuntimeError("the engine thread is not running")
+        future: asyncio.Future[T] = self._loop.create_future()
+        self._commands.put(_Call(fn, future))
+        return await future
+
+    def _fail_all(self, reason: str) -> None:
+        for stream in self._streams.values():
+            stream.put(EngineFailure(reason))
+        self._streams.clear()
+
+    def _deliver(self, outputs: list[RequestOutput], failures: list[tuple[str, EngineFailure]]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
+                if out.finished:
+                    del self._streams[out.request_id]
+        for request_id, failure in failures:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put(failure)
+
+    # ------------------------------------------------------------ engine thread
+
+    def _send(self, outputs: list[RequestOutput], failures: list[tuple[str, EngineFailure]]) -> None:
+        if outputs or failures:
+            self._post(lambda: self._deliver(outputs, failures))
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        finally:  # stopped, or a bug ended the thread: no request can finish any more
+            self._post(functools.partial(self._fail_all, "the engine thread stopped"))
+
+    def _serve(self) -> None:
+        device = self.engine.runner.device
+        if device.type == "cuda":  # a new thread starts on GPU 0, whatever the engine's GPU
+            torch.cuda.set_device(device)
+        wait: float | None = None  # None: block until a command comes
+        while True:
+            try:
+                commands = [self._commands.get(timeout=wait)]
+            except queue.Empty:
+                commands = []
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    commands.append(self._commands.get_nowait())
+            for command in commands:
+                if isinstance(command, _Stop):
+                    return
+                self._apply(command)
+            produced = False
+            if self.engine.has_unfinished():
+                produced = self._step()
+                if not self.engine.has_unfinished():
+                    self._commit_pool_stores()
+            self.snapshot = snapshot_of(self.engine)
+            if not self.engine.has_unfinished():
+                wait = None
+            else:
+                wait = 0.0 if produced else _IDLE_STEP_WAIT_S
+
+    def _commit_pool_stores(self) -> None:
+        """The engine just went idle: finish the pool stores still in flight.
+
+        Stores are committed by the connector's poll, which runs only inside a step; an
+        idle engine takes none, so the last chunks of the last request would stay
+        invisible to the other replicas until the next request came. With no request
+        unfinished, no pool load can be pending for the scheduler, so polling here loses
+        nothing.
+        """
+        connector = self.engine.connector
+        if isinstance(connector, PoolConnector):
+            try:
+                connector.wait_idle()
+            except Exception:
+                _log.exception("finishing pool stores failed")
+
+    def _apply(self, command: _Add | _Abort | _Call) -> None:
+        if isinstance(command, _Add):
+            try:
+                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+            except ValueError as exc:
+                self._send([], [(command.request_id, EngineFailure(str(exc), user_error=True))])
+            except Exception as exc:
+                _log.exception("engine refused request %s", command.request_id)
+                self._send([], [(command.request_id, EngineFailure(f"engine error: {exc}"))])
+        elif isinstance(command, _Abort):
+            try:
+                self.engine.abort(command.request_id)
+            except Exception:
+                _log.exception("abort of %s failed", command.request_id)
+        else:
+            self._call(command)
+
+    def _call(self, command: _Call) -> None:
+        try:
+            result = command.fn(self.engine)
+        except Exception as exc:
+            self._post(functools.partial(_settle, command.future, None, exc))
+        else:
+            self._post(functools.partial(_settle, command.future, result, None))
+
+    def _post(self, fn: Callable[[], object]) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
+            self._loop.call_soon_threadsafe(fn)
+
+    def _step(self) -> bool:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            _log.exception("engine step failed; failing every unfinished request")
+            failed = list(self.engine.requests)
+            for request_id in failed:
+                try:
+                    self.engine.abort(request_id)
+                except Exception:
+                    _log.exception("abort of %s after a failed step failed too", request_id)
+            failure = EngineFailure(f"engine error: {type(exc).__name__}: {exc}")
+            self._send([], [(request_id, failure) for request_id in failed])
+            return False
+        self._send(outputs, [])
+        return bool(outputs)

@@ -1,0 +1,381 @@
+"""`kvshare up`: the pool daemon, N replicas and the router as child processes of one host.
+
+    with Cluster(UpConfig(replicas=2)) as cluster:
+        cluster.url             # the router
+        cluster.replica_urls    # replica i at port + 1 + i
+        cluster.kill_replica(1); cluster.start_replica(1)
+        cluster.stop_pool(); cluster.start_pool()
+
+Every child's output lines are copied to one log, prefixed with its name ([pool],
+[replica0], [router]). Start-up waits for the pool's ready line and for each server's
+/health. Shutdown sends SIGTERM to all (the daemon then removes its socket and arena),
+SIGKILL after a grace period, and removes whatever a killed daemon left behind. Children
+get SIGTERM if the launching thread dies (Linux), so none outlives a crashed launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TextIO
+
+from kvshare.kvpool.arena import DEFAULT_SLAB_BYTES
+from kvshare.kvpool.cli import READY_PREFIX
+from kvshare.kvpool.page import PAGE_ALIGN
+from kvshare.kvpool.paths import SHM_DIR
+from kvshare.serve.policies import POLICIES
+
+GIB = 1 << 30
+_STOP_GRACE_S = 15.0
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    replicas: int = 2
+    model: str = "smollm2-135m"
+    device: str = "cpu"
+    engine_args: tuple[str, ...] = ()  # more `kvshare serve` flags, e.g. ("--dtype", "float32")
+    gpu_memory_fraction: float | None = None  # per replica; default on CUDA: 0.9 / replicas
+    pool_size: int = 2 * GIB
+    pool_preallocate: bool = False
+    kv_pool: bool = True
+    chunk_tokens: int = 256
+    host: str = "127.0.0.1"
+    port: int = 8080  # the router; replica i at port + 1 + i. 0: any free ports
+    policy: str = "cache-aware"
+    router_args: tuple[str, ...] = ()
+    api_key: str | None = None
+    ready_timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.gpu_memory_fraction is not None and not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if self.pool_size < PAGE_ALIGN:
+            raise ValueError(f"pool_size must be at least {PAGE_ALIGN} bytes")
+        if not (self.port == 0 or 1 <= self.port <= 65535 - self.replicas):
+            raise ValueError(f"port must be 0 or leave room for {self.replicas} replica ports")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
+        if self.ready_timeout <= 0 or self.chunk_tokens < 1:
+            raise ValueError("ready_timeout and chunk_tokens must be positive")
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str]) -> UpConfig:
+        """What `kvshare up ARGV` runs: its own parser, defaults and checks."""
+        from kvshare.serve.cli import add_up_arguments, up_config
+
+        parser = argparse.ArgumentParser(prog="kvshare up")
+        add_up_arguments(parser)
+        return up_config(parser.parse_args(list(argv)))
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def replica_gpu_fraction(self) -> float | None:
+        if not self.on_gpu:
+            return None
+        return self.gpu_memory_fraction or round(0.9 / self.replicas, 3)
+
+    @property
+    def slab_bytes(self) -> int:
+        """1 GiB slabs, or one slab for a smaller pool."""
+        return min(DEFAULT_SLAB_BYTES, self.pool_size // PAGE_ALIGN * PAGE_ALIGN)
+
+
+class _PrefixedLog:
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._lock = threading.Lock()
+
+    def write(self, name: str, line: str) -> None:
+        with self._lock, contextlib.suppress(ValueError, OSError):  # a closed log stays quiet
+            self._stream.write(f"[{name}] {line}\n")
+            self._stream.flush()
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A pre-exec hook asking Linux to SIGTERM the child when its parent thread dies.
+    libc is loaded here, before fork: the hook only makes the system call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return hook
+
+
+class _Child:
+    """One child process; its stdout and stderr go, line by line, to the prefixed log."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: _PrefixedLog,
+                 ready_prefix: str | None = None) -> None:
+        self.name = name
+        self.argv = argv
+        self._env = env
+        self._log = log
+        self._ready_prefix = ready_prefix
+        self.ready = threading.Event()  # set on the ready line, when there is one
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self._process: subprocess.Popen[bytes] | None = None
+        self._pump: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._process = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=self._env,
+                                         preexec_fn=_parent_death_signal())
+        self._pump = threading.Thread(target=self._copy_output, name=f"log-{self.name}", daemon=True)
+        self._pump.start()
+
+    def _copy_output(self) -> None:
+        assert self._process is not None and self._process.stdout is not None
+        for raw in iter(self._process.stdout.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.tail.append(line)
+            self._log.write(self.name, line)
+            if self._ready_prefix and line.startswith(self._ready_prefix):
+                self.ready.set()
+        self._process.stdout.close()
+
+    @property
+    def pid(self) -> int:
+        assert self._process is not None
+        return self._process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            assert self._process is not None
+            with contextlib.suppress(ProcessLookupError):
+                self._process.send_signal(sig)
+
+    def wait(self, timeout: float) -> None:
+        """Wait for exit; SIGKILL after `timeout`. Output is drained either way."""
+        if self._process is None:
+            return
+        try:
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        if self._pump is not None:
+            self._pump.join(5.0)
+
+    def stop(self) -> None:
+        self.signal(signal.SIGTERM)
+        self.wait(_STOP_GRACE_S)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.wait(_STOP_GRACE_S)
+
+    def describe_exit(self) -> str:
+        code = self._process.poll() if self._process is not None else None
+        tail = "\n".join(self.tail) or "(no output)"
+        return f"{self.name} exited with status {code}; its last output:\n{tail}"
+
+
+def _free_ports(n: int, host: str) -> list[int]:
+    sockets = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5.0) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class Cluster:
+    def __init__(self, config: UpConfig, log: TextIO | None = None) -> None:
+        self.config = config
+        self._log = _PrefixedLog(log or sys.stderr)
+        self._dir = tempfile.mkdtemp(prefix="kvshare-up-")  # 0700: holds the pool socket
+        self.socket_path = os.path.join(self._dir, "pool.sock")
+        arena_dir = SHM_DIR if os.path.isdir(SHM_DIR) else self._dir
+        self.arena_path = os.path.join(arena_dir, f"kvshare-up-{uuid.uuid4().hex[:12]}.arena")
+        n = config.replicas
+        ports = _free_ports(n + 1, config.host) if config.port == 0 else \
+            [config.port + i for i in range(n + 1)]
+        self.url = f"http://{config.host}:{ports[0]}"
+        self.replica_urls = [f"http://{config.host}:{p}" for p in ports[1:]]
+        self._pool: _Child | None = None
+        self._replicas: list[_Child | None] = [None] * n
+        self._router: _Child | None = None
+
+    @property
+    def pool_address(self) -> str:
+        return f"unix:{self.socket_path}"
+
+    # ------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> Cluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Pool, then every replica (loading in parallel), then the router; each ready."""
+        if self.config.kv_pool:
+            self.start_pool()
+        for i in range(self.config.replicas):
+            self._replicas[i] = self._spawn(f"replica{i}", self._replica_argv(i), self._replica_env())
+        for i, child in enumerate(self._replicas):
+            assert child is not None
+            self._wait_healthy(child, self.replica_urls[i])
+        self._router = self._spawn("router", self._router_argv(), self._env())
+        self._wait_healthy(self._router, self.url)
+
+    def stop(self) -> None:
+        """SIGTERM everyone at once, wait, then remove the pool's files if they are left."""
+        children = [c for c in (self._router, *self._replicas, self._pool) if c is not None]
+        for child in children:
+            child.signal(signal.SIGTERM)
+        for child in children:
+            child.wait(_STOP_GRACE_S)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.arena_path)  # only present if the daemon was killed
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def children(self) -> dict[str, int]:
+        """Name -> pid of every running child."""
+        return {c.name: c.pid for c in (self._pool, *self._replicas, self._router)
+                if c is not None and c.alive}
+
+    def wait_any_exit(self, poll_s: float = 0.5) -> str:
+        """Block until a child exits; return how it ended (for `kvshare up`)."""
+        while True:
+            for child in (self._pool, *self._replicas, self._router):
+                if child is not None and not child.alive:
+                    return child.describe_exit()
+            time.sleep(poll_s)
+
+    # ------------------------------------------------------------ faults (tests, bench)
+
+    def kill_replica(self, i: int) -> None:
+        child = self._replicas[i]
+        if child is not None:
+            child.kill()
+
+    def start_replica(self, i: int) -> None:
+        """(Re)start replica i on its port and wait until it is healthy."""
+        child = self._replicas[i]
+        if child is not None and child.alive:
+            raise RuntimeError(f"replica{i} is running")
+        self._replicas[i] = self._spawn(f"replica{i}", self._replica_argv(i), self._replica_env())
+        self._wait_healthy(self._replicas[i], self.replica_urls[i])
+
+    def stop_pool(self) -> None:
+        if self._pool is not None:
+            self._pool.stop()
+
+    def start_pool(self) -> None:
+        if self._pool is not None and self._pool.alive:
+            raise RuntimeError("the pool daemon is running")
+        argv = [sys.executable, "-m", "kvshare.kvpool.cli", "pool",
+                "--size", str(self.config.pool_size), "--slab-size", str(self.config.slab_bytes),
+                "--socket", self.socket_path, "--arena", self.arena_path, "--log-level", "WARNING",
+                *(["--preallocate"] if self.config.pool_preallocate else [])]
+        self._pool = self._spawn("pool", argv, self._env(), ready_prefix=READY_PREFIX)
+        deadline = time.monotonic() + self.config.ready_timeout
+        while not self._pool.ready.wait(0.1):
+            if not self._pool.alive or time.monotonic() > deadline:
+                raise RuntimeError(f"the pool daemon did not start: {self._pool.describe_exit()}")
+
+    # ------------------------------------------------------------ internals
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str],
+               ready_prefix: str | None = None) -> _Child:
+        child = _Child(name, argv, env, self._log, ready_prefix)
+        child.start()
+        return child
+
+    def _wait_healthy(self, child: _Child, url: str) -> None:
+        deadline = time.monotonic() + self.config.ready_timeout
+        while not _healthy(url):
+            if not child.alive:
+                raise RuntimeError(child.describe_exit())
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{child.name} not healthy at {url} within "
+                                   f"{self.config.ready_timeout} s")
+            time.sleep(0.25)
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        return env
+
+    def _replica_env(self) -> dict[str, str]:
+        env = self._env()
+        if not self.config.on_gpu:  # replicas share the cores instead of each taking all
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.config.replicas))
+        return env
+
+    def _replica_argv(self, i: int) -> list[str]:
+        c = self.config
+        port = self.replica_urls[i].rsplit(":", 1)[1]
+        argv = [sys.executable, "-m", "kvshare", "serve", "--model", c.model, "--device", c.device,
+                "--host", c.host, "--port", port, "--chunk-tokens", str(c.chunk_tokens)]
+        argv += ["--kv-pool", self.pool_address] if c.kv_pool else ["--no-kv-pool"]
+        if c.replica_gpu_fraction is not None:
+            argv += ["--gpu-memory-fraction", str(c.replica_gpu_fraction)]
+        if c.api_key is not None:
+            argv += ["--api-key", c.api_key]
+        return argv + list(c.engine_args)
+
+    def _router_argv(self) -> list[str]:
+        c = self.config
+        port = self.url.rsplit(":", 1)[1]
+        argv = [sys.executable, "-m", "kvshare", "router", "--host", c.host, "--port", port,
+                "--policy", c.policy, "--model", c.model, "--chunk-tokens", str(c.chunk_tokens)]
+        if not c.kv_pool:  # nothing is shared: only GPU-local hits count
+            argv += ["--pool-credit", "0"]
+        for url in self.replica_urls:
+            argv += ["--replica", url]
+        return argv + list(c.router_args)

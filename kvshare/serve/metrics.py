@@ -1,0 +1,97 @@
+"""Prometheus metrics of a replica and of the router, each in its own CollectorRegistry
+(one per app: two apps in one process never share or clash)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvshare.serve.engine_thread import EngineSnapshot
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+# Connector counter -> (metric name without _total, help).
+POOL_COUNTERS: dict[str, tuple[str, str]] = {
+    "hit_tokens": ("kvshare_kv_pool_hit_tokens", "Prompt tokens found in the shared pool"),
+    "miss_tokens": ("kvshare_kv_pool_miss_tokens", "Prompt tokens looked up in the pool and not found"),
+    "loaded_bytes": ("kvshare_kv_pool_loaded_bytes", "Bytes restored from the pool"),
+    "stored_bytes": ("kvshare_kv_pool_stored_bytes", "Bytes stored into the pool"),
+    "checksum_failures": ("kvshare_kv_pool_checksum_failures", "Pool pages whose checksum did not match"),
+    "load_failures": ("kvshare_kv_pool_load_failures", "Pool loads that fell back to recompute"),
+    "pool_errors": ("kvshare_kv_pool_errors", "Pool operations that failed (daemon down or broken link)"),
+}
+
+
+class _EngineCollector(Collector):
+    """Reads the engine thread's latest snapshot at scrape time (never blocks the engine)."""
+
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        yield GaugeMetricFamily("kvshare_requests_running", "Requests admitted to the engine",
+                                value=snap.running)
+        yield GaugeMetricFamily("kvshare_requests_waiting", "Requests queued for admission",
+                                value=snap.waiting)
+        yield GaugeMetricFamily("kvshare_gpu_cache_usage_ratio", "Share of KV blocks held by requests",
+                                value=snap.gpu_cache_usage)
+        yield GaugeMetricFamily("kvshare_kv_pool_enabled", "1 when pool lookups and stores are on",
+                                value=float(snap.pool_enabled))
+        if snap.kv_pool is None:
+            return  # no pool configured: no pool series at all
+        for key, (name, doc) in POOL_COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=snap.kv_pool.get(key, 0))
+
+
+class ServerMetrics:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("kvshare_time_to_first_token_seconds",
+                              "From request received to its first generated token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("kvshare_inter_token_latency_seconds",
+                             "Between consecutive generated tokens of a request",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.requests = Counter("kvshare_http_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.finished = Counter("kvshare_requests_finished", "Generations by finish reason",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("kvshare_prompt_tokens",
+                                     "Prompt tokens by where their KV came from",
+                                     ["source"], registry=r)
+        r.register(_EngineCollector(snapshot))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvshare_router_requests", "Proxied requests by replica and status",
+                                ["replica", "status"], registry=r)
+        self.retries = Counter("kvshare_router_retries",
+                               "Requests sent to another replica after one failed before replying",
+                               registry=r)
+        self.failures = Counter("kvshare_router_replica_failures",
+                                "Connection failures and broken streams by replica",
+                                ["replica"], registry=r)
+        self.decisions = Counter("kvshare_router_routing_decisions",
+                                 "Replicas chosen, by policy (pinned: the x-kvshare-replica header)",
+                                 ["policy", "replica"], registry=r)
+        self.in_flight = Gauge("kvshare_router_in_flight", "Requests in flight by replica",
+                               ["replica"], registry=r)
+        self.healthy = Gauge("kvshare_router_replica_healthy", "1 when the replica is in rotation",
+                             ["replica"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,296 @@
+"""Routing policies: which replica gets a request. Pure and synchronous (no I/O, no clock),
+so they are tested without processes.
+
+The router calls `choose(request, candidates)` with the replicas that may take the request
+(healthy, not yet tried for it; never empty) and `record(request, replica)` once a replica
+accepted it. Only recorded placements change a policy's state, so a replica that failed
+before replying leaves no trace.
+
+- round-robin: candidates in turn.
+- session: sticky on the session id by consistent hashing; a session moves to the next
+  replica on the ring when its own is down or overloaded (SGLang's balance rule: at least
+  `balance_abs` more in flight than the least loaded AND more than `balance_rel` times it).
+- alternate: each request of a session goes to the replica after the one it used last -
+  the stress case for cross-replica reuse (the previous turn's KV is never local).
+- least-load: fewest requests in flight.
+- cache-aware: the highest score = tokens of the prompt's prefix in that replica's GPU
+  cache + `pool_credit` x the further tokens the shared pool holds (whole chunks only)
+  - `load_penalty_tokens` x requests in flight. See docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import bisect
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import xxhash
+
+
+class ReplicaLoad(Protocol):
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Load:
+    """A plain ReplicaLoad (tests, and callers that keep their own replica records)."""
+
+    index: int
+    in_flight: int = 0
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    session_id: str | None = None
+    prefix: tuple[bytes, ...] = ()  # chained block hashes of the prompt (block_tokens each)
+    block_tokens: int = 16
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    pool_credit: float = 0.8  # a pool hit is worth this much of a GPU hit (it costs a copy)
+    load_penalty_tokens: float = 64.0  # score cost of one request in flight, in prompt tokens
+    chunk_tokens: int = 256  # the pool restores whole chunks only
+    replica_index_blocks: int = 1 << 16  # per-replica GPU index bound (LRU)
+    pool_index_blocks: int = 1 << 18
+    balance_abs: int = 8
+    balance_rel: float = 2.0
+    virtual_nodes: int = 64  # ring points per replica
+    max_sessions: int = 1 << 16  # alternate: sessions remembered (LRU)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.pool_credit <= 1.0:
+            raise ValueError(f"pool_credit must be in [0, 1], got {self.pool_credit}")
+        if self.load_penalty_tokens < 0:
+            raise ValueError(f"load_penalty_tokens must be >= 0, got {self.load_penalty_tokens}")
+        if min(self.chunk_tokens, self.replica_index_blocks, self.pool_index_blocks,
+               self.balance_abs, self.virtual_nodes, self.max_sessions) < 1:
+            raise ValueError(f"chunk, index, balance, ring and session sizes must be >= 1: {self}")
+        if self.balance_rel < 1.0:
+            raise ValueError(f"balance_rel must be >= 1, got {self.balance_rel}")
+
+
+class Policy(ABC):
+    name: ClassVar[str]
+    uses_prefix: ClassVar[bool] = False  # whether requests need their prompt's block hashes
+
+    @abstractmethod
+    def choose(self, request: RouteRequest, candidates: Sequence[ReplicaLoad]) -> int:
+        """The index of one of `candidates` (never empty)."""
+
+    def record(self, request: RouteRequest, replica: int) -> None:  # noqa: B027 - a no-op for stateless policies
+        """`replica` accepted `request`."""
+
+    def forget_replica(self, replica: int) -> None:  # noqa: B027 - a no-op for stateless policies
+        """The replica's GPU prefix cache was reset (or it restarted)."""
+
+    def forget_pool(self) -> None:  # noqa: B027 - a no-op for stateless policies
+        """The shared pool was cleared."""
+
+
+class RoundRobin(Policy):
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def choose(self, request: RouteRequest, candidates: Sequence[ReplicaLoad]) -> int:
+        self._turn += 1
+        return candidates[(self._turn - 1) % len(candidates)].index
+
+
+class LeastLoad(Policy):
+    name = "least-load"
+
+    def __init__(self, num_replicas: int) -> None:
+        self._n = num_replicas
+        self._turn = 0
+
+    def choose(self, request: RouteRequest, candidates: Sequence[ReplicaLoad]) -> int:
+        # Ties go round the replicas in turn, not always to the lowest index.
+        self._turn += 1
+        return min(candidates, key=lambda c: (c.in_flight, (c.index - self._turn) % self._n)).index
+
+
+def _hash64(text: str) -> int:
+    return xxhash.xxh3_64_intdigest(text.encode())  # stable across processes, unlike hash()
+
+
+class HashRing:
+    """Consistent hashing: replica i owns `virtual_nodes` points on a 64-bit ring, and a key
+    belongs to the first point clockwise from its hash. Taking a replica out moves only
+    the keys it owned; bringing it back moves exactly those keys back."""
+
+    def __init__(self, num_replicas: int, virtual_nodes: int) -> None:
+        points = sorted((_hash64(f"replica-{i}#{v}"), i)
+                        for i in range(num_replicas) for v in range(virtual_nodes))
+        self._points = [p for p, _ in points]
+        self._owners = [i for _, i in points]
+        self._n = num_replicas
+
+    def walk(self, key: str) -> Iterator[int]:
+        """Every replica once, in ring order from the key's position."""
+        start = bisect.bisect_left(self._points, _hash64(key))
+        seen: set[int] = set()
+        for k in range(len(self._owners)):
+            owner = self._owners[(start + k) % len(self._owners)]
+            if owner not in seen:
+                seen.add(owner)
+                yield owner
+                if len(seen) == self._n:
+                    return
+
+
+def overloaded(in_flight: int, least: int, config: PolicyConfig) -> bool:
+    return in_flight - least >= config.balance_abs and in_flight > config.balance_rel * least
+
+
+class Session(Policy):
+    name = "session"
+
+    def __init__(self, num_replicas: int, config: PolicyConfig) -> None:
+        self._ring = HashRing(num_replicas, config.virtual_nodes)
+        self._config = config
+        self._no_session = LeastLoad(num_replicas)
+
+    def choose(self, request: RouteRequest, candidates: Sequence[ReplicaLoad]) -> int:
+        if request.session_id is None:
+            return self._no_session.choose(request, candidates)
+        loads = {c.index: c.in_flight for c in candidates}
+        least = min(loads.values())
+        # The least loaded candidate is never overloaded, so the walk always ends here.
+        return next(i for i in self._ring.walk(request.session_id)
+                    if i in loads and not overloaded(loads[i], least, self._config))
+
+
+class Alternate(Policy):
+    name = "alternate"
+
+    def __init__(self, num_replicas: int, config: PolicyConfig) -> None:
+        self._ring = HashRing(num_replicas, config.virtual_nodes)
+        self._max_sessions = config.max_sessions
+        self._last: OrderedDict[str, int] = OrderedDict()  # session -> replica used last
+        self._no_session = RoundRobin()
+
+    def choose(self, request: RouteRequest, candidates: Sequence[ReplicaLoad]) -> int:
+        if request.session_id is None:
+            return self._no_session.choose(request, candidates)
+        indexes = sorted(c.index for c in candidates)
+        last = self._last.get(request.session_id)
+        if last is None:  # a new session starts where consistent hashing puts it
+            return next(i for i in self._ring.walk(request.session_id) if i in indexes)
+        return next((i for i in indexes if i > last), indexes[0])
+
+    def record(self, request: RouteRequest, replica: int) -> None:
+        if request.session_id is not None:
+            self._last[request.session_id] = replica
+            self._last.move_to_end(request.session_id)
+            if len(self._last) > self._max_sessions:
+                self._last.popitem(last=False)
+
+
+class PrefixIndex:
+    """An LRU-bounded set of chained block hashes: the prompt prefixes sent somewhere.
+
+    A chained hash stands for its whole prefix, so a match is the run of leading hashes
+    present. Inserting touches a chain from its end back to its start, so a chain's head
+    is always more recent than its tail and eviction trims prefixes from the end.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lru: OrderedDict[bytes, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def match(self, hashes: Sequence[bytes]) -> int:
+        """How many leading hashes are present (read-only: no LRU touch)."""
+        n = 0
+        for h in hashes:
+            if h not in self._lru:
+                break
+            n += 1
+        return n
+
+    def insert(self, hashes: Sequence[bytes]) -> None:
+        for h in reversed(hashes):
+            self._lru[h] = None
+            self._lru.move_to_end(h)
+        while len(self._lru) > self.capacity:
+            self._lru.popitem(last=False)
+
+    def clear(self) -> None:
+        self._lru.clear()
+
+
+class CacheAware(Policy):
+    name = "cache-aware"
+    uses_prefix = True
+
+    def __init__(self, num_replicas: int, config: PolicyConfig) -> None:
+        self._config = config
+        self._n = num_replicas
+        self._gpu = [PrefixIndex(config.replica_index_blocks) for _ in range(num_replicas)]
+        # Every replica stores what it computes into the one pool: its content approximates
+        # the union of every prefix routed anywhere.
+        self._pool = PrefixIndex(config.pool_index_blocks)
+        self._turn = 0
+
+    def gpu_tokens(self, request: RouteRequest, replica: int) -> int:
+        return self._gpu[replica].match(request.prefix) * request.block_tokens
+
+    def pool_tokens(self, request: RouteRequest) -> int:
+        tokens = self._pool.match(request.prefix) * request.block_tokens
+        return tokens // self._config.chunk_tokens * self._config.chunk_tokens
+
+    def score(self, request: RouteRequest, replica: ReplicaLoad, pool_tokens: int) -> float:
+        gpu = self.gpu_tokens(request, replica.index)
+        c = self._config
+        return gpu + c.pool_credit * max(0, pool_tokens - gpu) - c.load_penalty_tokens * replica.in_flight
+
+    def choose(self, request: RouteRequest, candidates: Sequence[ReplicaLoad]) -> int:
+        pool = self.pool_tokens(request)
+        self._turn += 1
+
+        def rank(c: ReplicaLoad) -> tuple[float, int, int]:
+            # Best score, then fewer in flight, then replicas in turn.
+            return (self.score(request, c, pool), -c.in_flight, -((c.index - self._turn) % self._n))
+
+        return max(candidates, key=rank).index
+
+    def record(self, request: RouteRequest, replica: int) -> None:
+        self._gpu[replica].insert(request.prefix)
+        self._pool.insert(request.prefix)
+
+    def forget_replica(self, replica: int) -> None:
+        self._gpu[replica].clear()
+
+    def forget_pool(self) -> None:
+        self._pool.clear()
+
+
+POLICIES: tuple[str, ...] = ("round-robin", "session", "alternate", "least-load", "cache-aware")
+
+
+def make_policy(name: str, num_replicas: int, config: PolicyConfig) -> Policy:
+    if num_replicas < 1:
+        raise ValueError("a router needs at least one replica")
+    if name == RoundRobin.name:
+        return RoundRobin()
+    if name == LeastLoad.name:
+        return LeastLoad(num_replicas)
+    if name == Session.name:
+        return Session(num_replicas, config)
+    if name == Alternate.name:
+        return Alternate(num_replicas, config)
+    if name == CacheAware.name:
+        return CacheAware(num_replicas, config)
+    raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}")

@@ -1,0 +1,89 @@
+"""Request prompt -> token ids: the ONE code path for the replica server and the router.
+
+The router keys its cache-aware routing on the same token ids the engine will see, so both
+call these functions with the same tokenizer and chat template. Two tokenizations of one
+chat request (a missing generation prompt, a different template) would leave the router
+with keys that never match the engine's cache (LESSONS #12).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvshare.models.tokenizer import Tokenizer
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+class PromptError(ValueError):
+    """The prompt or messages of a request are unusable; `param` names the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _is_token_list(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def completion_prompt(prompt: object) -> str | list[int]:
+    """A /v1/completions `prompt`: a string, a token-id list, or a list holding one of those."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) or (_is_token_list(prompt) and prompt):
+        return prompt  # type: ignore[return-value]
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise PromptError("one prompt per request: batched prompts are not supported", "prompt")
+    raise PromptError("prompt must be a string, a non-empty list of token ids, or a list "
+                      "holding one of those", "prompt")
+
+
+def completion_prompt_ids(tokenizer: Tokenizer | None, prompt: object) -> list[int]:
+    text_or_ids = completion_prompt(prompt)
+    if isinstance(text_or_ids, list):
+        return text_or_ids
+    if tokenizer is None:
+        raise PromptError("this model has no tokenizer: send the prompt as a list of token ids",
+                          "prompt")
+    ids = tokenizer.encode(text_or_ids)
+    if not ids:
+        raise PromptError("the prompt is empty", "prompt")
+    return ids
+
+
+def chat_messages(messages: object) -> list[dict[str, str]]:
+    """Checked messages, reduced to role and content (what the template renders)."""
+    if not isinstance(messages, list) or not messages:
+        raise PromptError("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise PromptError(f"messages[{i}] must be an object, not {type(message).__name__}",
+                              "messages")
+        role, content = message.get("role"), message.get("content")
+        if role not in CHAT_ROLES:
+            raise PromptError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; "
+                              f"got {role!r}", "messages")
+        if not isinstance(content, str):
+            raise PromptError(f"messages[{i}].content must be a string (content parts are not "
+                              f"supported); got {type(content).__name__}", "messages")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def chat_prompt_ids(tokenizer: Tokenizer | None, messages: object) -> list[int]:
+    checked = chat_messages(messages)
+    if tokenizer is None or tokenizer.chat_template is None:
+        raise PromptError("this model has no chat template: use /v1/completions", "messages")
+    try:
+        return tokenizer.encode_chat(checked)
+    except ValueError as exc:
+        raise PromptError(str(exc), "messages") from None
+
+
+def request_prompt_ids(tokenizer: Tokenizer | None, path: str, body: dict[str, Any]) -> list[int]:
+    """Prompt ids of a parsed /v1/completions or /v1/chat/completions body."""
+    if path.endswith("/chat/completions"):
+        return chat_prompt_ids(tokenizer, body.get("messages"))
+    return completion_prompt_ids(tokenizer, body.get("prompt"))

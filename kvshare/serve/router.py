@@ -1,0 +1,314 @@
+"""`kvshare router`: the OpenAI API in front of N replicas.
+
+- Each /v1/ request goes to the replica its policy picks, or to the one named by the
+  `x-kvshare-replica: <index>` header. The response carries `x-kvshare-replica` (who
+  served it) and `x-kvshare-routing-tokens` (the prompt's token count as the router keyed
+  it; 0 when it did not tokenize).
+- A replica that cannot be reached, or drops the connection before its response headers,
+  leaves rotation at once and the request is retried on another one (never for a pinned
+  request). After the first byte nothing is retried: a broken stream ends with an SSE
+  error event.
+- Periodic GET /health puts replicas back; a replica whose instance id changed (a restart)
+  starts with an empty cache index.
+- Responses are relayed chunk by chunk as they arrive (SSE is never buffered).
+- GET /admin/replicas lists the replicas; /admin/all/<path> forwards an admin call to
+  every replica and returns their answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kvshare.serve.errors import APIError, bad_request
+from kvshare.serve.http import error_middleware, sse_event
+from kvshare.serve.metrics import CONTENT_TYPE, RouterMetrics
+from kvshare.serve.policies import POLICIES, PolicyConfig, RouteRequest, make_policy
+from kvshare.serve.routing_keys import Prefix, RoutingKeys
+
+_log = logging.getLogger(__name__)
+
+REPLICA_HEADER = "x-kvshare-replica"
+ROUTING_TOKENS_HEADER = "x-kvshare-routing-tokens"
+SESSION_HEADER = "x-session-id"
+# Per-connection headers (RFC 9110 section 7.6.1), plus those aiohttp sets itself.
+_NOT_FORWARDED = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
+                            "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length"})
+_UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    replicas: tuple[str, ...]
+    policy: str = "cache-aware"
+    policy_config: PolicyConfig = field(default_factory=PolicyConfig)
+    block_tokens: int = 16  # routing-key block: the engine's block size
+    health_interval: float = 1.0
+    health_timeout: float = 5.0
+    connect_timeout: float = 5.0
+    max_body_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        if not self.replicas:
+            raise ValueError("a router needs at least one --replica URL")
+        for url in self.replicas:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"replica URL must start with http:// or https://, got {url!r}")
+        object.__setattr__(self, "replicas", tuple(url.rstrip("/") for url in self.replicas))
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
+        if min(self.health_interval, self.health_timeout, self.connect_timeout) <= 0:
+            raise ValueError("health_interval, health_timeout and connect_timeout must be > 0")
+        if self.block_tokens < 1 or self.max_body_bytes < 1024:
+            raise ValueError("block_tokens must be >= 1 and max_body_bytes >= 1024")
+
+
+@dataclass
+class Replica:
+    """Router-side state of one replica; touched on the event loop only."""
+
+    index: int
+    url: str
+    healthy: bool = True  # optimistic until the first health check says otherwise
+    in_flight: int = 0
+    instance: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"index": self.index, "url": self.url, "healthy": self.healthy,
+                "in_flight": self.in_flight}
+
+
+class Router:
+    def __init__(self, config: RouterConfig, keys: RoutingKeys) -> None:
+        self.config = config
+        self.keys = keys
+        self.replicas = [Replica(i, url) for i, url in enumerate(config.replicas)]
+        self.policy = make_policy(config.policy, len(self.replicas), config.policy_config)
+        self.metrics = RouterMetrics()
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task[None] | None = None
+
+    async def start(self, app: web.Application) -> None:
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout),
+            auto_decompress=False,  # bytes pass through as the replica sent them
+            connector=aiohttp.TCPConnector(limit=0),
+        )
+        await self._check_all()
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def stop(self, app: web.Application) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "router not started"
+        return self._session
+
+    # ------------------------------------------------------------ health
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval)
+            await self._check_all()
+
+    async def _check_all(self) -> None:
+        await asyncio.gather(*(self._check(r) for r in self.replicas))
+
+    async def _check(self, replica: Replica) -> None:
+        info: Any = None
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
+            async with self.session.get(replica.url + "/health", timeout=timeout) as resp:
+                if resp.status == 200:
+                    info = await resp.json(content_type=None)
+        except (*_UPSTREAM_ERRORS, ValueError):
+            info = None
+        healthy = isinstance(info, dict)
+        if healthy and info.get("instance") != replica.instance:
+            if replica.instance is not None:  # restarted: its GPU cache is empty
+                self.policy.forget_replica(replica.index)
+            replica.instance = info.get("instance")
+        self._set_health(replica, healthy)
+
+    def _set_health(self, replica: Replica, healthy: bool, reason: str = "") -> None:
+        if healthy != replica.healthy:
+            _log.warning("replica %d (%s) %s%s", replica.index, replica.url,
+                         "is back in rotation" if healthy else "left rotation", reason)
+        replica.healthy = healthy
+        self.metrics.healthy.labels(str(replica.index)).set(float(healthy))
+
+    # ------------------------------------------------------------ proxy
+
+    async def proxy(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        pinned = self._pinned(request)
+        prefix = await self._prefix(request, body)
+        route = RouteRequest(request.headers.get(SESSION_HEADER), prefix.hashes, self.keys.block_tokens)
+        tried: set[int] = set()
+        while True:
+            replica = self._pick(route, pinned, tried)
+            replica.in_flight += 1
+            self.metrics.in_flight.labels(str(replica.index)).set(replica.in_flight)
+            try:
+                try:
+                    upstream = await self._send(replica, request, body)
+                except _UPSTREAM_ERRORS as exc:
+                    tried.add(replica.index)
+                    self._failed(replica, exc)
+                    if pinned is not None:
+                        raise APIError(502, f"replica {replica.index} ({replica.url}) failed: "
+                                            f"{exc or type(exc).__name__}") from None
+                    self.metrics.retries.inc()
+                    continue
+                self.policy.record(route, replica.index)
+                policy = "pinned" if pinned is not None else self.policy.name
+                self.metrics.decisions.labels(policy, str(replica.index)).inc()
+                return await self._relay(request, replica, upstream, prefix)
+            finally:
+                replica.in_flight -= 1
+                self.metrics.in_flight.labels(str(replica.index)).set(replica.in_flight)
+
+    def _pinned(self, request: web.Request) -> int | None:
+        value = request.headers.get(REPLICA_HEADER)
+        if value is None:
+            return None
+        if not value.strip().isdigit() or int(value) >= len(self.replicas):
+            raise bad_request(f"{REPLICA_HEADER} must be a replica index in [0, "
+                              f"{len(self.replicas) - 1}], got {value!r}")
+        return int(value)
+
+    async def _prefix(self, request: web.Request, body: bytes) -> Prefix:
+        if not self.policy.uses_prefix or request.method != "POST" or not body:
+            return Prefix()
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return Prefix()  # the replica answers the 400
+        # Tokenizing a long prompt takes milliseconds: off the event loop.
+        return await asyncio.to_thread(self.keys.prefix_of, request.path, parsed)
+
+    def _pick(self, route: RouteRequest, pinned: int | None, tried: set[int]) -> Replica:
+        if pinned is not None:
+            return self.replicas[pinned]
+        candidates = [r for r in self.replicas if r.healthy and r.index not in tried]
+        if not candidates:
+            raise APIError(503, "no healthy replica" + (" left to retry on" if tried else ""))
+        return self.replicas[self.policy.choose(route, candidates)]
+
+    async def _send(self, replica: Replica, request: web.Request, body: bytes) -> aiohttp.ClientResponse:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+        return await self.session.request(request.method, replica.url + request.rel_url.path_qs,
+                                          data=body or None, headers=headers, allow_redirects=False)
+
+    def _failed(self, replica: Replica, exc: BaseException) -> None:
+        self.metrics.failures.labels(str(replica.index)).inc()
+        self._set_health(replica, False, f": {type(exc).__name__}: {exc}")
+
+    async def _relay(self, request: web.Request, replica: Replica, upstream: aiohttp.ClientResponse,
+                     prefix: Prefix) -> web.StreamResponse:
+        complete = False
+        try:
+            resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for name, value in upstream.headers.items():
+                if name.lower() not in _NOT_FORWARDED - {"content-length"}:
+                    resp.headers.add(name, value)
+            resp.headers[REPLICA_HEADER] = str(replica.index)
+            resp.headers[ROUTING_TOKENS_HEADER] = str(prefix.num_tokens)
+            await resp.prepare(request)
+            while True:
+                try:
+                    chunk = await upstream.content.readany()
+                except _UPSTREAM_ERRORS as exc:
+                    await self._broken_stream(resp, replica, upstream, exc)
+                    break
+                if not chunk:
+                    complete = True
+                    break
+                await resp.write(chunk)  # a client that left raises here: upstream closes below
+            await resp.write_eof()
+            self.metrics.requests.labels(str(replica.index), str(upstream.status)).inc()
+            return resp
+        finally:
+            if complete:
+                upstream.release()
+            else:  # closing the connection makes the replica abort the request
+                upstream.close()
+
+    async def _broken_stream(self, resp: web.StreamResponse, replica: Replica,
+                             upstream: aiohttp.ClientResponse, exc: BaseException) -> None:
+        self._failed(replica, exc)
+        if upstream.content_type == "text/event-stream":
+            error = APIError(502, f"replica {replica.index} failed mid-stream: {type(exc).__name__}")
+            await resp.write(sse_event(error.body()))
+
+    # ------------------------------------------------------------ router endpoints
+
+    async def health(self, request: web.Request) -> web.Response:
+        healthy = sum(r.healthy for r in self.replicas)
+        return web.json_response({"status": "ok" if healthy else "no healthy replica",
+                                  "healthy_replicas": healthy, "replicas": len(self.replicas)},
+                                 status=200 if healthy else 503)
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def list_replicas(self, request: web.Request) -> web.Response:
+        return web.json_response([r.describe() for r in self.replicas])
+
+    async def admin_all(self, request: web.Request) -> web.Response:
+        """Forward /admin/all/<path> to /admin/<path> of every replica, concurrently."""
+        path = "/admin/" + request.match_info["path"]
+        body = await request.read()
+        answers = await asyncio.gather(*(self._admin_one(r, request, path, body) for r in self.replicas))
+        ok = all(a["status"] is not None and a["status"] < 400 for a in answers)
+        if ok and path == "/admin/reset_prefix_cache":
+            for replica in self.replicas:
+                self.policy.forget_replica(replica.index)
+        if ok and path == "/admin/clear_pool":
+            self.policy.forget_pool()
+        return web.json_response({"replicas": answers}, status=200 if ok else 502)
+
+    async def _admin_one(self, replica: Replica, request: web.Request, path: str,
+                         body: bytes) -> dict[str, Any]:
+        answer: dict[str, Any] = {"index": replica.index, "url": replica.url, "status": None}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+        try:
+            async with self.session.request(request.method, replica.url + path, data=body or None,
+                                            headers=headers) as resp:
+                answer["status"] = resp.status
+                text = await resp.text()
+        except _UPSTREAM_ERRORS as exc:
+            answer["error"] = f"{type(exc).__name__}: {exc}"
+            return answer
+        try:
+            answer["body"] = json.loads(text)
+        except ValueError:
+            answer["body"] = text
+        return answer
+
+
+ROUTER_KEY = web.AppKey("kvshare_router", Router)
+
+
+def build_router_app(config: RouterConfig, keys: RoutingKeys) -> web.Application:
+    router = Router(config, keys)
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware])
+    app[ROUTER_KEY] = router
+    app.on_startup.append(router.start)
+    app.on_cleanup.append(router.stop)
+    app.router.add_get("/health", router.health)
+    app.router.add_get("/metrics", router.metrics_text)
+    app.router.add_get("/admin/replicas", router.list_replicas)
+    app.router.add_route("*", "/admin/all/{path:.+}", router.admin_all)
+    app.router.add_route("*", "/v1/{path:.*}", router.proxy)
+    return app

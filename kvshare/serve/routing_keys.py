@@ -1,0 +1,93 @@
+"""The router's view of a prompt: chained block hashes of its token ids.
+
+Token ids come from `kvshare.serve.prompts`, the code the replicas run, with the model's
+own tokenizer and chat template (LESSONS #12), and the hashes are the engine's GPU
+prefix-cache hashes (`block_hashes`), so a router block and an engine block name the same
+prefix. A model without a tokenizer (`shape:NAME`) has exact keys for token-id prompts;
+for text (which such a replica refuses anyway) and for chat messages the router falls back
+to hashing the raw UTF-8 text, or the messages as one JSON line each, in blocks of
+4 x block_tokens bytes (about block_tokens tokens of English).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from kvshare.engine.block_manager import block_hashes
+from kvshare.models.tokenizer import Tokenizer
+from kvshare.serve.prompts import PromptError, request_prompt_ids
+
+SHAPE_PREFIX = "shape:"  # as kvshare.models.loader, not imported from there: it loads torch
+BYTES_PER_TOKEN = 4  # the fallback's estimate
+_BYTE_ROOT = b"kvshare-router-bytes"
+
+
+def load_routing_tokenizer(model: str | None) -> Tokenizer | None:
+    """The tokenizer of a model spec, as the loader would find it, reading no weights.
+    None for `shape:NAME` and for a directory without tokenizer.json (the engine has none
+    either) and when no model is given."""
+    if model is None or model.startswith(SHAPE_PREFIX):
+        return None
+    from kvshare.models.packaged import PACKAGED_ALIASES, packaged_model_path
+
+    path = packaged_model_path(model) if model in PACKAGED_ALIASES else Path(model).expanduser()
+    if path.suffix == ".gguf":
+        from kvshare.models.gguf_file import read_gguf_tokenizer
+
+        return read_gguf_tokenizer(path)
+    if path.is_dir() and (path / "config.json").exists():
+        return Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
+    raise ValueError(f"{model!r} is neither a packaged alias, a .gguf file, an HF directory nor shape:NAME")
+
+
+def byte_block_hashes(data: bytes, block_bytes: int) -> list[bytes]:
+    parent, out = _BYTE_ROOT, []
+    for i in range(len(data) // block_bytes):
+        parent = xxhash.xxh3_128_digest(parent + data[i * block_bytes:(i + 1) * block_bytes])
+        out.append(parent)
+    return out
+
+
+@dataclass(frozen=True)
+class Prefix:
+    hashes: tuple[bytes, ...] = ()
+    num_tokens: int = 0  # the prompt's exact token count; 0 when unknown (fallback or none)
+
+
+class RoutingKeys:
+    def __init__(self, tokenizer: Tokenizer | None, block_tokens: int) -> None:
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+        self.tokenizer = tokenizer
+        self.block_tokens = block_tokens
+
+    def prefix_of(self, path: str, body: object) -> Prefix:
+        """The prefix of a parsed request body; empty when it has no usable prompt (the
+        replica will answer its 4xx)."""
+        if not isinstance(body, dict):
+            return Prefix()
+        try:
+            ids = request_prompt_ids(self.tokenizer, path, body)
+        except PromptError:
+            return self._fallback(path, body) if self.tokenizer is None else Prefix()
+        return Prefix(tuple(block_hashes(ids, self.block_tokens)), len(ids))
+
+    def _fallback(self, path: str, body: dict[str, object]) -> Prefix:
+        if path.endswith("/chat/completions"):
+            messages = body.get("messages")
+            if not isinstance(messages, list):
+                return Prefix()
+            # One line per message: a longer conversation's text extends a shorter one's.
+            text = "".join(json.dumps(m, sort_keys=True, ensure_ascii=False) + "\n" for m in messages)
+        else:
+            prompt = body.get("prompt")
+            prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
+            if not isinstance(prompt, str):
+                return Prefix()
+            text = prompt
+        hashes = byte_block_hashes(text.encode(), BYTES_PER_TOKEN * self.block_tokens)
+        return Prefix(tuple(hashes))

@@ -1,0 +1,264 @@
+"""`kvshare serve`: one engine behind an OpenAI-compatible HTTP API (aiohttp).
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream with SSE),
+GET /v1/models, GET /health, GET /metrics, and the admin calls the benchmark drives:
+POST /admin/reset_prefix_cache, POST /admin/kv_pool {"enabled": bool},
+POST /admin/clear_pool, GET /admin/stats.
+
+The handlers never touch the engine: they send commands to the engine thread. A request
+whose client goes away (the handler is cancelled, or a streamed write fails) is aborted,
+which frees its blocks. Run the app with `handler_cancellation=True` so that a
+disconnect during a non-streamed request cancels its handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from kvshare.engine.llm_engine import LLMEngine, RequestOutput
+from kvshare.kvpool.client import PoolError, PoolUnavailable
+from kvshare.kvpool.connector import PoolConnector
+from kvshare.serve.engine_thread import EngineFailure, EngineThread, RequestStream, snapshot_of
+from kvshare.serve.errors import APIError, bad_request
+from kvshare.serve.http import (
+    SSE_HEADERS,
+    Handler,
+    auth_middleware,
+    error_middleware,
+    read_json_object,
+    sse_event,
+)
+from kvshare.serve.metrics import CONTENT_TYPE, ServerMetrics
+from kvshare.serve.protocol import GenerateRequest, ModelInfo, ResponseFormat, parse_generate
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    served_model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ValueError("served_model_name must not be empty")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (leave it unset for no key)")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+
+
+class _Progress:
+    """One request's progress: latency metrics per output, and whether it finished."""
+
+    def __init__(self, metrics: ServerMetrics, received: float) -> None:
+        self.metrics = metrics
+        self.last = received
+        self.first_token = True
+        self.finished = False
+
+    def observe(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if out.new_token_ids:
+            (self.metrics.ttft if self.first_token else self.metrics.itl).observe(now - self.last)
+            self.first_token, self.last = False, now
+        if out.finished:
+            self.finished = True
+            self.metrics.finished.labels(out.finish_reason or "unknown").inc()
+            for source, n in (("gpu_hit", out.gpu_hit_tokens), ("pool_hit", out.pool_hit_tokens),
+                              ("computed", out.computed_tokens)):
+                self.metrics.prompt_tokens.labels(source).inc(n)
+
+
+class ReplicaServer:
+    def __init__(self, engine: LLMEngine, config: ServeConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.model = ModelInfo(config.served_model_name, engine.tokenizer, engine.max_model_len,
+                               engine.loaded.config.vocab_size)
+        self.thread = EngineThread(engine)
+        self.metrics = ServerMetrics(lambda: self.thread.snapshot)
+        self.instance = uuid.uuid4().hex  # changes on restart: the router drops its cache index
+        self.created = int(time.time())
+
+    async def start(self, app: web.Application) -> None:
+        self.thread.start(asyncio.get_running_loop())
+
+    async def stop(self, app: web.Application) -> None:
+        await asyncio.to_thread(self.thread.stop)
+
+    @web.middleware
+    async def count_requests(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        endpoint = resource.canonical if resource is not None else "unmatched"
+        try:
+            response = await handler(request)
+        except asyncio.CancelledError:
+            self.metrics.requests.labels(endpoint, "499").inc()  # the client went away
+            raise
+        self.metrics.requests.labels(endpoint, str(response.status)).inc()
+        return response
+
+    # ------------------------------------------------------------ public endpoints
+
+    async def health(self, request: web.Request) -> web.Response:
+        alive = self.thread.alive
+        return web.json_response(
+            {"status": "ok" if alive else "engine thread is not running",
+             "model": self.model.name, "instance": self.instance},
+            status=200 if alive else 503)
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model.name, "object": "model", "created": self.created,
+            "owned_by": "kvshare", "max_model_len": self.model.max_model_len}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        progress = _Progress(self.metrics, time.monotonic())
+        req = parse_generate(await read_json_object(request), chat, self.model)
+        if not self.thread.alive:
+            raise APIError(503, "the engine thread is not running")
+        fmt = ResponseFormat(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                             self.model.name, int(time.time()))
+        stream = self.thread.submit(fmt.request_id, list(req.prompt_token_ids), req.params)
+        try:
+            # The first output comes before any byte is sent: an engine failure is a 500.
+            out = await self._next(stream, progress)
+            if req.stream:
+                return await self._stream(request, req, fmt, stream, out, progress)
+            while not out.finished:
+                out = await self._next(stream, progress)
+            return web.json_response(fmt.full(out))
+        finally:
+            if not progress.finished:  # cancelled (client gone), write failed, or failed
+                self.thread.abort(fmt.request_id)
+
+    async def _next(self, stream: RequestStream, progress: _Progress) -> RequestOutput:
+        try:
+            out = await stream.get()
+        except EngineFailure as exc:
+            raise APIError(400 if exc.user_error else 500, str(exc)) from None
+        progress.observe(out)
+        return out
+
+    async def _stream(self, request: web.Request, req: GenerateRequest, fmt: ResponseFormat,
+                      stream: RequestStream, out: RequestOutput, progress: _Progress) -> web.StreamResponse:
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        if fmt.chat:
+            await resp.write(sse_event(fmt.chunk("", (), None, req.include_usage, role=True)))
+        while True:
+            if out.new_text or out.new_token_ids or out.finished:
+                chunk = fmt.chunk(out.new_text, out.new_token_ids, out.finish_reason, req.include_usage)
+                await resp.write(sse_event(chunk))
+            if out.finished:
+                break
+            try:
+                out = await self._next(stream, progress)
+            except APIError as exc:  # headers are sent: the error goes into the stream
+                await resp.write(sse_event(exc.body()))
+                await resp.write_eof()
+                return resp
+        if req.include_usage:
+            await resp.write(sse_event(fmt.usage_chunk(out)))
+        await resp.write(sse_event("[DONE]"))
+        await resp.write_eof()
+        return resp
+
+    # ------------------------------------------------------------ admin
+
+    def _pool(self) -> PoolConnector | None:
+        connector = self.engine.connector
+        return connector if isinstance(connector, PoolConnector) else None
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        await read_json_object(request, allow_empty=True)
+        reset = await self.thread.call(lambda engine: engine.reset_prefix_cache())
+        return web.json_response({"reset_blocks": reset})
+
+    async def set_kv_pool(self, request: web.Request) -> web.Response:
+        enabled = (await read_json_object(request)).get("enabled")
+        if not isinstance(enabled, bool):
+            raise bad_request("enabled must be true or false", "enabled")
+        connector = self.engine.connector
+        if connector is None:
+            if enabled:
+                raise APIError(409, "this replica runs without a KV pool (--no-kv-pool)",
+                               param="enabled")
+            return web.json_response({"enabled": False})
+
+        def switch(engine: LLMEngine) -> bool:
+            connector.set_enabled(enabled)
+            return connector.enabled
+
+        return web.json_response({"enabled": await self.thread.call(switch)})
+
+    async def clear_pool(self, request: web.Request) -> web.Response:
+        await read_json_object(request, allow_empty=True)
+        pool = self._pool()
+        if pool is None:
+            return web.json_response({"cleared": 0})
+        try:  # on the engine thread: the client and its reconnects belong to the connector
+            cleared = await self.thread.call(lambda engine: pool.client.clear())
+        except (PoolUnavailable, PoolError) as exc:
+            raise APIError(503, f"the KV pool is unavailable: {exc}") from None
+        return web.json_response({"cleared": cleared})
+
+    async def stats(self, request: web.Request) -> web.Response:
+        pool = self._pool()
+
+        def collect(engine: LLMEngine) -> dict[str, Any]:
+            snap = snapshot_of(engine)
+            daemon = None
+            if pool is not None:
+                try:
+                    daemon = pool.client.stats()
+                except (PoolUnavailable, PoolError):
+                    daemon = None  # down or restarting: reported as absent, never an error
+            return {"engine": {"running": snap.running, "waiting": snap.waiting,
+                               "gpu_cache_usage": snap.gpu_cache_usage,
+                               "num_blocks": snap.num_blocks, "kv_pool_enabled": snap.pool_enabled},
+                    "kv_pool": snap.kv_pool, "pool": daemon}
+
+        return web.json_response(await self.thread.call(collect))
+
+
+SERVER_KEY = web.AppKey("kvshare_replica_server", ReplicaServer)
+
+
+def build_app(engine: LLMEngine, config: ServeConfig) -> web.Application:
+    """The replica's aiohttp app; the engine thread runs from startup to cleanup."""
+    server = ReplicaServer(engine, config)
+    middlewares = [server.count_requests, error_middleware]
+    if config.api_key is not None:
+        middlewares.append(auth_middleware(config.api_key))
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
+    app[SERVER_KEY] = server
+    app.on_startup.append(server.start)
+    app.on_cleanup.append(server.stop)
+    app.router.add_get("/health", server.health)
+    app.router.add_get("/metrics", server.metrics_text)
+    app.router.add_get("/v1/models", server.models)
+    app.router.add_post("/v1/completions", server.completions)
+    app.router.add_post("/v1/chat/completions", server.chat_completions)
+    app.router.add_post("/admin/reset_prefix_cache", server.reset_prefix_cache)
+    app.router.add_post("/admin/kv_pool", server.set_kv_pool)
+    app.router.add_post("/admin/clear_pool", server.clear_pool)
+    app.router.add_get("/admin/stats", server.stats)
+    return app

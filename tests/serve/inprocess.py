@@ -1,0 +1,53 @@
+"""Run an aiohttp app on a background thread's event loop, for tests with a sync client."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from aiohttp import web
+
+
+class BackgroundServer:
+    """Serves `app` on 127.0.0.1 (`port`, or a free one) until `close()`; handlers are cancelled when
+    their client disconnects, as under `kvshare serve`."""
+
+    def __init__(self, app: web.Application, port: int = 0) -> None:
+        self._app = app
+        self._port = port
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self.url = ""
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(60) or self._error is not None:
+            raise RuntimeError(f"test server did not start: {self._error}")
+
+    def _run(self) -> None:
+        self._loop.run_until_complete(self._serve())
+        self._loop.close()
+
+    async def _serve(self) -> None:
+        runner = web.AppRunner(self._app, handler_cancellation=True, access_log=None)
+        try:
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", self._port)
+            await site.start()
+            port = runner.addresses[0][1]
+            self.url = f"http://127.0.0.1:{port}"
+            self._stop = asyncio.Event()
+        except BaseException as exc:
+            self._error = exc
+            raise
+        finally:
+            self._ready.set()
+        await self._stop.wait()
+        await runner.cleanup()
+
+    def close(self) -> None:
+        """Stop serving (idempotent)."""
+        if self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)

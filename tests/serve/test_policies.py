@@ -1,0 +1,198 @@
+"""Routing policies without processes: each one's rule, checked on exact numbers."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from kvshare.engine.block_manager import block_hashes
+from kvshare.serve.policies import (
+    Alternate,
+    CacheAware,
+    HashRing,
+    LeastLoad,
+    Load,
+    PolicyConfig,
+    PrefixIndex,
+    RoundRobin,
+    RouteRequest,
+    Session,
+    make_policy,
+)
+
+CONFIG = PolicyConfig()
+
+
+def loads(*in_flight: int) -> list[Load]:
+    return [Load(i, n) for i, n in enumerate(in_flight)]
+
+
+def prompt(tokens: int, seed: int = 0) -> RouteRequest:
+    ids = [(seed * 7919 + i) % 30000 for i in range(tokens)]
+    return RouteRequest(prefix=tuple(block_hashes(ids, 16)), block_tokens=16)
+
+
+def test_round_robin_cycles_over_the_candidates() -> None:
+    policy = RoundRobin()
+    assert [policy.choose(RouteRequest(), loads(0, 0, 0)) for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+    # With replica 1 out, the turn goes over the two left.
+    survivors = [Load(0), Load(2)]
+    assert {policy.choose(RouteRequest(), survivors) for _ in range(4)} == {0, 2}
+
+
+def test_least_load_picks_fewest_in_flight_and_rotates_ties() -> None:
+    policy = LeastLoad(3)
+    assert policy.choose(RouteRequest(), loads(5, 1, 3)) == 1
+    picks = Counter(policy.choose(RouteRequest(), loads(2, 2, 2)) for _ in range(30))
+    assert picks == {0: 10, 1: 10, 2: 10}
+
+
+def test_hash_ring_moves_only_the_keys_of_a_removed_replica() -> None:
+    ring = HashRing(3, CONFIG.virtual_nodes)
+    keys = [f"session-{i}" for i in range(3000)]
+    owner = {k: next(ring.walk(k)) for k in keys}
+    share = Counter(owner.values())
+    assert all(600 < share[i] < 1400 for i in range(3)), share  # roughly even
+    # Replica 2 gone: its keys take the next replica on the ring, the others stay put.
+    for key in keys:
+        new = next(i for i in ring.walk(key) if i != 2)
+        assert new == owner[key] or owner[key] == 2
+    assert sorted(ring.walk("any")) == [0, 1, 2]
+
+
+def test_session_is_sticky_and_stable_across_instances() -> None:
+    a, b = Session(3, CONFIG), Session(3, CONFIG)
+    for i in range(50):
+        request = RouteRequest(session_id=f"user-{i}")
+        first = a.choose(request, loads(0, 0, 0))
+        assert all(a.choose(request, loads(0, 0, 0)) == first for _ in range(3))
+        assert b.choose(request, loads(0, 0, 0)) == first  # stable hash: any router agrees
+
+
+def test_session_moves_when_its_replica_is_down_and_comes_back() -> None:
+    policy = Session(3, CONFIG)
+    request = RouteRequest(session_id="user-42")
+    home = policy.choose(request, loads(0, 0, 0))
+    others = [Load(i) for i in range(3) if i != home]
+    moved = policy.choose(request, others)
+    assert moved != home
+    assert policy.choose(request, others) == moved  # sticky on its second home too
+    assert policy.choose(request, loads(0, 0, 0)) == home
+
+
+def test_session_moves_off_an_overloaded_replica_only_past_both_thresholds() -> None:
+    policy = Session(2, PolicyConfig(balance_abs=8, balance_rel=2.0))
+    request = RouteRequest(session_id="user-7")
+    home = policy.choose(request, loads(0, 0))
+    other = 1 - home
+
+    def with_load(home_load: int, other_load: int) -> list[Load]:
+        return [Load(home, home_load), Load(other, other_load)]
+
+    assert policy.choose(request, with_load(7, 0)) == home  # 7 more: under balance_abs
+    assert policy.choose(request, with_load(8, 0)) == other  # 8 more and > 2 x 0
+    assert policy.choose(request, with_load(20, 10)) == home  # 10 more but only 2 x
+    assert policy.choose(request, with_load(21, 10)) == other
+
+
+def test_session_without_id_goes_to_least_load() -> None:
+    assert Session(3, CONFIG).choose(RouteRequest(), loads(4, 0, 9)) == 1
+
+
+def test_alternate_moves_each_request_to_the_next_replica() -> None:
+    policy = Alternate(3, CONFIG)
+    request = RouteRequest(session_id="chat-1")
+    order = []
+    for _ in range(6):
+        replica = policy.choose(request, loads(0, 0, 0))
+        policy.record(request, replica)
+        order.append(replica)
+    start = order[0]
+    assert order == [(start + k) % 3 for k in range(6)]
+
+
+def test_alternate_skips_a_replica_that_is_down_and_only_records_success() -> None:
+    policy = Alternate(3, CONFIG)
+    request = RouteRequest(session_id="chat-2")
+    policy.record(request, 0)
+    assert policy.choose(request, loads(0, 0, 0)) == 1
+    assert policy.choose(request, [Load(0), Load(2)]) == 2  # 1 is down
+    # Nothing recorded since: the session still continues after replica 0.
+    assert policy.choose(request, loads(0, 0, 0)) == 1
+    policy.record(request, 2)
+    assert policy.choose(request, loads(0, 0, 0)) == 0  # wraps around
+
+
+def test_alternate_remembers_a_bounded_number_of_sessions() -> None:
+    policy = Alternate(2, PolicyConfig(max_sessions=2))
+    for name in ("a", "b", "c"):
+        policy.record(RouteRequest(session_id=name), 0)
+    ring_home = next(HashRing(2, CONFIG.virtual_nodes).walk("a"))
+    assert policy.choose(RouteRequest(session_id="a"), loads(0, 0)) == ring_home  # forgotten
+    assert policy.choose(RouteRequest(session_id="c"), loads(0, 0)) == 1  # remembered
+
+
+def test_prefix_index_matches_leading_blocks_and_evicts_tails_first() -> None:
+    index = PrefixIndex(capacity=10)
+    long = prompt(160)  # 10 blocks
+    index.insert(long.prefix)
+    assert index.match(long.prefix) == 10
+    assert index.match(prompt(160, seed=1).prefix) == 0
+    assert index.match(long.prefix[:4] + prompt(96, seed=2).prefix) == 4
+    other = prompt(64, seed=3)  # 4 more blocks: the long chain loses its last 4
+    index.insert(other.prefix)
+    assert len(index) == 10
+    assert index.match(long.prefix) == 6
+    assert index.match(other.prefix) == 4
+    index.clear()
+    assert index.match(other.prefix) == 0
+
+
+def test_cache_aware_prefers_the_replica_holding_the_prefix() -> None:
+    policy = CacheAware(2, CONFIG)
+    request = prompt(1000)
+    policy.record(request, 1)
+    # 62 full blocks = 992 tokens on replica 1; pool credit on replica 0 covers 768 (3 chunks).
+    assert policy.gpu_tokens(request, 1) == 992
+    assert policy.pool_tokens(request) == 768
+    assert policy.score(request, Load(1), 768) == 992
+    assert policy.score(request, Load(0), 768) == pytest.approx(0.8 * 768)
+    assert policy.choose(request, loads(0, 0)) == 1
+
+
+def test_cache_aware_load_penalty_outweighs_a_small_advantage() -> None:
+    policy = CacheAware(2, PolicyConfig(load_penalty_tokens=64.0))
+    request = prompt(1000)
+    policy.record(request, 1)
+    # Replica 1's edge: 992 - 0.8 x 768 = 377.6 tokens, i.e. 5.9 requests' penalty.
+    assert policy.choose(request, loads(0, 5)) == 1
+    assert policy.choose(request, loads(0, 6)) == 0
+
+
+def test_cache_aware_pool_credit_lets_any_replica_resume_a_session() -> None:
+    policy = CacheAware(3, CONFIG)
+    request = prompt(600)
+    policy.record(request, 0)
+    # Replica 0 down: replicas 1 and 2 both have 512 pool tokens; the less loaded wins.
+    assert policy.choose(request, [Load(1, 1), Load(2, 0)]) == 2
+    assert policy.score(request, Load(1), policy.pool_tokens(request)) == pytest.approx(0.8 * 512)
+    policy.forget_pool()
+    assert policy.pool_tokens(request) == 0
+    policy.forget_replica(0)
+    assert policy.gpu_tokens(request, 0) == 0
+
+
+def test_cache_aware_spreads_unrelated_prompts() -> None:
+    policy = CacheAware(2, CONFIG)
+    picks = Counter(policy.choose(prompt(200, seed=s), loads(0, 0)) for s in range(10))
+    assert picks == {0: 5, 1: 5}
+
+
+def test_make_policy_knows_every_name() -> None:
+    for name in ("round-robin", "session", "alternate", "least-load", "cache-aware"):
+        assert make_policy(name, 2, CONFIG).name == name
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy("random", 2, CONFIG)
+    with pytest.raises(ValueError):
+        PolicyConfig(pool_credit=1.5)

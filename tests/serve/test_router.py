@@ -1,0 +1,179 @@
+"""The router in-process against fake replicas (no models): retries, pinning, unbuffered
+streaming, disconnect propagation, health, admin fan-out."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+from aiohttp import web
+
+from kvshare.serve.router import ROUTER_KEY, Router, RouterConfig, build_router_app
+from kvshare.serve.routing_keys import RoutingKeys
+from tests.serve.inprocess import BackgroundServer
+
+STREAM_GAP_S = 0.4
+
+
+@dataclass
+class FakeState:
+    name: str
+    admin_calls: list[str] = field(default_factory=list)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+def fake_replica(state: FakeState) -> web.Application:
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "instance": state.name})
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not body.get("stream"):
+            return web.json_response({"served_by": state.name, "prompt": body.get("prompt")})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for i in range(body.get("chunks", 3)):
+                await resp.write(f"data: {json.dumps({'i': i})}\n\n".encode())
+                await asyncio.sleep(STREAM_GAP_S)
+        except asyncio.CancelledError:
+            state.cancelled.set()
+            raise
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def admin(request: web.Request) -> web.Response:
+        state.admin_calls.append(f"{request.method} {request.path}")
+        return web.json_response({"replica": state.name})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_route("*", "/admin/{tail:.*}", admin)
+    return app
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Fakes:
+    states: list[FakeState]
+    servers: list[BackgroundServer]
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+
+@pytest.fixture
+def fakes() -> Iterator[Fakes]:
+    states = [FakeState("a"), FakeState("b")]
+    fakes = Fakes(states, [BackgroundServer(fake_replica(s)) for s in states])
+    yield fakes
+    for server in fakes.servers:
+        server.close()
+
+
+@contextlib.contextmanager
+def routed(urls: list[str], policy: str = "round-robin",
+           health_interval: float = 0.2) -> Iterator[tuple[httpx.Client, Router]]:
+    """A router over `urls` and a client of it."""
+    config = RouterConfig(tuple(urls), policy, health_interval=health_interval, health_timeout=1.0)
+    app = build_router_app(config, RoutingKeys(None, 16))
+    server = BackgroundServer(app)
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            yield client, app[ROUTER_KEY]
+    finally:
+        server.close()
+
+
+def post(client: httpx.Client, headers: dict[str, str] | None = None, **body: object) -> httpx.Response:
+    return client.post("/v1/completions", json={"model": "m", "prompt": "hi", **body}, headers=headers)
+
+
+def test_a_dead_replica_leaves_rotation_and_requests_are_retried(fakes: Fakes) -> None:
+    # Health checks too rare to notice: only the failed request takes replica 0 out.
+    with routed(fakes.urls, health_interval=60.0) as (client, _):
+        assert [r["healthy"] for r in client.get("/admin/replicas").json()] == [True, True]
+        fakes.servers[0].close()
+        answers = [post(client) for _ in range(4)]
+        assert [r.status_code for r in answers] == [200] * 4
+        assert {r.json()["served_by"] for r in answers} == {"b"}
+        assert {r.headers["x-kvshare-replica"] for r in answers} == {"1"}
+        assert [r["healthy"] for r in client.get("/admin/replicas").json()] == [False, True]
+        pinned = post(client, headers={"x-kvshare-replica": "0"})
+        assert pinned.status_code == 502 and "replica 0" in pinned.json()["error"]["message"]
+        assert post(client, headers={"x-kvshare-replica": "7"}).status_code == 400
+        metrics = client.get("/metrics").text
+        assert 'kvshare_router_replica_failures_total{replica="0"} 2.0' in metrics
+        assert "kvshare_router_retries_total 1.0" in metrics  # the first request only
+
+
+def test_a_replica_comes_back_when_healthy(fakes: Fakes) -> None:
+    port = closed_port()
+    with routed([f"http://127.0.0.1:{port}", fakes.urls[1]]) as (client, _):
+        assert not client.get("/admin/replicas").json()[0]["healthy"]
+        assert {post(client).json()["served_by"] for _ in range(2)} == {"b"}
+        revived = BackgroundServer(fake_replica(FakeState("revived")), port=port)
+        try:
+            deadline = time.monotonic() + 5
+            while not client.get("/admin/replicas").json()[0]["healthy"]:
+                assert time.monotonic() < deadline, "the health check never readmitted it"
+                time.sleep(0.1)
+            assert {post(client).json()["served_by"] for _ in range(4)} == {"revived", "b"}
+        finally:
+            revived.close()
+
+
+def test_streams_pass_through_chunk_by_chunk(fakes: Fakes) -> None:
+    with routed(fakes.urls[:1]) as (client, _):
+        start = time.monotonic()
+        body = {"model": "m", "prompt": "x", "stream": True, "chunks": 3}
+        with client.stream("POST", "/v1/completions", json=body) as resp:
+            arrivals = [time.monotonic() - start for line in resp.iter_lines() if line.startswith("data:")]
+    assert len(arrivals) == 4  # 3 chunks and [DONE]
+    # The first chunk arrives before the replica has even produced the second one.
+    assert arrivals[0] < STREAM_GAP_S * 0.9 and arrivals[-1] > 2 * STREAM_GAP_S
+
+
+def test_a_client_that_leaves_cancels_the_replica_request(fakes: Fakes) -> None:
+    with routed(fakes.urls[:1]) as (client, router):
+        body = {"model": "m", "prompt": "x", "stream": True, "chunks": 50}
+        with client.stream("POST", "/v1/completions", json=body) as resp:
+            next(resp.iter_lines())
+        assert fakes.states[0].cancelled.wait(5), "the replica never saw the disconnect"
+        deadline = time.monotonic() + 5
+        while router.replicas[0].in_flight:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_admin_all_fans_out_to_every_replica(fakes: Fakes) -> None:
+    with routed(fakes.urls, policy="cache-aware") as (client, _):
+        reset = client.post("/admin/all/reset_prefix_cache", json={})
+        assert reset.status_code == 200
+        assert [a["body"] for a in reset.json()["replicas"]] == [{"replica": "a"}, {"replica": "b"}]
+        assert client.get("/admin/all/stats").status_code == 200
+    assert fakes.states[0].admin_calls == fakes.states[1].admin_calls == [
+        "POST /admin/reset_prefix_cache", "GET /admin/stats"]
+
+
+def test_no_healthy_replica_is_a_503() -> None:
+    with routed([f"http://127.0.0.1:{closed_port()}"]) as (client, _):
+        first = post(client)
+        assert first.status_code == 503
+        assert first.json()["error"]["type"] == "server_error"
+        assert client.get("/health").status_code == 503

@@ -1,0 +1,77 @@
+"""The router keys a request on exactly the token ids the replica will run (LESSONS #12)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvshare.engine.block_manager import block_hashes
+from kvshare.models.tokenizer import Tokenizer
+from kvshare.serve.protocol import ModelInfo, parse_generate
+from kvshare.serve.routing_keys import RoutingKeys, load_routing_tokenizer
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+TURN1 = [{"role": "system", "content": "You are a terse geography tutor. " * 6},
+         {"role": "user", "content": "Name three rivers of Europe, with a line about each."}]
+TURN2 = [*TURN1, {"role": "assistant", "content": "Danube, Rhine, Loire: long, busy, royal."},
+         {"role": "user", "content": "Which is the longest, and by how much? Explain briefly."}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    loaded = load_routing_tokenizer("smollm2-135m")
+    assert loaded is not None
+    return loaded
+
+
+def test_router_keys_are_the_replicas_prompt_ids(tokenizer: Tokenizer) -> None:
+    keys = RoutingKeys(tokenizer, 16)
+    model = ModelInfo("m", tokenizer, 8192, tokenizer.vocab_size)
+    for path, body in ((CHAT, {"model": "m", "messages": TURN2}),
+                       (COMPLETIONS, {"model": "m", "prompt": "The river Danube " * 20})):
+        served = parse_generate(body, path == CHAT, model).prompt_token_ids
+        prefix = keys.prefix_of(path, body)
+        assert prefix.num_tokens == len(served)
+        assert prefix.hashes == tuple(block_hashes(list(served), 16))
+    # The chat template's generation prompt is part of both.
+    assert tokenizer.decode(list(served)[-5:], skip_special_tokens=False)
+
+
+def test_a_later_turn_extends_the_earlier_turns_keys(tokenizer: Tokenizer) -> None:
+    keys = RoutingKeys(tokenizer, 16)
+    first, second = keys.prefix_of(CHAT, {"messages": TURN1}), keys.prefix_of(CHAT, {"messages": TURN2})
+    # SmolLM2's template renders turn 1 (generation prompt included) as a prefix of turn 2.
+    ids1, ids2 = tokenizer.encode_chat(TURN1), tokenizer.encode_chat(TURN2)
+    assert ids2[:len(ids1)] == ids1
+    assert len(first.hashes) >= 4 and second.hashes[:len(first.hashes)] == first.hashes
+    assert len(second.hashes) > len(first.hashes)
+
+
+def test_token_id_prompts_are_exact_without_a_tokenizer() -> None:
+    keys = RoutingKeys(None, 16)
+    ids = list(range(5, 105))
+    prefix = keys.prefix_of(COMPLETIONS, {"prompt": [ids]})
+    assert prefix.num_tokens == 100 and prefix.hashes == tuple(block_hashes(ids, 16))
+
+
+def test_text_falls_back_to_byte_blocks_that_keep_the_prefix_property() -> None:
+    keys = RoutingKeys(None, 16)
+    first, second = keys.prefix_of(CHAT, {"messages": TURN1}), keys.prefix_of(CHAT, {"messages": TURN2})
+    assert first.num_tokens == 0 and len(first.hashes) >= 2
+    assert second.hashes[:len(first.hashes)] == first.hashes
+    text = keys.prefix_of(COMPLETIONS, {"prompt": "x" * 640})
+    assert len(text.hashes) == 10  # 64 bytes a block
+
+
+def test_unusable_bodies_have_no_key(tokenizer: Tokenizer) -> None:
+    keys = RoutingKeys(tokenizer, 16)
+    for path, body in ((CHAT, {"messages": []}), (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}),
+                       (COMPLETIONS, {"prompt": 3}), (COMPLETIONS, ["not", "an", "object"])):
+        assert keys.prefix_of(path, body).hashes == ()
+
+
+def test_tokenizer_sources() -> None:
+    assert load_routing_tokenizer(None) is None
+    assert load_routing_tokenizer("shape:tiny-llama") is None
+    with pytest.raises(ValueError):
+        load_routing_tokenizer("no-such-model")

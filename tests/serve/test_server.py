@@ -1,0 +1,215 @@
+"""The replica server in-process, on a tiny random model (no tokenizer, no pool): the
+engine thread, disconnects, engine failures, auth, admin and metrics."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from kvshare import LLM
+from kvshare.engine.llm_engine import LLMEngine
+from kvshare.serve.server import SERVER_KEY, ServeConfig, build_app
+from tests.serve.inprocess import BackgroundServer
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPT = list(range(3, 51))  # 48 tokens: 3 full blocks
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[BackgroundServer, LLMEngine]]:
+    llm = LLM("shape:tiny-llama", kv_cache_memory=16 << 20, max_num_batched_tokens=256)
+    app = build_app(llm.engine, ServeConfig("tiny", api_key=KEY))
+    server = BackgroundServer(app)
+    yield server, app[SERVER_KEY].engine
+    server.close()
+
+
+@pytest.fixture
+def client(served: tuple[BackgroundServer, LLMEngine]) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=served[0].url, headers=AUTH, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture
+def engine(served: tuple[BackgroundServer, LLMEngine]) -> LLMEngine:
+    return served[1]
+
+
+def completion(client: httpx.Client, **fields: Any) -> httpx.Response:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, **fields}
+    return client.post("/v1/completions", json=body)
+
+
+def sse_chunks(text: str) -> list[Any]:
+    return [json.loads(line[6:]) if line[6:] != "[DONE]" else "[DONE]"
+            for line in text.splitlines() if line.startswith("data: ")]
+
+
+def wait_idle(client: httpx.Client, timeout: float = 10.0) -> dict[str, Any]:
+    """Until no request holds blocks; the engine stats then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        engine = client.get("/admin/stats").json()["engine"]
+        if engine["running"] == engine["waiting"] == 0 and engine["gpu_cache_usage"] == 0.0:
+            return engine
+        assert time.monotonic() < deadline, f"requests still hold blocks: {engine}"
+        time.sleep(0.05)
+
+
+def wait_running(client: httpx.Client, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while client.get("/admin/stats").json()["engine"]["running"] == 0:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.02)
+
+
+def test_completion_streams_the_same_ids_as_a_whole_answer(client: httpx.Client) -> None:
+    whole = completion(client)
+    assert whole.status_code == 200, whole.text
+    answer = whole.json()
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 6
+    assert answer["usage"]["prompt_tokens"] == 48 and answer["usage"]["completion_tokens"] == 6
+    kv = answer["usage"]["kv"]
+    assert kv["gpu_hit_tokens"] + kv["pool_hit_tokens"] + kv["computed_tokens"] == 48
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == kv["gpu_hit_tokens"]
+
+    streamed = completion(client, stream=True, stream_options={"include_usage": True})
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    chunks = sse_chunks(streamed.text)
+    assert chunks[-1] == "[DONE]"
+    usage = chunks[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+    ids = [t for c in chunks[:-2] for t in c["choices"][0]["token_ids"]]
+    assert ids == choice["token_ids"]
+    assert chunks[-3]["choices"][0]["finish_reason"] == "length"
+    # The repeat found the prompt's 2 full blocks before the last token in the GPU cache.
+    assert usage["usage"]["kv"]["gpu_hit_tokens"] == 32
+
+
+def test_api_key_guards_api_and_admin_but_not_probes(served: tuple[BackgroundServer, LLMEngine]) -> None:
+    with httpx.Client(base_url=served[0].url, timeout=10) as anonymous:
+        for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"),
+                             ("GET", "/admin/stats"), ("POST", "/admin/reset_prefix_cache")):
+            resp = anonymous.request(method, path, json={})
+            assert resp.status_code == 401, path
+            assert resp.json()["error"]["code"] == "invalid_api_key"
+        wrong = anonymous.get("/v1/models", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        assert anonymous.get("/health").json()["status"] == "ok"
+        assert anonymous.get("/metrics").status_code == 200
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_blocks(client: httpx.Client) -> None:
+    wait_idle(client)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8000, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as resp:
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert client.get("/admin/stats").json()["engine"]["running"] == 1
+    # Closing the stream dropped the connection; 8000 tokens would take far longer.
+    wait_idle(client, timeout=5.0)
+
+
+def test_client_disconnect_before_the_answer_aborts_and_frees_blocks(
+        served: tuple[BackgroundServer, LLMEngine], client: httpx.Client) -> None:
+    wait_idle(client)
+    host, port = served[0].url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 8000, "ignore_eos": True})
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(request.encode())
+        wait_running(client)
+    wait_idle(client, timeout=5.0)
+    assert 'kvshare_http_requests_total{endpoint="/v1/completions",status="499"}' in \
+        client.get("/metrics").text
+
+
+def fail_execute(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch,
+                 should_fail: Callable[[int], bool]) -> None:
+    """Make the model runner raise on the calls `should_fail` picks (by call number)."""
+    real = engine.runner.execute
+    calls = iter(range(1 << 30))
+
+    def execute(*args: Any, **kwargs: Any) -> Any:
+        if should_fail(next(calls)):
+            raise RuntimeError("injected fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+
+
+def test_engine_failure_is_a_500_and_the_server_keeps_serving(
+        client: httpx.Client, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    fail_execute(engine, monkeypatch, lambda call: call == 0)
+    failed = completion(client, prompt=list(range(100, 140)))
+    assert failed.status_code == 500
+    assert "injected fault" in failed.json()["error"]["message"]
+    assert failed.json()["error"]["type"] == "server_error"
+    wait_idle(client)
+    assert completion(client).status_code == 200
+    assert client.get("/health").json()["status"] == "ok"
+
+
+def test_engine_failure_mid_stream_ends_the_stream_with_an_error_event(
+        client: httpx.Client, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    fail_execute(engine, monkeypatch, lambda call: call == 3)
+    resp = completion(client, prompt=list(range(200, 230)), max_tokens=20, stream=True)
+    assert resp.status_code == 200  # headers were sent with the first token
+    chunks = sse_chunks(resp.text)
+    assert "injected fault" in chunks[-1]["error"]["message"]
+    assert "[DONE]" not in chunks
+    wait_idle(client)
+    assert completion(client).status_code == 200
+
+
+def test_engine_rejecting_a_request_is_a_400(client: httpx.Client) -> None:
+    resp = completion(client, prompt=[1, 2, 512])  # the tiny model's vocabulary is 512
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "prompt"
+
+
+def test_chat_on_a_model_without_template_is_refused(client: httpx.Client) -> None:
+    resp = client.post("/v1/chat/completions",
+                       json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    assert resp.status_code == 400
+    assert "no chat template" in resp.json()["error"]["message"]
+
+
+def test_admin_calls_without_a_pool(client: httpx.Client) -> None:
+    assert completion(client, prompt=list(range(300, 348))).status_code == 200
+    wait_idle(client)
+    assert client.post("/admin/reset_prefix_cache").json()["reset_blocks"] >= 3
+    assert client.post("/admin/reset_prefix_cache", json={}).json() == {"reset_blocks": 0}
+    assert client.post("/admin/kv_pool", json={"enabled": False}).json() == {"enabled": False}
+    refused = client.post("/admin/kv_pool", json={"enabled": True})
+    assert refused.status_code == 409 and "without a KV pool" in refused.json()["error"]["message"]
+    assert client.post("/admin/kv_pool", json={"enabled": "yes"}).status_code == 400
+    assert client.post("/admin/clear_pool").json() == {"cleared": 0}
+    stats = client.get("/admin/stats").json()
+    assert stats["kv_pool"] is None and stats["pool"] is None
+    assert set(stats["engine"]) >= {"running", "waiting", "gpu_cache_usage", "num_blocks"}
+
+
+def test_metrics_expose_latencies_gauges_and_finish_reasons(client: httpx.Client) -> None:
+    assert completion(client, max_tokens=3).status_code == 200
+    text = client.get("/metrics").text
+    for series in ("kvshare_time_to_first_token_seconds_count", "kvshare_inter_token_latency_seconds_count",
+                   "kvshare_requests_running", "kvshare_requests_waiting", "kvshare_gpu_cache_usage_ratio",
+                   'kvshare_requests_finished_total{finish_reason="length"}',
+                   'kvshare_prompt_tokens_total{source="computed"}',
+                   'kvshare_http_requests_total{endpoint="/v1/completions",status="200"}'):
+        assert series in text, series
+    ttft_count = next(line for line in text.splitlines()
+                      if line.startswith("kvshare_time_to_first_token_seconds_count"))
+    assert float(ttft_count.split()[-1]) >= 1
+    assert "kvshare_kv_pool_hit_tokens" not in text  # no pool, no pool series
