@@ -34,14 +34,14 @@ def save(out: Path) -> None:
     (out / "gpu_foundation.json").write_text(json.dumps(RESULTS, indent=1, default=str))
 
 
-def section(name: str, out: Path):  # noqa: ANN201
-    def wrap(fn):  # noqa: ANN001, ANN202
-        def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+def section(name: str, out: Path):
+    def wrap(fn):
+        def run(*args, **kwargs):
             start = time.perf_counter()
             print(f"== {name}", flush=True)
             try:
                 RESULTS[name] = fn(*args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - record and go on to the next section
+            except Exception as exc:
                 traceback.print_exc()
                 RESULTS[name] = {"error": repr(exc)}
             RESULTS.setdefault("seconds", {})[name] = time.perf_counter() - start  # type: ignore[union-attr]

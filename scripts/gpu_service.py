@@ -68,12 +68,13 @@ def bench27b(out: Path, lengths: str, per_block: int, pool_size: str) -> int:
     (out / "ceiling.json").write_text(json.dumps(ceiling))
     print("ceiling", ceiling, flush=True)
     max_len = max(int(x) for x in lengths.split(",")) + 256
+    log = (out / "cluster.log").open("w")
     up = subprocess.Popen(
         kvshare("up", "--replicas", "1", "--model", "shape:gemma3-27b", "--device", "cuda",
                 "--gpu-memory-fraction", "0.96", "--max-num-batched-tokens", "16384",
                 "--max-num-seqs", "8", "--max-model-len", str(min(max_len, 131072)),
                 "--pool-size", pool_size, "--pool-preallocate", "--port", "8180"),
-        env=env(), cwd=REPO, stdout=open(out / "cluster.log", "w"), stderr=subprocess.STDOUT,
+        env=env(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
         start_new_session=True)
     try:
         url = "http://127.0.0.1:8180"
@@ -100,6 +101,7 @@ def bench27b(out: Path, lengths: str, per_block: int, pool_size: str) -> int:
     finally:
         os.killpg(up.pid, signal.SIGINT)
         up.wait(timeout=60)
+        log.close()
 
 
 def main() -> int:

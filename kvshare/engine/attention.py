@@ -21,6 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvshare.engine.recurrent_state import RecurrentStates
+
 
 @dataclass(frozen=True)
 class KeyRange:
@@ -174,14 +176,19 @@ class VarlenBackend(AttentionBackend):
 
 
 class PagedAttention:
-    """The models' AttentionContext over the engine's paged cache for one step."""
+    """The models' AttentionContext over the engine's paged cache for one step; for hybrid
+    models also their RecurrentStateContext over the sequences' state slots."""
 
     def __init__(self, kv: torch.Tensor, layer_slot: tuple[int, ...], meta: StepMeta,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, states: RecurrentStates | None = None,
+                 state_slots: torch.Tensor | None = None) -> None:
         self.kv = kv
         self.layer_slot = layer_slot
         self.meta = meta
         self.backend = backend
+        self.states = states
+        self.state_slots = state_slots
+        self.seq_lens = meta.q_lens
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                scale: float, window: int | None) -> torch.Tensor:
@@ -191,3 +198,11 @@ class PagedAttention:
         k_cache.index_copy_(0, self.meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, self.meta.slot_mapping, v.to(v_cache.dtype))
         return self.backend.attend(q, k_cache, v_cache, self.meta, scale, window)
+
+    def load_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.states is not None and self.state_slots is not None
+        return self.states.load(layer, self.state_slots)
+
+    def save_state(self, layer: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
+        assert self.states is not None and self.state_slots is not None
+        self.states.save(layer, self.state_slots, conv_state, recurrent_state)

@@ -30,6 +30,10 @@ class EngineConfig:
     attention_backend: AttentionBackendName = "auto"
     cuda_graphs: bool = True
     seed: int = 0
+    # Hybrid (linear-attention) models: recurrent-state snapshots kept on the device for
+    # prefix reuse, and how often a long prefill leaves one (besides its last chunk boundary).
+    num_state_snapshots: int = 8
+    snapshot_interval_tokens: int = 16384
 
     def __post_init__(self) -> None:
         if self.device.split(":")[0] not in ("cpu", "cuda"):
@@ -44,6 +48,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_fraction must be in [0.05, 1], got {self.gpu_memory_fraction}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be positive")
+        if self.num_state_snapshots < 0 or self.snapshot_interval_tokens < self.block_size:
+            raise ValueError("num_state_snapshots must be >= 0 and snapshot_interval_tokens >= block_size")
         if self.attention_backend not in ("auto", "sdpa", "varlen"):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}")
 

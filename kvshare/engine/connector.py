@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvshare.engine.block_manager import BlockManager
+from kvshare.engine.recurrent_state import RecurrentStates
 from kvshare.models.config import ModelConfig
 
 
@@ -44,17 +45,18 @@ class KVCacheLayout:
     @classmethod
     def allocate(cls, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> KVCacheLayout:
+        """One slot per attention layer (linear-attention layers keep state, not KV)."""
         global_layers = [i for i, k in enumerate(config.layer_kinds) if k == "full"]
         sliding_layers = [i for i, k in enumerate(config.layer_kinds) if k == "sliding"]
         slot_of = {layer: slot for slot, layer in enumerate(global_layers + sliding_layers)}
         # Zero-filled: blocks a window never reads may be left unwritten by a pool restore,
         # and masked garbage must stay finite (0 x NaN is NaN in the value product).
         kv = torch.zeros(
-            (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
+            (len(slot_of), 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
             dtype=dtype, device=device,
         )
         return cls(kv=kv, block_size=block_size,
-                   layer_slot=tuple(slot_of[i] for i in range(config.num_layers)),
+                   layer_slot=tuple(slot_of.get(i, -1) for i in range(config.num_layers)),
                    num_global_slots=len(global_layers), sliding_window=config.sliding_window)
 
     @property
@@ -70,6 +72,7 @@ class KVCacheLayout:
 class PagedKVCache:
     layout: KVCacheLayout
     blocks: BlockManager
+    states: RecurrentStates | None = None  # hybrid models: per-sequence linear-attention state
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,9 @@ class KVConnector(ABC):
         """Pin the longest restorable run past num_local_tokens (never the last token)."""
 
     @abstractmethod
-    def load(self, request_id: str, block_table: Sequence[int]) -> None:
-        """Start restoring the matched range into block_table (the request's whole table)."""
+    def load(self, request_id: str, block_table: Sequence[int], state_slot: int | None = None) -> None:
+        """Start restoring the matched range into block_table (the request's whole table)
+        and, for hybrid models, the state at the range's end into state_slot."""
 
     @abstractmethod
     def cancel(self, request_id: str) -> None:
@@ -102,6 +106,12 @@ class KVConnector(ABC):
     def store(self, request_id: str, token_ids: Sequence[int], block_table: Sequence[int],
               num_computed_tokens: int) -> None:
         """Store the full chunks of token_ids[:num_computed_tokens] not stored yet."""
+
+    @abstractmethod
+    def store_state(self, request_id: str, token_ids: Sequence[int], boundary: int,
+                    snapshot_slot: int) -> None:
+        """Store the recurrent-state snapshot (an immutable snapshot slot) taken after
+        token_ids[:boundary], a chunk boundary (hybrid models)."""
 
     @abstractmethod
     def poll(self) -> dict[str, bool]:

@@ -8,7 +8,7 @@ changed. Callers (the offline `LLM`, the server's engine thread) drive it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,7 @@ class RequestOutput:
     computed_tokens: int
     arrival_time: float
     first_token_time: float | None
+    logprobs: tuple[float, ...] = ()  # of token_ids, when the request asked for them
 
     @property
     def cached_tokens(self) -> int:
@@ -54,6 +55,7 @@ class _Request:
     generator: torch.Generator | None
     stop_ids: frozenset[int]
     emitted_text: int = 0  # characters of seq.text already reported
+    logprobs: list[float] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -73,10 +75,11 @@ class LLMEngine:
         self.max_model_len = max_len
         self.connector = connector
         if connector is not None:
-            connector.bind(PagedKVCache(self.runner.layout, self.blocks))
+            connector.bind(PagedKVCache(self.runner.layout, self.blocks, self.runner.states))
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len),
-            self.blocks, connector,
+            self.blocks, connector, self.runner.states,
+            connector.chunk_tokens if connector is not None else 256, config.snapshot_interval_tokens,
         )
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
         self.requests: dict[str, _Request] = {}
@@ -115,6 +118,8 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0 or bool(self._finished_outputs)
 
     def reset_prefix_cache(self) -> int:
+        if self.runner.states is not None:
+            self.runner.states.reset_snapshots()
         return self.blocks.reset_prefix_cache()
 
     def step(self) -> list[RequestOutput]:
@@ -130,13 +135,29 @@ class LLMEngine:
             tokens = sample(logits, [c.seq.params for c in sampling],
                             [self.requests[c.seq.request_id].generator for c in sampling],
                             self.generator)
+        logprobs = self._logprobs(logits, sampling, tokens)
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
         self._register_and_store(chunks)
         now = time.monotonic()
-        for chunk, token in zip(sampling, tokens):
-            outputs.append(self._append_token(self.requests[chunk.seq.request_id], token, now))
+        for chunk, token, logprob in zip(sampling, tokens, logprobs):
+            req = self.requests[chunk.seq.request_id]
+            if logprob is not None:
+                req.logprobs.append(logprob)
+            outputs.append(self._append_token(req, token, now))
         return outputs
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor | None, sampling: list[ScheduledChunk],
+                  tokens: list[int]) -> list[float | None]:
+        wanted = [i for i, c in enumerate(sampling) if c.seq.params.logprobs]
+        out: list[float | None] = [None] * len(sampling)
+        if wanted and logits is not None:
+            rows = torch.log_softmax(logits[wanted], dim=-1)
+            chosen = torch.tensor([tokens[i] for i in wanted], device=rows.device)
+            for i, value in zip(wanted, rows.gather(1, chosen[:, None])[:, 0].tolist()):
+                out[i] = value
+        return out
 
     def _register_and_store(self, chunks: list[ScheduledChunk]) -> None:
         bs = self.config.block_size
@@ -150,6 +171,17 @@ class LLMEngine:
             if self.connector is not None:
                 self.connector.store(seq.request_id, seq.token_ids, seq.block_table,
                                      seq.num_computed_tokens)
+            if seq.num_computed_tokens in seq.snapshot_boundaries:
+                self._snapshot(seq)
+
+    def _snapshot(self, seq: Sequence) -> None:
+        """Keep the state at this chunk boundary (GPU-local reuse) and store it in the pool."""
+        states = self.runner.states
+        assert states is not None and seq.state_slot is not None
+        boundary = seq.num_computed_tokens
+        slot = states.snapshot(seq.block_hashes[boundary // self.config.block_size - 1], seq.state_slot)
+        if slot is not None and self.connector is not None:
+            self.connector.store_state(seq.request_id, seq.token_ids, boundary, slot)
 
     def _append_token(self, req: _Request, token: int, now: float) -> RequestOutput:
         seq = req.seq
@@ -217,4 +249,5 @@ class LLMEngine:
             computed_tokens=seq.kv.computed_tokens,
             arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time,
+            logprobs=tuple(req.logprobs),
         )

@@ -15,6 +15,7 @@ from kvshare.engine.attention import (
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.connector import KVCacheLayout
 from kvshare.engine.cuda_graphs import DecodeGraphs
+from kvshare.engine.recurrent_state import RecurrentStates
 from kvshare.engine.scheduler import ScheduledChunk
 from kvshare.models.loader import LoadedModel
 
@@ -33,8 +34,13 @@ class ModelRunner:
         # The cache's last block is outside the block manager: padding rows of captured
         # decode graphs write there.
         self.num_blocks = self.layout.kv.shape[2] - 1
+        self.states: RecurrentStates | None = None
+        if loaded.config.linear_layers:
+            self.states = RecurrentStates(loaded.config, config.max_num_seqs, config.num_state_snapshots,
+                                          self.dtype, self.device)
         self.graphs: DecodeGraphs | None = None
-        if config.cuda_graphs and isinstance(self.backend, VarlenBackend):
+        # Hybrid decode steps are not captured: their state slots are not static buffers yet.
+        if config.cuda_graphs and isinstance(self.backend, VarlenBackend) and self.states is None:
             max_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                           loaded.config.max_position_embeddings, self.num_blocks * config.block_size)
             self.graphs = DecodeGraphs(self.model, self.layout, self.backend, trash_block=self.num_blocks,
@@ -53,7 +59,7 @@ class ModelRunner:
     def _kv_bytes_per_block(self) -> int:
         c = self.model_config
         item = torch.empty((), dtype=self.dtype).element_size()
-        return c.num_layers * 2 * self.config.block_size * c.num_kv_heads * c.head_dim * item
+        return len(c.attention_layers) * 2 * self.config.block_size * c.num_kv_heads * c.head_dim * item
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory is not None:
@@ -107,7 +113,11 @@ class ModelRunner:
         )
         input_ids = self._to_device(np.concatenate(ids))
         pos = self._to_device(np.concatenate(positions))
-        ctx = PagedAttention(self.layout.kv, self.layout.layer_slot, meta, self.backend)
+        state_slots = None
+        if self.states is not None:
+            state_slots = self._to_device(np.asarray([c.seq.state_slot for c in chunks], dtype=np.int64))
+        ctx = PagedAttention(self.layout.kv, self.layout.layer_slot, meta, self.backend,
+                             self.states, state_slots)
         hidden = self.model(input_ids, pos, ctx)
         if not sample_rows:
             return None

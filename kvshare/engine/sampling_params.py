@@ -11,7 +11,8 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k 0 (or -1) disables top-k. `seed` makes sampling of
     this request reproducible regardless of what else is batched with it. `stop` strings
-    end the output before the string (unless `include_stop_str_in_output`).
+    end the output before the string (unless `include_stop_str_in_output`). `logprobs`
+    reports each generated token's log-probability under the model (before temperature).
     """
 
     max_tokens: int = 16
@@ -23,6 +24,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    logprobs: bool = False  # report the log-probability of each generated token
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from kvshare.engine.block_manager import BlockManager
 from kvshare.engine.connector import KVConnector
+from kvshare.engine.recurrent_state import RecurrentStates
 from kvshare.engine.sequence import Sequence, SequenceStatus
 
 
@@ -42,11 +43,19 @@ class ScheduledChunk:
 
 
 class Scheduler:
+    """`states` (hybrid models) adds recurrent-state slots: a prefix is reused only up to a
+    chunk boundary of `state_chunk_tokens` with a state snapshot, prefill steps end on the
+    sequence's snapshot boundaries, and every admitted sequence holds one state slot."""
+
     def __init__(self, config: SchedulerConfig, blocks: BlockManager,
-                 connector: KVConnector | None = None) -> None:
+                 connector: KVConnector | None = None, states: RecurrentStates | None = None,
+                 state_chunk_tokens: int = 256, snapshot_interval: int = 16384) -> None:
         self.config = config
         self.blocks = blocks
         self.connector = connector
+        self.states = states
+        self.state_chunk = state_chunk_tokens
+        self.snapshot_interval = max(state_chunk_tokens, snapshot_interval // state_chunk_tokens * state_chunk_tokens)
         self.waiting: deque[Sequence] = deque()
         self.loading: dict[str, Sequence] = {}
         self.running: list[Sequence] = []
@@ -87,6 +96,9 @@ class Scheduler:
         self.blocks.release(seq.block_table)
         seq.block_table = []
         seq.num_registered_blocks = 0
+        if self.states is not None and seq.state_slot is not None:
+            self.states.release(seq.state_slot)
+            seq.state_slot = None
 
     def collect_loads(self) -> None:
         """Move sequences whose pool restore finished into RUNNING (or back to compute)."""
@@ -111,7 +123,7 @@ class Scheduler:
                 break
             if seq not in self.running:
                 continue  # preempted below to make room for an earlier sequence
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._cap_at_snapshot(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
             if not self._reserve_blocks(seq, seq.num_computed_tokens + n):
                 continue
             chunks.append(ScheduledChunk(seq, n))
@@ -123,12 +135,39 @@ class Scheduler:
             self.waiting.popleft()
             if seq.status is SequenceStatus.LOADING:
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._cap_at_snapshot(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
             if not self._grow(seq, seq.num_computed_tokens + n):
                 break  # cannot happen: _admit reserved the first chunk's blocks
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
         return chunks
+
+    @staticmethod
+    def _cap_at_snapshot(seq: Sequence, n: int) -> int:
+        """Shorten a step so that it ends on the next snapshot boundary it would cross."""
+        for boundary in seq.snapshot_boundaries:
+            if seq.num_computed_tokens < boundary < seq.num_computed_tokens + n:
+                return boundary - seq.num_computed_tokens
+        return n
+
+    def _snapshot_boundaries(self, seq: Sequence) -> tuple[int, ...]:
+        """Every snapshot_interval tokens, and the prompt's last chunk boundary (where a
+        follow-up turn that resends this prompt resumes)."""
+        last = seq.num_tokens // self.state_chunk * self.state_chunk
+        every = range(self.snapshot_interval, last, self.snapshot_interval)
+        return tuple(b for b in (*every, last) if b > seq.num_computed_tokens)
+
+    def _cut_at_snapshot(self, seq: Sequence, cached: list[int]) -> tuple[list[int], int | None]:
+        """The cached prefix cut back to its last chunk boundary with a state snapshot."""
+        assert self.states is not None
+        bs = self.blocks.block_size
+        boundary = len(cached) * bs // self.state_chunk * self.state_chunk
+        while boundary > 0:
+            slot = self.states.find(seq.block_hashes[boundary // bs - 1])
+            if slot is not None:
+                return cached[:boundary // bs], slot
+            boundary -= self.state_chunk
+        return [], None
 
     def _num_admitted(self) -> int:
         return len(self.running) + len(self.loading)
@@ -159,6 +198,17 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
+    def _take_state_slot(self, seq: Sequence, snapshot: int | None) -> None:
+        """A state slot for seq: the snapshot's state when resuming from one, else zeros."""
+        assert self.states is not None
+        if snapshot is not None:
+            self.states.pin(snapshot)  # allocate() may evict unpinned snapshots
+        seq.state_slot = self.states.allocate()
+        if snapshot is not None:
+            self.states.restore(snapshot, seq.state_slot)
+            self.states.unpin(snapshot)
+        seq.snapshot_boundaries = self._snapshot_boundaries(seq)
+
     def _admit(self, seq: Sequence) -> bool:
         """Give seq its cached prefix and the blocks of its first chunk; start a pool load.
 
@@ -168,6 +218,9 @@ class Scheduler:
         bs = self.blocks.block_size
         usable = (seq.num_tokens - 1) // bs
         cached = self.blocks.match_prefix(seq.block_hashes[:usable])
+        snapshot = None
+        if self.states is not None:
+            cached, snapshot = self._cut_at_snapshot(seq, cached)
         local_tokens = len(cached) * bs
         match = None
         if self.connector is not None:
@@ -185,11 +238,13 @@ class Scheduler:
         self.blocks.acquire(cached)
         seq.block_table = cached + self.blocks.allocate(fresh)
         seq.num_computed_tokens = local_tokens
+        if self.states is not None:
+            self._take_state_slot(seq, snapshot)
         seq.kv.gpu_hit_tokens = local_tokens
         seq.kv.pool_hit_tokens = pool_tokens
         seq.num_registered_blocks = len(cached)
         if pool_tokens and self.connector is not None:
-            self.connector.load(seq.request_id, seq.block_table)
+            self.connector.load(seq.request_id, seq.block_table, seq.state_slot)
             seq.status = SequenceStatus.LOADING
             self.loading[seq.request_id] = seq
         else:

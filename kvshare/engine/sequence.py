@@ -47,6 +47,10 @@ class Sequence:
     # how many of this sequence's blocks are registered under them.
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
+    # Hybrid models: the sequence's recurrent-state slot, and the chunk boundaries (token
+    # counts) at which its state is snapshotted; prefill steps end exactly on them.
+    state_slot: int | None = None
+    snapshot_boundaries: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -22,30 +22,46 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import xxhash
+
 from kvshare.engine.connector import KVConnector, PagedKVCache, PoolMatch
 from kvshare.kvpool.client import PageRef, PoolClient, PoolError, PoolUnavailable
 from kvshare.kvpool.host_memory import HostRegistration
 from kvshare.kvpool.keys import Namespace, chunk_keys
 from kvshare.kvpool.layout import CHECKSUM_BYTES, LAYOUT_VERSION, PageLayout
 from kvshare.kvpool.page import HEADER_BYTES, PageFormatError, PageHeader
-from kvshare.kvpool.transfer import BreakOrder, CudaTransfer, PageCopy, ThreadTransfer, Transfer
+from kvshare.kvpool.transfer import (
+    BreakOrder,
+    CudaTransfer,
+    PageCopy,
+    ThreadTransfer,
+    Transfer,
+    TransferJob,
+)
 from kvshare.models.loader import LoadedModel
 
 _log = logging.getLogger(__name__)
 _POOL_ERRORS = (PoolUnavailable, PoolError)
+_STATE_DOMAIN = b"kvshare.kvpool.state.v1"
+
+
+def state_key(chunk_key: bytes) -> bytes:
+    """The key of the recurrent-state snapshot taken right after the chunk `chunk_key`."""
+    return xxhash.xxh3_128_digest(_STATE_DOMAIN + chunk_key)
 
 
 @dataclass(frozen=True)
 class ConnectorOptions:
-    """`break_order`, `load_delay` and `verify=False` are test-only: they exist so the
-    validation checks can prove that a missing stream dependency or a skipped checksum is
-    caught (see transfer.py and kvshare/validate)."""
+    """`break_order`, `load_delay`, `verify=False` and `skip_state_restore` are test-only:
+    they exist so the checks can prove that a missing stream dependency, a skipped checksum
+    or KV restored without its recurrent state is caught (transfer.py, kvshare/validate)."""
 
     chunk_tokens: int = 256
     register_host_memory: bool = True
     break_order: BreakOrder = ""
     load_delay: float = 0.0  # seconds (CPU); on CUDA converted to GPU sleep cycles
     verify: bool = True
+    skip_state_restore: bool = False  # hybrid models: restore the KV but not the state
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
@@ -57,14 +73,15 @@ class ConnectorOptions:
 @dataclass
 class _Match:
     lease: int
-    pages: tuple[PageRef, ...]
+    pages: tuple[PageRef, ...]  # KV pages from chunk 0
     local_tokens: int
+    state: PageRef | None = None  # hybrid models: the state after the last KV page
 
 
 @dataclass
 class _Load:
     request_id: str
-    job: object
+    job: TransferJob
     lease: int
     pages: list[PageRef]
     segments: list[int]  # checksummed segments copied per page
@@ -73,14 +90,25 @@ class _Load:
     held: list[int]
     incomplete: list[int]
     headers_ok: bool = False
+    state_job: TransferJob | None = None
+    state_page: PageRef | None = None
+
+    def done(self) -> bool:
+        return self.job.done() and (self.state_job is None or self.state_job.done())
+
+    @property
+    def failed(self) -> bool:
+        return self.job.failed or (self.state_job is not None and self.state_job.failed)
 
 
 @dataclass
 class _Store:
-    job: object
+    job: TransferJob
     pages: list[PageRef]
     parents: list[bytes]
-    held: list[int]
+    held: list[int]  # KV blocks held until the copy completed
+    payload_bytes: int
+    snapshot_slot: int | None = None  # a state snapshot slot pinned until then
 
 
 @dataclass
@@ -196,20 +224,27 @@ class PoolConnector(KVConnector):
         if not self._usable() or usable_chunks * self.chunk_tokens <= num_local_tokens:
             return PoolMatch(0)
         keys = self._keys(req, token_ids, usable_chunks)
+        states = self.cache.states if self.cache is not None else None
         try:
-            result = self.client.lookup(keys)
+            if states is None:
+                result = self.client.lookup(keys)
+            else:
+                result = self.client.lookup(keys, [(i, state_key(k)) for i, k in enumerate(keys)])
             self._adopt_arena()
         except _POOL_ERRORS as exc:
             self._count_error("lookup", exc)
             return PoolMatch(0)
         self.counters["lookups"] += 1
-        hit_tokens = len(result.pages) * self.chunk_tokens
+        pages, state = result.pages, None
+        if states is not None and pages:
+            pages, state = pages[:-1], pages[-1]  # the KV run, then its end's state page
+        hit_tokens = len(pages) * self.chunk_tokens
         wanted = usable_chunks * self.chunk_tokens - num_local_tokens
         if hit_tokens <= num_local_tokens:
             self._release(result.lease)
             self.counters["miss_tokens"] += wanted
             return PoolMatch(0)
-        req.match = _Match(result.lease, result.pages, num_local_tokens)
+        req.match = _Match(result.lease, pages, num_local_tokens, state)
         self.counters["hit_tokens"] += hit_tokens - num_local_tokens
         self.counters["miss_tokens"] += wanted - (hit_tokens - num_local_tokens)
         return PoolMatch(hit_tokens - num_local_tokens)
@@ -220,7 +255,7 @@ class PoolConnector(KVConnector):
             self._release(req.match.lease)
             req.match = None
 
-    def load(self, request_id: str, block_table: Sequence[int]) -> None:
+    def load(self, request_id: str, block_table: Sequence[int], state_slot: int | None = None) -> None:
         assert self.cache is not None and self.layout is not None and self.transfer is not None
         req = self._requests[request_id]
         match, req.match = req.match, None
@@ -248,22 +283,27 @@ class PoolConnector(KVConnector):
                         sum(c.nbytes for c in copies), len(match.pages), held, incomplete)
         try:
             pending.job = self.transfer.load(copies)
+            if match.state is not None and not self.options.skip_state_restore:
+                assert self.cache.states is not None and state_slot is not None
+                pending.state_page = match.state
+                pending.state_job = self.transfer.load_raw(match.state.offset + HEADER_BYTES,
+                                                           self.cache.states.rows[state_slot])
         except Exception:  # a broken copy is a miss, never an engine crash
             _log.exception("pool load failed to start")
             self._end_load(pending, ok=False)
             return
         # Checked while the copies run: the lease keeps the slots from changing meanwhile.
-        pending.headers_ok = all(self._header_ok(p) for p in pages)
+        pending.headers_ok = all(self._header_ok(p, layout.payload_bytes) for p in pages) and (
+            pending.state_page is None or self._header_ok(pending.state_page, pending.state_page.payload_bytes))
         self._loads.append(pending)
 
-    def _header_ok(self, page: PageRef) -> bool:
+    def _header_ok(self, page: PageRef, payload_bytes: int) -> bool:
         """The slot still holds the page the daemon says: key, size and checksum agree."""
         try:
             header = PageHeader.unpack(bytes(self.client.arena.view(page.offset, HEADER_BYTES)))
         except (PageFormatError, PoolUnavailable, ValueError):
             return False
-        assert self.layout is not None
-        return (header.key == page.key and header.payload_bytes == self.layout.payload_bytes
+        return (header.key == page.key and header.payload_bytes == payload_bytes
                 and header.layout_version == LAYOUT_VERSION and header.checksum == page.checksum)
 
     def _end_load(self, load: _Load, ok: bool) -> None:
@@ -338,7 +378,36 @@ class PoolConnector(KVConnector):
             self.cache.blocks.release(held)
             self._abort([p.key for p in pages])
             return
-        self._stores.append(_Store(job, pages, parents, held))
+        self._stores.append(_Store(job, pages, parents, held, self.layout.payload_bytes))
+
+    def store_state(self, request_id: str, token_ids: Sequence[int], boundary: int,
+                    snapshot_slot: int) -> None:
+        if not self._usable() or boundary % self.chunk_tokens or boundary == 0:
+            return
+        assert self.cache is not None and self.cache.states is not None and self.transfer is not None
+        req = self._requests.setdefault(request_id, _Request())
+        chunk = self._keys(req, token_ids, boundary // self.chunk_tokens)[-1]
+        row = self.cache.states.rows[snapshot_slot]
+        try:
+            reservation = self.client.reserve([state_key(chunk)], row.numel())
+            self._adopt_arena()
+        except _POOL_ERRORS as exc:
+            self._count_error("reserve", exc)
+            return
+        if not reservation.pages:
+            self.counters["store_dropped_pages"] += reservation.dropped
+            return
+        page = reservation.pages[0]
+        self.cache.states.pin(snapshot_slot)  # immutable until the copy completed
+        try:
+            job = self.transfer.store_raw(page.offset + HEADER_BYTES, row)
+        except Exception:  # a failed store is skipped, never an engine crash
+            _log.exception("pool state store failed to start")
+            self.cache.states.unpin(snapshot_slot)
+            self._abort([page.key])
+            return
+        self._stores.append(_Store(job, [page], [chunk], [], row.numel(), snapshot_slot))
+        self.counters["stored_state_pages"] += 1
 
     def _finish_store(self, store: _Store) -> None:
         assert self.cache is not None and self.layout is not None
@@ -349,14 +418,16 @@ class PoolConnector(KVConnector):
             checksums = [b"".join(parts) for parts in store.job.checksums()]
             try:
                 for page, parent, checksum in zip(store.pages, store.parents, checksums):
-                    header = PageHeader(LAYOUT_VERSION, page.key, parent, self.layout.payload_bytes, checksum)
+                    header = PageHeader(LAYOUT_VERSION, page.key, parent, store.payload_bytes, checksum)
                     self.client.arena.view(page.offset, HEADER_BYTES)[:] = header.pack()
                 self.client.commit(keys, checksums, [p.offset for p in store.pages])
                 self.counters["stored_pages"] += len(keys)
-                self.counters["stored_bytes"] += len(keys) * self.layout.payload_bytes
+                self.counters["stored_bytes"] += len(keys) * store.payload_bytes
             except _POOL_ERRORS as exc:
                 self._count_error("commit", exc)
         self.cache.blocks.release(store.held)
+        if store.snapshot_slot is not None and self.cache.states is not None:
+            self.cache.states.unpin(store.snapshot_slot)
 
     def _abort(self, keys: list[bytes]) -> None:
         try:
@@ -367,14 +438,16 @@ class PoolConnector(KVConnector):
     # ------------------------------------------------------------------ progress
 
     def poll(self) -> dict[str, bool]:
-        for load in [x for x in self._loads if x.job.done()]:
+        for load in [x for x in self._loads if x.done()]:
             self._loads.remove(load)
             verified = load.headers_ok and self._checksums_match(load)
             if not load.headers_ok:
                 self.counters["header_failures"] += 1
-            ok = not load.job.failed and (verified or not self.options.verify)
+            ok = not load.failed and (verified or not self.options.verify)
             if ok:
                 self.transfer.consume(load.job)
+                if load.state_job is not None:
+                    self.transfer.consume(load.state_job)
             self._end_load(load, ok)
         for store in [x for x in self._stores if x.job.done()]:
             self._stores.remove(store)
@@ -384,7 +457,10 @@ class PoolConnector(KVConnector):
 
     def _checksums_match(self, load: _Load) -> bool:
         ok = True
-        for page, copied, n in zip(load.pages, load.job.checksums(), load.segments):
+        checks = list(zip(load.pages, load.job.checksums(), load.segments))
+        if load.state_job is not None and load.state_page is not None:
+            checks.append((load.state_page, load.state_job.checksums()[0], 1))
+        for page, copied, n in checks:
             expected = [page.checksum[i * CHECKSUM_BYTES:(i + 1) * CHECKSUM_BYTES] for i in range(n)]
             if copied[:n] != expected:
                 self.counters["checksum_failures"] += 1

@@ -75,6 +75,7 @@ class Transfer(ABC):
         self.layout = layout
         self.break_order = break_order
         self.arena: torch.Tensor | None = None
+        self._raw_weights: torch.Tensor | None = None
 
     def set_arena(self, arena: torch.Tensor) -> None:
         self.arena = arena
@@ -90,6 +91,22 @@ class Transfer(ABC):
 
     @abstractmethod
     def store(self, copies: Sequence[PageCopy], ready: threading.Event | None = None) -> TransferJob: ...
+
+    @abstractmethod
+    def load_raw(self, offset: int, row: torch.Tensor) -> TransferJob:
+        """Copy the page payload at arena byte `offset` into a contiguous uint8 row
+        (a recurrent-state slot), one checksummed segment."""
+
+    @abstractmethod
+    def store_raw(self, offset: int, row: torch.Tensor, ready: threading.Event | None = None) -> TransferJob:
+        """Copy a contiguous uint8 row into the page payload at `offset`, after the
+        compute work already issued (or `ready`), one checksummed segment."""
+
+    def raw_weights(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """Checksum weights for a raw payload (cached: one tensor per size)."""
+        if self._raw_weights is None or self._raw_weights.numel() < nbytes // 8:
+            self._raw_weights = word_weights(nbytes // 8, device)
+        return self._raw_weights
 
     @abstractmethod
     def consume(self, job: TransferJob) -> None:
@@ -204,14 +221,42 @@ class CudaTransfer(Transfer):
         copy_s.wait_stream(gather_s)
         return self._finish(copies, sums, copy_s, always_done=False)
 
+    def load_raw(self, offset: int, row: torch.Tensor) -> TransferJob:
+        assert self.arena is not None
+        stream = self.streams["load_copy"]
+        weights = self.raw_weights(row.numel(), self.device)
+        with torch.cuda.stream(stream):
+            sums = torch.zeros((1, 2, 2), dtype=torch.int64, device=self.device)
+            row.copy_(self.arena[offset:offset + row.numel()], non_blocking=True)
+            checksum_into(row, weights, sums[0, 0])
+        return self._job(sums, stream, 1, 1, always_done=self.break_order == "load")
+
+    def store_raw(self, offset: int, row: torch.Tensor, ready: threading.Event | None = None) -> TransferJob:
+        assert self.arena is not None
+        stream = self.streams["store_copy"]
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(self.device))
+        if self.break_order != "store":
+            stream.wait_event(produced)
+        weights = self.raw_weights(row.numel(), self.device)
+        with torch.cuda.stream(stream):
+            sums = torch.zeros((1, 2, 2), dtype=torch.int64, device=self.device)
+            checksum_into(row, weights, sums[0, 0])
+            self.arena[offset:offset + row.numel()].copy_(row, non_blocking=True)
+        return self._job(sums, stream, 1, 1, always_done=False)
+
     def _finish(self, copies: Sequence[PageCopy], sums: torch.Tensor, stream: torch.cuda.Stream,
                 always_done: bool) -> TransferJob:
+        return self._job(sums, stream, len(copies), _num_segments(self.layout, copies), always_done)
+
+    def _job(self, sums: torch.Tensor, stream: torch.cuda.Stream, num_pages: int, num_segments: int,
+             always_done: bool) -> TransferJob:
         host = torch.empty(sums.shape, dtype=torch.int64, pin_memory=True)
         event = torch.cuda.Event()
         with torch.cuda.stream(stream):
             host.copy_(sums, non_blocking=True)
             event.record(stream)
-        return _CudaJob(len(copies), _num_segments(self.layout, copies), event, host, always_done)
+        return _CudaJob(num_pages, num_segments, event, host, always_done)
 
     def consume(self, job: TransferJob) -> None:
         if self.break_order != "load":
@@ -310,6 +355,43 @@ class ThreadTransfer(Transfer):
                 job.finished.set()
 
         self.jobs.put(run)
+        return job
+
+    def _raw(self, job: _ThreadJob, move: Callable[[], torch.Tensor], ready: threading.Event | None) -> None:
+        """Run move() (returns the bytes to checksum) on the worker, after `ready`."""
+
+        def run() -> None:
+            try:
+                if ready is not None and self.break_order != "store":
+                    ready.wait()
+                data = move()
+                out = torch.zeros(2, dtype=torch.int64)
+                checksum_into(data, self.raw_weights(data.numel(), data.device), out)
+                job.sums[0, 0] = out.numpy()
+            except Exception:
+                _log.exception("pool copy failed")
+                job.failed = True
+            finally:
+                job.finished.set()
+
+        self.jobs.put(run)
+
+    def load_raw(self, offset: int, row: torch.Tensor) -> TransferJob:
+        job = _ThreadJob(1, 1, self.break_order == "load")
+        page = self._page(PageCopy(offset, row.numel(), ()))
+
+        def move() -> torch.Tensor:
+            if self.load_delay_seconds:
+                time.sleep(self.load_delay_seconds)
+            return row.copy_(page)
+
+        self._raw(job, move, None)
+        return job
+
+    def store_raw(self, offset: int, row: torch.Tensor, ready: threading.Event | None = None) -> TransferJob:
+        job = _ThreadJob(1, 1, False)
+        page = self._page(PageCopy(offset, row.numel(), ()))
+        self._raw(job, lambda: page.copy_(row), ready)
         return job
 
     def consume(self, job: TransferJob) -> None:

@@ -5,28 +5,8 @@ from __future__ import annotations
 import torch
 import transformers
 
-from kvshare.models.decoder import PACKED_PARAMETERS, CausalLM
-
-
-def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
-    """Our parameters under HF names: fused qkv / gate_up split back into their parts."""
-    config = model.config
-    q = config.num_heads * config.head_dim
-    kv = config.num_kv_heads * config.head_dim
-    sizes = {"qkv_proj": (q, kv, kv), "gate_up_proj": (config.intermediate_size,) * 2}
-    fused_parts: dict[str, list[str]] = {}
-    for part, (fused, _) in PACKED_PARAMETERS.items():
-        fused_parts.setdefault(fused, []).append(part)
-    out = {}
-    for name, param in model.named_parameters():
-        for fused, parts in fused_parts.items():
-            if f".{fused}." in name:
-                for part, chunk in zip(parts, param.detach().split(sizes[fused], dim=0)):
-                    out[name.replace(f".{fused}.", f".{part}.")] = chunk.clone()
-                break
-        else:
-            out[name] = param.detach().clone()
-    return out
+from kvshare.models.decoder import CausalLM
+from kvshare.models.loader import hf_state_dict
 
 
 def hf_model_for(model: CausalLM) -> transformers.PreTrainedModel:

@@ -22,14 +22,18 @@ FAMILIES = ["shape:tiny-llama", "shape:tiny-qwen3", "shape:tiny-gemma3"]
 
 
 def engine_last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    """Last-token logits through the engine's runner and paged cache (one prefill)."""
-    engine = llm.engine
+    """Last-token logits through the engine's runner and paged cache (one prefill; hybrid
+    models get a fresh recurrent-state slot)."""
+    engine, states = llm.engine, llm.engine.runner.states
     seq = Sequence("logits-probe", list(prompt), SamplingParams())
     seq.block_table = engine.blocks.allocate(engine.blocks.blocks_needed(len(prompt)))
+    seq.state_slot = states.allocate() if states is not None else None
     try:
         logits = engine.runner.execute([ScheduledChunk(seq, len(prompt))])
     finally:
         engine.blocks.release(seq.block_table)
+        if states is not None:
+            states.release(seq.state_slot)
     assert logits is not None
     return logits[0]
 

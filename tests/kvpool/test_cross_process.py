@@ -37,13 +37,14 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolProcess]:
 
 
 def run_engine(tmp_path: Path, model: str, prompts: list[list[int]], pool: str | None,
-               chunk_tokens: int = 256, hash_seed: str = "0") -> dict:
+               chunk_tokens: int = 256, hash_seed: str = "0", *extra: str) -> dict:
     prompt_file = tmp_path / f"prompts-{uuid.uuid4().hex}.json"
     prompt_file.write_text(json.dumps(prompts))
     args = [sys.executable, "-m", "tests.kvpool.engine_worker", "--model", model,
             "--prompts", str(prompt_file), "--chunk-tokens", str(chunk_tokens)]
     if pool:
         args += ["--pool", pool]
+    args += list(extra)
     env = {**os.environ, "PYTHONHASHSEED": hash_seed, "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -62,6 +63,7 @@ def random_tokens(seed: int, n: int, vocab: int) -> list[int]:
         ("shape:tiny-llama", 512, 16, 203),
         ("shape:tiny-gemma3", 512, 256, 700),  # window 64: earlier chunks restore global layers only
         ("shape:tiny-gemma3", 512, 32, 301),
+        ("shape:tiny-qwen3.5", 512, 256, 600),  # hybrid: KV + the state snapshot at 512
     ],
 )
 def test_fresh_process_restores_every_full_chunk(pool: PoolProcess, tmp_path: Path, model: str,
@@ -107,3 +109,22 @@ def test_concurrent_requests_sharing_a_restored_prefix(pool: PoolProcess, tmp_pa
     assert all(h == 512 for h in hits), hits
     for a, b in zip(with_pool["outputs"], without["outputs"]):
         assert a["token_ids"] == b["token_ids"]
+
+
+def test_hybrid_restore_without_its_state_is_caught(pool: PoolProcess, tmp_path: Path) -> None:
+    """The broken variant restores a hybrid model's KV but not its recurrent state. A tiny
+    random model's greedy tokens may survive that, so the check compares the tokens'
+    log-probabilities: the correct restore matches no-pool to float precision, the broken
+    one does not."""
+    prefix = random_tokens(21, 700, 512)
+    follow_up = prefix + random_tokens(22, 30, 512)
+    run_engine(tmp_path, "shape:tiny-qwen3.5", [prefix], pool.address)
+    correct = run_engine(tmp_path, "shape:tiny-qwen3.5", [follow_up], pool.address)
+    broken = run_engine(tmp_path, "shape:tiny-qwen3.5", [follow_up], pool.address, 256, "0",
+                        "--skip-state-restore")
+    without = run_engine(tmp_path, "shape:tiny-qwen3.5", [follow_up], None)
+    assert correct["outputs"][0]["pool_hit"] == broken["outputs"][0]["pool_hit"] == 512
+    reference = without["outputs"][0]["logprobs"]
+    assert correct["outputs"][0]["token_ids"] == without["outputs"][0]["token_ids"]
+    assert max(abs(a - b) for a, b in zip(correct["outputs"][0]["logprobs"], reference)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(broken["outputs"][0]["logprobs"], reference)) > 1e-3

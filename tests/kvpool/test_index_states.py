@@ -43,7 +43,6 @@ def test_state_pages_are_pinned_with_the_run() -> None:
 
 def test_a_new_page_size_evicts_another_class_when_no_slab_is_free() -> None:
     from kvshare.kvpool.page import slot_bytes_for
-
     from tests.kvpool.test_index import PAYLOAD, SLAB
 
     index = make_index(slabs=2)

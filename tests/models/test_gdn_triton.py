@@ -88,6 +88,7 @@ def tolerance(dtype: str) -> float:
 
 
 def test_kernels_match_the_reference_in_the_interpreter() -> None:
+    pytest.importorskip("triton")  # a test dependency on x86-64 Linux (pyproject.toml)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps([CASES, CONV_CASES])], env=env,
                             capture_output=True, text=True, timeout=600)
