@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
 from kvshare.models.tokenizer import Tokenizer
 
@@ -128,26 +127,11 @@ def load_prompt_model(spec: str) -> PromptModel:
         from kvshare.models.presets import shape_preset
 
         return PromptModel(spec, None, shape_preset(spec[len(SHAPE_PREFIX):]).vocab_size)
-    tokenizer = _load_tokenizer(_resolve(spec))
+    from kvshare.models.loader import load_tokenizer  # here: the loader imports torch
+
+    tokenizer = load_tokenizer(spec)
+    if tokenizer is None:
+        raise ValueError(f"{spec} has no tokenizer (neither a .gguf file nor a directory with tokenizer.json)")
     return PromptModel(spec, tokenizer, tokenizer.vocab_size)
 
 
-def _resolve(spec: str) -> Path:
-    from kvshare.models.packaged import PACKAGED_ALIASES, packaged_model_path
-
-    if spec in PACKAGED_ALIASES:
-        return packaged_model_path(spec)
-    path = Path(spec).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"model {spec!r} not found (no such file or directory, not an alias)")
-    return path
-
-
-def _load_tokenizer(path: Path) -> Tokenizer:
-    if path.suffix == ".gguf":
-        from kvshare.models.gguf_file import read_gguf_tokenizer
-
-        return read_gguf_tokenizer(path)
-    if (path / "tokenizer.json").exists():
-        return Tokenizer.from_hf_dir(path)
-    raise ValueError(f"{path} has no tokenizer (neither a .gguf file nor a directory with tokenizer.json)")

@@ -106,6 +106,8 @@ def _print_stats_tables(stats: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from kvshare.kvpool.index import COUNTERS
+
     summary = Table(title="kvshare pool", show_header=False)
     summary.add_column("counter")
     summary.add_column("value", justify="right")
@@ -114,24 +116,8 @@ def _print_stats_tables(stats: dict[str, Any]) -> None:
         "slabs free / total",
         f"{stats['free_slabs']} / {stats['slab_count']} x {format_size(stats['slab_bytes'])}",
     )
-    for name in (
-        "pages",
-        "free",
-        "reserved",
-        "committed",
-        "pinned",
-        "leases",
-        "connections",
-        "lookups",
-        "hit_keys",
-        "miss_keys",
-        "evictions",
-        "reserved_keys",
-        "dropped_keys",
-        "committed_keys",
-        "aborted_keys",
-        "cleared_keys",
-    ):
+    occupancy = ("pages", "free", "reserved", "committed", "pinned", "leases", "connections")
+    for name in (*occupancy, *COUNTERS):
         summary.add_row(name.replace("_", " "), f"{stats[name]:,}")
 
     classes = Table(title="page classes")

@@ -39,6 +39,20 @@ from kvshare.kvpool.page import MAX_CHECKSUM_BYTES, slot_bytes_for
 PageTuple = tuple[bytes, int, int, bytes]
 
 
+# Monotonic counters in stats(), in the order tools print them.
+COUNTERS = (
+    "lookups",
+    "hit_keys",
+    "miss_keys",
+    "evictions",
+    "reserved_keys",
+    "dropped_keys",
+    "committed_keys",
+    "aborted_keys",
+    "cleared_keys",
+)
+
+
 class PoolRequestError(ValueError):
     """A request that breaks the index's contract (unknown lease, commit of a key this
     connection did not reserve, ...). Raised before any state changes."""
@@ -189,20 +203,7 @@ class PoolIndex:
         self._conn_leases: dict[int, set[int]] = {}
         self._conn_reservations: dict[int, dict[bytes, _Page]] = {}
         self._next_lease = 1
-        self._counters = dict.fromkeys(
-            (
-                "lookups",
-                "hit_keys",
-                "miss_keys",
-                "evictions",
-                "reserved_keys",
-                "dropped_keys",
-                "committed_keys",
-                "aborted_keys",
-                "cleared_keys",
-            ),
-            0,
-        )
+        self._counters = dict.fromkeys(COUNTERS, 0)
 
     # -- lookups and leases -------------------------------------------------------
 

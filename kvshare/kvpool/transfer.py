@@ -48,14 +48,20 @@ class PageCopy:
 
 
 class TransferJob(ABC):
-    def __init__(self, num_pages: int, num_segments: int) -> None:
+    """`always_done` is the broken load ordering (test-only): done() without waiting."""
+
+    def __init__(self, num_pages: int, num_segments: int, always_done: bool) -> None:
         self.num_pages = num_pages
         self.num_segments = num_segments
+        self.always_done = always_done
         self.failed = False  # set when a copy raised: nothing it touched may be trusted
 
-    @abstractmethod
     def done(self) -> bool:
         """True once every copy of the job has completed (never blocks)."""
+        return self.always_done or self._completed()
+
+    @abstractmethod
+    def _completed(self) -> bool: ...
 
     @abstractmethod
     def wait(self) -> None: ...
@@ -127,13 +133,12 @@ def _num_segments(layout: PageLayout, copies: Sequence[PageCopy]) -> int:
 class _CudaJob(TransferJob):
     def __init__(self, num_pages: int, num_segments: int, event: torch.cuda.Event,
                  host_checksums: torch.Tensor, always_done: bool) -> None:
-        super().__init__(num_pages, num_segments)
+        super().__init__(num_pages, num_segments, always_done)
         self.event = event
         self.host_checksums = host_checksums
-        self.always_done = always_done
 
-    def done(self) -> bool:
-        return self.always_done or self.event.query()
+    def _completed(self) -> bool:
+        return self.event.query()
 
     def wait(self) -> None:
         self.event.synchronize()
@@ -273,13 +278,12 @@ class CudaTransfer(Transfer):
 
 class _ThreadJob(TransferJob):
     def __init__(self, num_pages: int, num_segments: int, always_done: bool) -> None:
-        super().__init__(num_pages, num_segments)
+        super().__init__(num_pages, num_segments, always_done)
         self.finished = threading.Event()
         self.sums = np.zeros((num_pages, 2, 2), dtype=np.int64)
-        self.always_done = always_done
 
-    def done(self) -> bool:
-        return self.always_done or self.finished.is_set()
+    def _completed(self) -> bool:
+        return self.finished.is_set()
 
     def wait(self) -> None:
         self.finished.wait()

@@ -56,7 +56,7 @@ def load_model(
     torch_dtype = parse_dtype(dtype)
     if spec.startswith(SHAPE_PREFIX):
         return _load_random(spec, device, torch_dtype, seed)
-    path = _resolve_path(spec)
+    path = resolve_model_path(spec)
     if path.suffix == ".gguf":
         return _load_gguf(spec, path, device, torch_dtype)
     if path.is_dir() and (path / "config.json").exists():
@@ -64,7 +64,27 @@ def load_model(
     raise ValueError(f"{spec!r} is neither a packaged alias, a .gguf file, an HF directory nor shape:NAME")
 
 
-def _resolve_path(spec: str) -> Path:
+def load_tokenizer(spec: str | None) -> Tokenizer | None:
+    """The tokenizer of a model spec, found as load_model finds it, reading no weights.
+
+    None for no spec, for `shape:NAME` and for an HF directory without tokenizer.json (the
+    engine then has none either). Routing keys and benchmark prompts use this so that they
+    tokenize exactly as the replicas do.
+    """
+    if spec is None or spec.startswith(SHAPE_PREFIX):
+        return None
+    path = resolve_model_path(spec)
+    if path.suffix == ".gguf":
+        from kvshare.models.gguf_file import read_gguf_tokenizer
+
+        return read_gguf_tokenizer(path)
+    if path.is_dir() and (path / "config.json").exists():
+        return Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
+    raise ValueError(f"{spec!r} is neither a packaged alias, a .gguf file, an HF directory nor shape:NAME")
+
+
+def resolve_model_path(spec: str) -> Path:
+    """The file or directory behind a packaged alias or a path."""
     from kvshare.models.packaged import PACKAGED_ALIASES, packaged_model_path
 
     if spec in PACKAGED_ALIASES:

@@ -131,13 +131,14 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_router(args: argparse.Namespace) -> int:
     from aiohttp import web
 
+    from kvshare.models.loader import load_tokenizer
     from kvshare.serve.policies import PolicyConfig
     from kvshare.serve.router import RouterConfig, build_router_app
-    from kvshare.serve.routing_keys import RoutingKeys, load_routing_tokenizer
+    from kvshare.serve.routing_keys import RoutingKeys
 
     logging.basicConfig(level=args.log_level, format=_LOG_FORMAT)
     try:
-        tokenizer = load_routing_tokenizer(args.model)
+        tokenizer = load_tokenizer(args.model)
         config = RouterConfig(
             tuple(args.replica), args.policy,
             PolicyConfig(pool_credit=args.pool_credit, load_penalty_tokens=args.load_penalty_tokens,

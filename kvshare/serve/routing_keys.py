@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import xxhash
 
@@ -24,24 +23,6 @@ from kvshare.serve.prompts import PromptError, request_prompt_ids
 SHAPE_PREFIX = "shape:"  # as kvshare.models.loader, not imported from there: it loads torch
 BYTES_PER_TOKEN = 4  # the fallback's estimate
 _BYTE_ROOT = b"kvshare-router-bytes"
-
-
-def load_routing_tokenizer(model: str | None) -> Tokenizer | None:
-    """The tokenizer of a model spec, as the loader would find it, reading no weights.
-    None for `shape:NAME` and for a directory without tokenizer.json (the engine has none
-    either) and when no model is given."""
-    if model is None or model.startswith(SHAPE_PREFIX):
-        return None
-    from kvshare.models.packaged import PACKAGED_ALIASES, packaged_model_path
-
-    path = packaged_model_path(model) if model in PACKAGED_ALIASES else Path(model).expanduser()
-    if path.suffix == ".gguf":
-        from kvshare.models.gguf_file import read_gguf_tokenizer
-
-        return read_gguf_tokenizer(path)
-    if path.is_dir() and (path / "config.json").exists():
-        return Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
-    raise ValueError(f"{model!r} is neither a packaged alias, a .gguf file, an HF directory nor shape:NAME")
 
 
 def byte_block_hashes(data: bytes, block_bytes: int) -> list[bytes]:

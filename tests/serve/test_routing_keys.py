@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from kvshare.engine.block_manager import block_hashes
+from kvshare.models.loader import load_tokenizer
 from kvshare.models.tokenizer import Tokenizer
 from kvshare.serve.protocol import ModelInfo, parse_generate
-from kvshare.serve.routing_keys import RoutingKeys, load_routing_tokenizer
+from kvshare.serve.routing_keys import RoutingKeys
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -19,7 +20,7 @@ TURN2 = [*TURN1, {"role": "assistant", "content": "Danube, Rhine, Loire: long, b
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    loaded = load_routing_tokenizer("smollm2-135m")
+    loaded = load_tokenizer("smollm2-135m")
     assert loaded is not None
     return loaded
 
@@ -71,7 +72,7 @@ def test_unusable_bodies_have_no_key(tokenizer: Tokenizer) -> None:
 
 
 def test_tokenizer_sources() -> None:
-    assert load_routing_tokenizer(None) is None
-    assert load_routing_tokenizer("shape:tiny-llama") is None
-    with pytest.raises(ValueError):
-        load_routing_tokenizer("no-such-model")
+    assert load_tokenizer(None) is None
+    assert load_tokenizer("shape:tiny-llama") is None
+    with pytest.raises(FileNotFoundError):
+        load_tokenizer("no-such-model")
