@@ -318,19 +318,15 @@ class ThreadTransfer(Transfer):
             checksum_into(data[lo:hi], self.weights, out)
             job.sums[i, s] = out.numpy()
 
-    def load(self, copies: Sequence[PageCopy]) -> TransferJob:
-        job = _ThreadJob(len(copies), _num_segments(self.layout, copies), self.break_order == "load")
+    def _submit(self, job: _ThreadJob, work: Callable[[], None], ready: threading.Event | None = None) -> None:
+        """Run work() on the worker after `ready` (unless store ordering is broken); a
+        failure marks the job failed and never kills the worker."""
 
         def run() -> None:
             try:
-                if self.load_delay_seconds:
-                    time.sleep(self.load_delay_seconds)
-                for i, c in enumerate(copies):
-                    data = self._page(c)
-                    self._checksums(job, i, data)
-                    view = self.page_view(data, c.nbytes)
-                    idx = torch.tensor(c.blocks[c.first_block:], dtype=torch.int64)
-                    self.kv[:view.shape[0]].index_copy_(2, idx, view[:, :, c.first_block:])
+                if ready is not None and self.break_order != "store":
+                    ready.wait()
+                work()
             except Exception:
                 _log.exception("pool copy failed")
                 job.failed = True
@@ -338,64 +334,57 @@ class ThreadTransfer(Transfer):
                 job.finished.set()
 
         self.jobs.put(run)
+
+    def load(self, copies: Sequence[PageCopy]) -> TransferJob:
+        job = _ThreadJob(len(copies), _num_segments(self.layout, copies), self.break_order == "load")
+
+        def work() -> None:
+            if self.load_delay_seconds:
+                time.sleep(self.load_delay_seconds)
+            for i, c in enumerate(copies):
+                data = self._page(c)
+                self._checksums(job, i, data)
+                view = self.page_view(data, c.nbytes)
+                idx = torch.tensor(c.blocks[c.first_block:], dtype=torch.int64)
+                self.kv[:view.shape[0]].index_copy_(2, idx, view[:, :, c.first_block:])
+
+        self._submit(job, work)
         return job
 
     def store(self, copies: Sequence[PageCopy], ready: threading.Event | None = None) -> TransferJob:
         job = _ThreadJob(len(copies), _num_segments(self.layout, copies), False)
 
-        def run() -> None:
-            try:
-                if ready is not None and self.break_order != "store":
-                    ready.wait()
-                for i, c in enumerate(copies):
-                    data = self._page(c)
-                    torch.index_select(self.kv, 2, torch.tensor(c.blocks, dtype=torch.int64),
-                                       out=self.page_view(data, c.nbytes))
-                    self._checksums(job, i, data)
-            except Exception:
-                _log.exception("pool copy failed")
-                job.failed = True
-            finally:
-                job.finished.set()
+        def work() -> None:
+            for i, c in enumerate(copies):
+                data = self._page(c)
+                torch.index_select(self.kv, 2, torch.tensor(c.blocks, dtype=torch.int64),
+                                   out=self.page_view(data, c.nbytes))
+                self._checksums(job, i, data)
 
-        self.jobs.put(run)
+        self._submit(job, work, ready)
         return job
 
-    def _raw(self, job: _ThreadJob, move: Callable[[], torch.Tensor], ready: threading.Event | None) -> None:
-        """Run move() (returns the bytes to checksum) on the worker, after `ready`."""
-
-        def run() -> None:
-            try:
-                if ready is not None and self.break_order != "store":
-                    ready.wait()
-                data = move()
-                out = torch.zeros(2, dtype=torch.int64)
-                checksum_into(data, self.raw_weights(data.numel(), data.device), out)
-                job.sums[0, 0] = out.numpy()
-            except Exception:
-                _log.exception("pool copy failed")
-                job.failed = True
-            finally:
-                job.finished.set()
-
-        self.jobs.put(run)
+    def _raw_checksum(self, job: _ThreadJob, data: torch.Tensor) -> None:
+        out = torch.zeros(2, dtype=torch.int64)
+        checksum_into(data, self.raw_weights(data.numel(), data.device), out)
+        job.sums[0, 0] = out.numpy()
 
     def load_raw(self, offset: int, row: torch.Tensor) -> TransferJob:
         job = _ThreadJob(1, 1, self.break_order == "load")
         page = self._page(PageCopy(offset, row.numel(), ()))
 
-        def move() -> torch.Tensor:
+        def work() -> None:
             if self.load_delay_seconds:
                 time.sleep(self.load_delay_seconds)
-            return row.copy_(page)
+            self._raw_checksum(job, row.copy_(page))
 
-        self._raw(job, move, None)
+        self._submit(job, work)
         return job
 
     def store_raw(self, offset: int, row: torch.Tensor, ready: threading.Event | None = None) -> TransferJob:
         job = _ThreadJob(1, 1, False)
         page = self._page(PageCopy(offset, row.numel(), ()))
-        self._raw(job, lambda: page.copy_(row), ready)
+        self._submit(job, lambda: self._raw_checksum(job, page.copy_(row)), ready)
         return job
 
     def consume(self, job: TransferJob) -> None:
