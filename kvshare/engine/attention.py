@@ -52,8 +52,8 @@ class StepMeta:
 
     def __post_init__(self) -> None:
         slots = [self._slots(i, c - q, c) for i, (q, c) in enumerate(zip(self.q_lens, self.ctx_lens))]
-        self.slot_mapping = _to_device(np.concatenate(slots), self.device)
-        self.cu_seqlens_q = _to_device(np.cumsum((0, *self.q_lens), dtype=np.int32), self.device)
+        self.slot_mapping = host_to_device(np.concatenate(slots), self.device)
+        self.cu_seqlens_q = host_to_device(np.cumsum((0, *self.q_lens), dtype=np.int32), self.device)
 
     @property
     def num_seqs(self) -> int:
@@ -82,8 +82,8 @@ class StepMeta:
             lens = tuple(c - s for s, c in zip(starts, self.ctx_lens))
             slots = np.concatenate([self._slots(i, s, c) for i, (s, c) in enumerate(zip(starts, self.ctx_lens))])
             self._key_ranges[window] = KeyRange(
-                slots=_to_device(slots, self.device),
-                cu_seqlens=_to_device(np.cumsum((0, *lens), dtype=np.int32), self.device),
+                slots=host_to_device(slots, self.device),
+                cu_seqlens=host_to_device(np.cumsum((0, *lens), dtype=np.int32), self.device),
                 starts=starts, lens=lens, max_len=max(lens),
             )
         return self._key_ranges[window]
@@ -95,12 +95,13 @@ class StepMeta:
             tables = np.zeros((self.num_seqs, width), dtype=np.int32)
             for i, t in enumerate(self.block_tables):
                 tables[i, :len(t)] = t
-            self._paged = (_to_device(tables, self.device),
-                           _to_device(np.asarray(self.ctx_lens, dtype=np.int32), self.device))
+            self._paged = (host_to_device(tables, self.device),
+                           host_to_device(np.asarray(self.ctx_lens, dtype=np.int32), self.device))
         return self._paged
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`; on CUDA through pinned memory, without blocking the host."""
     tensor = torch.from_numpy(np.ascontiguousarray(array))
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)

@@ -67,17 +67,12 @@ class LLMEngine:
         self.runner = ModelRunner(loaded, config)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
                                    loaded.config.sliding_window, config.enable_prefix_caching)
-        # Capped at what the KV cache holds: a sequence that outgrew the whole cache would
-        # be preempted and readmitted forever (it stops with "length" instead).
-        max_len = min(config.max_model_len or loaded.config.max_position_embeddings,
-                      loaded.config.max_position_embeddings,
-                      self.blocks.num_blocks * config.block_size)
-        self.max_model_len = max_len
+        self.max_model_len = self.runner.max_model_len
         self.connector = connector
         if connector is not None:
             connector.bind(PagedKVCache(self.runner.layout, self.blocks, self.runner.states))
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len),
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len),
             self.blocks, connector, self.runner.states,
             connector.chunk_tokens if connector is not None else 256, config.snapshot_interval_tokens,
         )

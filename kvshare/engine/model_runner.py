@@ -11,6 +11,7 @@ from kvshare.engine.attention import (
     SDPABackend,
     StepMeta,
     VarlenBackend,
+    host_to_device,
 )
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.connector import KVCacheLayout
@@ -40,12 +41,14 @@ class ModelRunner:
                                           self.dtype, self.device)
         self.graphs: DecodeGraphs | None = None
         # Hybrid decode steps are not captured: their state slots are not static buffers yet.
+        # Capped at what the KV cache holds: a sequence that outgrew the whole cache would
+        # be preempted and readmitted forever (the engine stops it with "length" instead).
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings, self.num_blocks * config.block_size)
         if config.cuda_graphs and isinstance(self.backend, VarlenBackend) and self.states is None:
-            max_len = min(config.max_model_len or loaded.config.max_position_embeddings,
-                          loaded.config.max_position_embeddings, self.num_blocks * config.block_size)
             self.graphs = DecodeGraphs(self.model, self.layout, self.backend, trash_block=self.num_blocks,
                                        max_batch=config.max_num_seqs,
-                                       max_blocks_per_seq=-(-max_len // config.block_size))
+                                       max_blocks_per_seq=-(-self.max_model_len // config.block_size))
 
     def _choose_backend(self) -> AttentionBackend:
         name = self.config.attention_backend
@@ -111,17 +114,17 @@ class ModelRunner:
             block_tables=tuple(tuple(c.seq.block_table) for c in chunks),
             block_size=self.config.block_size, device=self.device,
         )
-        input_ids = self._to_device(np.concatenate(ids))
-        pos = self._to_device(np.concatenate(positions))
+        input_ids = host_to_device(np.concatenate(ids), self.device)
+        pos = host_to_device(np.concatenate(positions), self.device)
         state_slots = None
         if self.states is not None:
-            state_slots = self._to_device(np.asarray([c.seq.state_slot for c in chunks], dtype=np.int64))
+            state_slots = host_to_device(np.asarray([c.seq.state_slot for c in chunks], dtype=np.int64), self.device)
         ctx = PagedAttention(self.layout.kv, self.layout.layer_slot, meta, self.backend,
                              self.states, state_slots)
         hidden = self.model(input_ids, pos, ctx)
         if not sample_rows:
             return None
-        return self.model.compute_logits(hidden[self._to_device(np.asarray(sample_rows))])
+        return self.model.compute_logits(hidden[host_to_device(np.asarray(sample_rows), self.device)])
 
     def _execute_graph(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """A decode step (one new token per sequence, every one samples) from a graph."""
@@ -134,8 +137,3 @@ class ModelRunner:
         hidden = self.graphs.run(ids, positions, slots, tables, positions + 1)
         return self.model.compute_logits(hidden)
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor

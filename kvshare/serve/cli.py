@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 from kvshare.engine.cli import add_model_arguments, engine_options
 
 if TYPE_CHECKING:
+    from aiohttp import web
+
     from kvshare.serve.launcher import UpConfig
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -91,8 +93,6 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
     from kvshare import LLM
     from kvshare.kvpool.connector import PoolConnector
     from kvshare.kvpool.paths import default_pool_paths
@@ -116,21 +116,13 @@ def run_serve(args: argparse.Namespace) -> int:
               f"({engine.blocks.num_blocks} KV blocks, context {engine.max_model_len}, "
               f"pool {pool or 'off'})")
     try:
-        web.run_app(build_app(engine, config), host=args.host, port=args.port,
-                    handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
-                    print=lambda _: print(banner, flush=True))
-    except OSError as exc:
-        print(f"kvshare serve: {exc}", file=sys.stderr)
-        return 1
+        return _run_app("serve", build_app(engine, config), args, banner)
     finally:
         if isinstance(engine.connector, PoolConnector):
             engine.connector.close()
-    return 0
 
 
 def run_router(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
     from kvshare.models.loader import load_tokenizer
     from kvshare.serve.policies import PolicyConfig
     from kvshare.serve.router import RouterConfig, build_router_app
@@ -154,12 +146,18 @@ def run_router(args: argparse.Namespace) -> int:
             args.model)
     banner = (f"kvshare router: {args.policy} over {len(config.replicas)} replicas, "
               f"ready on http://{args.host}:{args.port}")
+    return _run_app("router", build_router_app(config, keys), args, banner)
+
+
+def _run_app(command: str, app: web.Application, args: argparse.Namespace, banner: str) -> int:
+    """Serve `app` until Ctrl-C/SIGTERM; print `banner` once listening (the ready line)."""
+    from aiohttp import web
+
     try:
-        web.run_app(build_router_app(config, keys), host=args.host, port=args.port,
-                    handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
-                    print=lambda _: print(banner, flush=True))
+        web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, access_log=None,
+                    shutdown_timeout=2.0, print=lambda _: print(banner, flush=True))
     except OSError as exc:
-        print(f"kvshare router: {exc}", file=sys.stderr)
+        print(f"kvshare {command}: {exc}", file=sys.stderr)
         return 1
     return 0
 

@@ -7,27 +7,26 @@ The CUDA variant (GPU machine) imposes torch.cuda._sleep on the producing stream
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvshare.kvpool.client import PoolClient
-from kvshare.kvpool.launch import PoolProcess, PoolProcessConfig
+from kvshare.kvpool.launch import PoolProcess
 from kvshare.validate.bytes_check import BytesCheckConfig, run_bytes_check, summarize
+from tests.kvpool.pool_fixture import PoolFactory
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolProcess]:
-    folder = tmp_path_factory.mktemp("pool")
-    config = PoolProcessConfig(
-        size_bytes=2 << 30, slab_bytes=256 << 20, socket_path=str(folder / "pool.sock"),
-        arena_path=f"/dev/shm/kvshare-test-{uuid.uuid4().hex}.arena",
-    )
-    with PoolProcess(config) as process:
-        yield process
-    assert not Path(config.arena_path).exists()
+def pool() -> Iterator[PoolProcess]:
+    factory = PoolFactory()
+    config = factory.config(size_bytes=2 << 30, slab_bytes=256 << 20)
+    process = factory.start(config)
+    yield process
+    process.stop()
+    assert not Path(config.arena_path).exists()  # the daemon removed its arena itself
+    factory.close()
 
 
 def _check(pool: PoolProcess, device: str, trials: int, **overrides: object) -> dict:

@@ -20,20 +20,18 @@ from pathlib import Path
 
 import pytest
 
-from kvshare.kvpool.launch import PoolProcess, PoolProcessConfig
+from kvshare.kvpool.launch import PoolProcess
+from tests.kvpool.pool_fixture import PoolFactory
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolProcess]:
-    folder = tmp_path_factory.mktemp("pool")
-    config = PoolProcessConfig(
-        size_bytes=1 << 30, slab_bytes=128 << 20, socket_path=str(folder / "pool.sock"),
-        arena_path=f"/dev/shm/kvshare-test-{uuid.uuid4().hex}.arena",
-    )
-    with PoolProcess(config) as process:
-        yield process
+def pool() -> Iterator[PoolProcess]:
+    factory = PoolFactory()
+    config = factory.config(size_bytes=1 << 30, slab_bytes=128 << 20)
+    yield factory.start(config)
+    factory.close()
 
 
 def run_engine(tmp_path: Path, model: str, prompts: list[list[int]], pool: str | None,
