@@ -189,7 +189,12 @@ class PagedAttention:
         self.backend = backend
         self.states = states
         self.state_slots = state_slots
-        self.seq_lens = meta.q_lens
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        """New tokens per sequence (read by linear-attention layers; a captured decode
+        step's meta has no per-step lengths, and hybrid models are not captured)."""
+        return self.meta.q_lens  # type: ignore[attr-defined]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                scale: float, window: int | None) -> torch.Tensor:

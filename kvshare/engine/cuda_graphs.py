@@ -67,10 +67,7 @@ class DecodeGraphs:
     def _capture_all(self, backend: AttentionBackend) -> None:
         pool = torch.cuda.graph_pool_handle()
         for batch in reversed(self.buckets):  # largest first: smaller ones reuse its memory
-            meta = GraphStepMeta(self.slots[:batch], self.tables[:batch], self.context_lens[:batch],
-                                 self.block_size)
-            ctx = PagedAttention(self.layout.kv, self.layout.layer_slot, meta, backend)
-            args = (self.input_ids[:batch], self.positions[:batch], ctx)
+            args = self._args(batch, backend)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side), torch.inference_mode():
@@ -80,6 +77,18 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
                 hidden = self.model(*args)
             self.graphs[batch] = (graph, hidden)
+
+    def _args(self, batch: int, backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor, PagedAttention]:
+        """The model's inputs for a `batch`-row step: views of the static buffers."""
+        meta = GraphStepMeta(self.slots[:batch], self.tables[:batch], self.context_lens[:batch],
+                             self.block_size)
+        ctx = PagedAttention(self.layout.kv, self.layout.layer_slot, meta, backend)
+        return self.input_ids[:batch], self.positions[:batch], ctx
+
+    def _replay(self, batch: int) -> torch.Tensor:
+        graph, hidden = self.graphs[batch]
+        graph.replay()
+        return hidden
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
             block_tables: list[tuple[int, ...]], context_lens: np.ndarray) -> torch.Tensor:
@@ -96,12 +105,10 @@ class DecodeGraphs:
         self._upload(self.slots[:batch], np.pad(slots, (0, pad), constant_values=self.trash_slot))
         self._upload(self.context_lens[:batch], np.pad(context_lens, (0, pad), constant_values=1))
         self._upload(self.tables[:batch, :width], tables)
-        graph, hidden = self.graphs[batch]
-        graph.replay()
-        return hidden[:n]
+        return self._replay(batch)[:n]
 
     @staticmethod
     def _upload(dest: torch.Tensor, array: np.ndarray) -> None:
         src = torch.from_numpy(np.ascontiguousarray(array).astype(
             np.int64 if dest.dtype == torch.int64 else np.int32))
-        dest.copy_(src.pin_memory(), non_blocking=True)
+        dest.copy_(src.pin_memory() if dest.is_cuda else src, non_blocking=True)
