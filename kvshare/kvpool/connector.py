@@ -286,6 +286,7 @@ class PoolConnector(KVConnector):
             if match.state is not None and not self.options.skip_state_restore:
                 assert self.cache.states is not None and state_slot is not None
                 pending.state_page = match.state
+                pending.nbytes += match.state.payload_bytes
                 pending.state_job = self.transfer.load_raw(match.state.offset + HEADER_BYTES,
                                                            self.cache.states.rows[state_slot])
         except Exception:  # a broken copy is a miss, never an engine crash

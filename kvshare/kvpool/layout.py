@@ -83,14 +83,19 @@ def word_weights(num_words: int, device: torch.device) -> torch.Tensor:
     return torch.arange(1, num_words + 1, dtype=torch.int64, device=device)
 
 
-def checksum_into(data: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
-    """Write [sum, weighted sum] of data's int64 words into out (int64 [2], same device).
+def checksum_rows_into(rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
+    """Write [sum, weighted sum] of each row's int64 words into out (int64 [rows, 2], same
+    device). Sums wrap modulo 2**64, so a row's checksum is the same however rows are batched.
 
     Enqueued on the current stream; nothing waits for it on the host.
     """
-    words = data.view(torch.int64)
-    out[0] = words.sum()
-    out[1] = (words * weights[: words.numel()]).sum()
+    words = rows.view(torch.int64)
+    out.copy_(torch.stack((words.sum(1), (words * weights[: words.shape[1]]).sum(1)), 1))
+
+
+def checksum_into(data: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
+    """checksum_rows_into for one contiguous byte range; out is int64 [2]."""
+    checksum_rows_into(data.view(1, -1), weights, out.view(1, 2))
 
 
 def checksum_to_bytes(values: np.ndarray) -> bytes:

@@ -3,7 +3,9 @@
 `CudaTransfer` copies whole pages (MiBs: the PCIe ceiling needs large copies) between
 the registered arena and a GPU staging buffer, and scatters/gathers between the staging
 buffer and the scattered blocks on the GPU. Two staging buffers per direction and two
-streams per direction (copy engine, SMs) let page i+1's copy overlap page i's scatter.
+streams per direction (copy engine, SMs) let group i+1's copies overlap group i's scatter.
+A group is a run of pages of one size checksummed together: at 16 MiB pages, issuing the
+checksum kernels page by page took the host longer than the copy took the PCIe link.
 
 `ThreadTransfer` (CPU) does the same work on a worker thread, straight from/into the
 arena.
@@ -29,7 +31,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from kvshare.kvpool.layout import PageLayout, checksum_into, word_weights
+from kvshare.kvpool.layout import PageLayout, checksum_into, checksum_rows_into, word_weights
 
 BreakOrder = Literal["", "store", "load"]
 _log = logging.getLogger(__name__)
@@ -123,6 +125,19 @@ class Transfer(ABC):
         """Wait for every enqueued copy."""
 
 
+def page_groups(copies: Sequence[PageCopy], staging_bytes: int, max_pages: int = 8) -> list[range]:
+    """Runs of consecutive copies of one size, in order: as many as fit `staging_bytes`
+    (at least one), at most max_pages."""
+    groups, start = [], 0
+    for i in range(1, len(copies) + 1):
+        size = copies[start].nbytes
+        if (i == len(copies) or copies[i].nbytes != size or i - start == max_pages
+                or (i - start + 1) * size > staging_bytes):
+            groups.append(range(start, i))
+            start = i
+    return groups
+
+
 def _num_segments(layout: PageLayout, copies: Sequence[PageCopy]) -> int:
     return max(len(layout.segments(c.nbytes)) for c in copies)
 
@@ -155,13 +170,24 @@ class CudaTransfer(Transfer):
         self.load_delay_cycles = load_delay_cycles
         self.streams = {name: torch.cuda.Stream(self.device) for name in
                         ("load_copy", "load_scatter", "store_gather", "store_copy")}
-        nbytes = layout.payload_bytes
+        # A staging buffer holds one whole page, or several (128 MiB): loads of global layers
+        # only copy a part of each page, so more of them fit.
+        nbytes = self.staging_bytes = max(layout.payload_bytes, 128 << 20)
         self.staging = {d: [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
                         for d in ("load", "store")}
         # filled[d][b]: staging buffer b holds data; free[d][b]: its consumer is done with it.
         self.filled = {d: [torch.cuda.Event() for _ in range(2)] for d in ("load", "store")}
         self.free = {d: [torch.cuda.Event() for _ in range(2)] for d in ("load", "store")}
         self.weights = word_weights(layout.payload_bytes // 8, self.device)
+
+    def _rows(self, direction: str, buffer: int, copies: Sequence[PageCopy], group: range) -> torch.Tensor:
+        """Staging buffer `buffer` as one row of bytes per page of the group."""
+        nbytes = copies[group.start].nbytes
+        return self.staging[direction][buffer][:len(group) * nbytes].view(len(group), nbytes)
+
+    def _checksum_group(self, rows: torch.Tensor, sums: torch.Tensor) -> None:
+        for s, (lo, hi) in enumerate(self.layout.segments(rows.shape[1])):
+            checksum_rows_into(rows[:, lo:hi], self.weights, sums[:, s])
 
     def _indices(self, copies: Sequence[PageCopy], stream: torch.cuda.Stream) -> list[torch.Tensor]:
         """Block ids of every copy, uploaded in one pinned, asynchronous copy on `stream`."""
@@ -184,19 +210,21 @@ class CudaTransfer(Transfer):
         if self.load_delay_cycles:
             with torch.cuda.stream(copy_s):
                 torch.cuda._sleep(self.load_delay_cycles)
-        for i, (c, idx) in enumerate(zip(copies, indices)):
-            b = i % 2
-            buf = self.staging["load"][b]
+        for k, group in enumerate(page_groups(copies, self.staging_bytes)):
+            b = k % 2
+            rows = self._rows("load", b, copies, group)
             copy_s.wait_event(self.free["load"][b])
             with torch.cuda.stream(copy_s):
-                buf[:c.nbytes].copy_(self.arena[c.offset:c.offset + c.nbytes], non_blocking=True)
+                for row, i in zip(rows, group):
+                    c = copies[i]
+                    row.copy_(self.arena[c.offset:c.offset + c.nbytes], non_blocking=True)
                 self.filled["load"][b].record(copy_s)
             scatter_s.wait_event(self.filled["load"][b])
             with torch.cuda.stream(scatter_s):
-                for s, (lo, hi) in enumerate(self.layout.segments(c.nbytes)):
-                    checksum_into(buf[lo:hi], self.weights, sums[i, s])
-                view = self.page_view(buf, c.nbytes)
-                self.kv[:view.shape[0]].index_copy_(2, idx, view[:, :, c.first_block:])
+                self._checksum_group(rows, sums[group.start:group.stop])
+                for row, i in zip(rows, group):
+                    c, view = copies[i], self.page_view(row, copies[i].nbytes)
+                    self.kv[:view.shape[0]].index_copy_(2, indices[i], view[:, :, c.first_block:])
                 self.free["load"][b].record(scatter_s)
         return self._finish(copies, sums, scatter_s, always_done=self.break_order == "load")
 
@@ -210,18 +238,20 @@ class CudaTransfer(Transfer):
         indices = self._indices(copies, gather_s)
         with torch.cuda.stream(gather_s):
             sums = torch.zeros((len(copies), 2, 2), dtype=torch.int64, device=self.device)
-        for i, (c, idx) in enumerate(zip(copies, indices)):
-            b = i % 2
-            buf = self.staging["store"][b]
+        for k, group in enumerate(page_groups(copies, self.staging_bytes)):
+            b = k % 2
+            rows = self._rows("store", b, copies, group)
             gather_s.wait_event(self.free["store"][b])
             with torch.cuda.stream(gather_s):
-                torch.index_select(self.kv, 2, idx, out=self.page_view(buf, c.nbytes))
-                for s, (lo, hi) in enumerate(self.layout.segments(c.nbytes)):
-                    checksum_into(buf[lo:hi], self.weights, sums[i, s])
+                for row, i in zip(rows, group):
+                    torch.index_select(self.kv, 2, indices[i], out=self.page_view(row, copies[i].nbytes))
+                self._checksum_group(rows, sums[group.start:group.stop])
                 self.filled["store"][b].record(gather_s)
             copy_s.wait_event(self.filled["store"][b])
             with torch.cuda.stream(copy_s):
-                self.arena[c.offset:c.offset + c.nbytes].copy_(buf[:c.nbytes], non_blocking=True)
+                for row, i in zip(rows, group):
+                    c = copies[i]
+                    self.arena[c.offset:c.offset + c.nbytes].copy_(row, non_blocking=True)
                 self.free["store"][b].record(copy_s)
         copy_s.wait_stream(gather_s)
         return self._finish(copies, sums, copy_s, always_done=False)

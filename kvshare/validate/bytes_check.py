@@ -160,10 +160,13 @@ def _compare(side: ConnectorHarness, got: torch.Tensor, expected: torch.Tensor, 
 def _worker(role: str, config: BytesCheckConfig) -> None:
     """Serve trials from stdin, one JSON line out per trial."""
     side = _harness(config, role)
+    # One untimed trial first: lazy CUDA initialization (allocations, pinned buffers)
+    # synchronizes the device and would hide a missing wait in the first trial. The store
+    # worker is ready before the load worker starts, so trial -1 is in the pool by then.
     if role == "store":
-        # One untimed store first: lazy CUDA initialization (allocations, pinned buffers)
-        # synchronizes the device and would hide a missing wait in the first trial.
         run_store(config, -1, side)
+    else:
+        run_load(config, -1, side)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         trial = int(line)
