@@ -24,10 +24,14 @@ ROOT_HASH = b"kvshare-block-root"
 def block_hashes(token_ids: Sequence[int], block_size: int, start: int = 0,
                  parent: bytes = ROOT_HASH) -> list[bytes]:
     """Chained hashes of the full blocks of token_ids from block `start` on."""
-    tokens = np.asarray(token_ids, dtype=np.int32)
+    # Only the blocks hashed are converted, and sliced as bytes: a decode step that fills a
+    # block of a 130k-token sequence must not convert the whole sequence again.
+    end = len(token_ids) // block_size * block_size
+    data = np.asarray(token_ids[start * block_size:end], dtype=np.int32).tobytes()
+    step = block_size * 4
     out = []
-    for i in range(start, len(tokens) // block_size):
-        parent = xxhash.xxh3_128_digest(parent + tokens[i * block_size:(i + 1) * block_size].tobytes())
+    for i in range(0, len(data), step):
+        parent = xxhash.xxh3_128_digest(parent + data[i:i + step])
         out.append(parent)
     return out
 

@@ -56,6 +56,7 @@ class _Request:
     stop_ids: frozenset[int]
     emitted_text: int = 0  # characters of seq.text already reported
     logprobs: list[float] = field(default_factory=list)
+    prompt: tuple[int, ...] | None = None  # built once: every output carries it
 
 
 class LLMEngine:
@@ -83,7 +84,8 @@ class LLMEngine:
             self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         )
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
+                    params: SamplingParams) -> None:
         """Queue a request. Raises ValueError for an empty, too long or out-of-vocab prompt."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -230,9 +232,11 @@ class LLMEngine:
             visible = max(req.emitted_text, len(seq.text) - max(len(s) for s in seq.params.stop) + 1)
         new_text = seq.text[req.emitted_text:visible]
         req.emitted_text = visible
+        if req.prompt is None:
+            req.prompt = tuple(seq.token_ids[:seq.num_prompt_tokens])
         return RequestOutput(
             request_id=seq.request_id,
-            prompt_token_ids=tuple(seq.token_ids[:seq.num_prompt_tokens]),
+            prompt_token_ids=req.prompt,
             token_ids=tuple(seq.output_token_ids),
             text=seq.text[:visible],
             new_token_ids=new_tokens,

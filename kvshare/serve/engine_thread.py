@@ -72,7 +72,7 @@ def snapshot_of(engine: LLMEngine) -> EngineSnapshot:
 @dataclass(frozen=True)
 class _Add:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | tuple[int, ...]
     params: SamplingParams
 
 
@@ -146,7 +146,8 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+    def submit(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
+               params: SamplingParams) -> RequestStream:
         stream = self._streams[request_id] = RequestStream()
         self._commands.put(_Add(request_id, prompt_token_ids, params))
         return stream

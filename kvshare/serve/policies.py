@@ -221,9 +221,10 @@ class PrefixIndex:
         return n
 
     def insert(self, hashes: Sequence[bytes]) -> None:
+        lru, move_to_end = self._lru, self._lru.move_to_end  # 8k hashes per 130k-token prompt
         for h in reversed(hashes):
-            self._lru[h] = None
-            self._lru.move_to_end(h)
+            lru[h] = None
+            move_to_end(h)
         while len(self._lru) > self.capacity:
             self._lru.popitem(last=False)
 

@@ -32,6 +32,7 @@ class ModelInfo:
     tokenizer: Tokenizer | None
     max_model_len: int
     vocab_size: int
+    dtype: str
 
 
 @dataclass(frozen=True)

@@ -152,8 +152,22 @@ class Router:
     async def proxy(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         pinned = self._pinned(request)
-        prefix = await self._prefix(request, body)
-        route = RouteRequest(request.headers.get(SESSION_HEADER), prefix.hashes, self.keys.block_tokens)
+        # Parsing and hashing a 130k-token prompt take ~20 ms. A pinned request needs its
+        # prefix only to record where it went: it is forwarded while the hashing runs.
+        hashing = asyncio.ensure_future(self._prefix(request, body))
+        try:
+            if pinned is None:
+                await hashing
+            return await self._forward(request, body, pinned, hashing)
+        finally:
+            hashing.cancel()  # still running only if the request failed before it finished
+
+    async def _forward(self, request: web.Request, body: bytes, pinned: int | None,
+                       hashing: asyncio.Future[Prefix]) -> web.StreamResponse:
+        """Send to the chosen (or pinned) replica, retrying unpinned requests elsewhere."""
+        session = request.headers.get(SESSION_HEADER)
+        # The policy picks by prefix (hashed already); a pinned replica is not picked.
+        route = self._route(session, hashing.result() if pinned is None else Prefix())
         tried: set[int] = set()
         while True:
             replica = self._pick(route, pinned, tried)
@@ -170,13 +184,17 @@ class Router:
                                             f"{exc or type(exc).__name__}") from None
                     self.metrics.retries.inc()
                     continue
-                self.policy.record(route, replica.index)
+                prefix = await self._finished(hashing, upstream)
+                self.policy.record(self._route(session, prefix), replica.index)
                 policy = "pinned" if pinned is not None else self.policy.name
                 self.metrics.decisions.labels(policy, str(replica.index)).inc()
                 return await self._relay(request, replica, upstream, prefix)
             finally:
                 replica.in_flight -= 1
                 self.metrics.in_flight.labels(str(replica.index)).set(replica.in_flight)
+
+    def _route(self, session: str | None, prefix: Prefix) -> RouteRequest:
+        return RouteRequest(session, prefix.hashes, self.keys.block_tokens)
 
     def _pinned(self, request: web.Request) -> int | None:
         value = request.headers.get(REPLICA_HEADER)
@@ -190,12 +208,25 @@ class Router:
     async def _prefix(self, request: web.Request, body: bytes) -> Prefix:
         if not self.policy.uses_prefix or request.method != "POST" or not body:
             return Prefix()
+        # Parsing and tokenizing a long prompt take milliseconds: off the event loop.
+        return await asyncio.to_thread(self._prefix_of, request.path, body)
+
+    def _prefix_of(self, path: str, body: bytes) -> Prefix:
         try:
             parsed = json.loads(body)
         except ValueError:
             return Prefix()  # the replica answers the 400
-        # Tokenizing a long prompt takes milliseconds: off the event loop.
-        return await asyncio.to_thread(self.keys.prefix_of, request.path, parsed)
+        return self.keys.prefix_of(path, parsed)
+
+    @staticmethod
+    async def _finished(hashing: asyncio.Future[Prefix], upstream: aiohttp.ClientResponse) -> Prefix:
+        """The prefix, once hashed; a failure or cancellation meanwhile closes `upstream`
+        (which makes the replica abort the request)."""
+        try:
+            return await hashing
+        except BaseException:
+            upstream.close()
+            raise
 
     def _pick(self, route: RouteRequest, pinned: int | None, tried: set[int]) -> Replica:
         if pinned is not None:

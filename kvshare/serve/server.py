@@ -82,7 +82,7 @@ class ReplicaServer:
         self.engine = engine
         self.config = config
         self.model = ModelInfo(config.served_model_name, engine.tokenizer, engine.max_model_len,
-                               engine.loaded.config.vocab_size)
+                               engine.loaded.config.vocab_size, engine.config.resolved_dtype)
         self.thread = EngineThread(engine)
         self.metrics = ServerMetrics(lambda: self.thread.snapshot)
         self.instance = uuid.uuid4().hex  # changes on restart: the router drops its cache index
@@ -119,9 +119,13 @@ class ReplicaServer:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def models(self, request: web.Request) -> web.Response:
+        tokenizer = self.model.tokenizer
         return web.json_response({"object": "list", "data": [{
             "id": self.model.name, "object": "model", "created": self.created,
-            "owned_by": "kvshare", "max_model_len": self.model.max_model_len}]})
+            "owned_by": "kvshare", "max_model_len": self.model.max_model_len,
+            # Clients of a tokenizer-less model (shape:NAME) must send token ids below vocab_size.
+            "vocab_size": self.model.vocab_size, "dtype": self.model.dtype, "tokenizer": tokenizer is not None,
+            "chat_template": tokenizer is not None and tokenizer.chat_template is not None}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -136,7 +140,7 @@ class ReplicaServer:
             raise APIError(503, "the engine thread is not running")
         fmt = ResponseFormat(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                              self.model.name, int(time.time()))
-        stream = self.thread.submit(fmt.request_id, list(req.prompt_token_ids), req.params)
+        stream = self.thread.submit(fmt.request_id, req.prompt_token_ids, req.params)
         try:
             # The first output comes before any byte is sent: an engine failure is a 500.
             out = await self._next(stream, progress)

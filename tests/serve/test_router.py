@@ -16,8 +16,10 @@ import httpx
 import pytest
 from aiohttp import web
 
+from kvshare.engine.block_manager import block_hashes
+from kvshare.serve.policies import CacheAware, RouteRequest
 from kvshare.serve.router import ROUTER_KEY, Router, RouterConfig, build_router_app
-from kvshare.serve.routing_keys import RoutingKeys
+from kvshare.serve.routing_keys import Prefix, RoutingKeys
 from tests.serve.inprocess import BackgroundServer
 
 STREAM_GAP_S = 0.4
@@ -177,3 +179,49 @@ def test_no_healthy_replica_is_a_503() -> None:
         assert first.status_code == 503
         assert first.json()["error"]["type"] == "server_error"
         assert client.get("/health").status_code == 503
+
+
+class GatedKeys(RoutingKeys):
+    """Routing keys that notice whether the replica had the request before hashing ended."""
+
+    def __init__(self, received: threading.Event) -> None:
+        super().__init__(None, 16)
+        self.received = received
+        self.forwarded_first: list[bool] = []
+
+    def prefix_of(self, path: str, body: object) -> Prefix:
+        self.forwarded_first.append(self.received.wait(5))
+        return super().prefix_of(path, body)
+
+
+def test_a_pinned_request_is_forwarded_while_its_prompt_is_hashed() -> None:
+    received = threading.Event()
+
+    async def completions(request: web.Request) -> web.Response:
+        received.set()
+        return web.json_response({"served_by": "a"})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"instance": "a"})
+
+    replica_app = web.Application()
+    replica_app.router.add_get("/health", health)
+    replica_app.router.add_post("/v1/completions", completions)
+    replica = BackgroundServer(replica_app)
+    keys = GatedKeys(received)
+    app = build_router_app(RouterConfig((replica.url,), "cache-aware"), keys)
+    router = BackgroundServer(app)
+    ids = list(range(64))
+    try:
+        with httpx.Client(base_url=router.url, timeout=10) as client:
+            resp = client.post("/v1/completions", json={"model": "m", "prompt": ids},
+                               headers={"x-kvshare-replica": "0"})
+    finally:
+        router.close()
+        replica.close()
+    assert resp.status_code == 200 and keys.forwarded_first == [True]
+    assert resp.headers["x-kvshare-routing-tokens"] == "64"
+    # The prefix, hashed meanwhile, is recorded as the pinned replica's.
+    route = RouteRequest(prefix=tuple(block_hashes(ids, 16)))
+    policy = app[ROUTER_KEY].policy
+    assert isinstance(policy, CacheAware) and policy.gpu_tokens(route, 0) == 64

@@ -27,7 +27,7 @@ def tokenizer() -> Tokenizer:
 
 def test_router_keys_are_the_replicas_prompt_ids(tokenizer: Tokenizer) -> None:
     keys = RoutingKeys(tokenizer, 16)
-    model = ModelInfo("m", tokenizer, 8192, tokenizer.vocab_size)
+    model = ModelInfo("m", tokenizer, 8192, tokenizer.vocab_size, "float32")
     for path, body in ((CHAT, {"model": "m", "messages": TURN2}),
                        (COMPLETIONS, {"model": "m", "prompt": "The river Danube " * 20})):
         served = parse_generate(body, path == CHAT, model).prompt_token_ids

@@ -84,13 +84,22 @@ def test_pool_fill_catches_a_slot_handed_out_twice(monkeypatch: pytest.MonkeyPat
     daemon = PoolDaemon(PoolConfig(size_bytes=config.size_bytes, socket_path=config.socket_path,
                                    arena_path=config.arena_path, slab_bytes=config.slab_bytes))
     ready = threading.Event()
-    thread = threading.Thread(target=lambda: asyncio.run(daemon.serve(ready.set, handle_signals=False)))
+    loops: list[asyncio.AbstractEventLoop] = []
+
+    def on_ready() -> None:
+        loops.append(asyncio.get_running_loop())
+        ready.set()
+
+    thread = threading.Thread(target=lambda: asyncio.run(daemon.serve(on_ready, handle_signals=False)))
     thread.start()
     try:
         assert ready.wait(10)
         result = run_pool_fill_check(f"unix:{config.socket_path}", payload_bytes=MIB // 2, cycles=1)
     finally:
-        daemon.stop()
+        # stop() sets an asyncio.Event: from this thread it must go through the loop, or
+        # an idle loop never wakes to see it (and the thread outlives the test run).
+        if loops:
+            loops[0].call_soon_threadsafe(daemon.stop)
         thread.join(10)
         folder.close()
     assert not result.passed
