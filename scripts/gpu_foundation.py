@@ -1,13 +1,17 @@
-"""One GPU session for issues 2 and 3: check, then time, then write JSON and print a table.
+"""GPU sessions for the engine and the pool: check, then time, then write JSON and print a table.
 
-python3 scripts/gpu_foundation.py --out $OUT [--sections ceilings,kernels,engine,pool]
+python3 scripts/gpu_foundation.py --out $OUT [--sections ceilings,kernels,tests,engine,pool,graphs,hybrid]
 
 Sections (each records its own error and the run goes on):
 - ceilings: pinned H2D/D2H memcpy and HBM copy bandwidth;
 - kernels: Triton paged decode vs SDPA, and the engine's CUDA backend vs its SDPA
   reference on tiny random models (bf16);
 - engine: shape:gemma3-27b cold prefill at 32k and 128k, decode at batch 1 and 32;
-- pool: store and restore 128k tokens of the gemma3-27b layout through the real pool.
+- pool: store and restore 128k tokens of the gemma3-27b layout through the real pool;
+- graphs: gemma3-27b decode replayed from CUDA graphs vs eager: same tokens, step times;
+- hybrid: shape:qwen3.5-27b cold prefill at 32k/128k/256k and its restore (KV + recurrent
+  state) from the pool, beside the bytes floor; a 32k restore checked against recompute,
+  and against the broken variant that restores the KV without the state.
 """
 
 from __future__ import annotations
@@ -188,11 +192,123 @@ def pool_perf(arena_gib: int) -> dict:
     return res
 
 
-def cuda_tests(out: Path) -> dict:
+def graphs_vs_eager(batches: list[int], context: int) -> dict:
+    """Decode from CUDA graphs and eagerly on one gemma3-27b: greedy ids equal, step times."""
+    from kvshare import LLM
+    from kvshare.bench.engine_perf import decode_throughput, first_token, random_prompt
+
+    llm = LLM("shape:gemma3-27b", device="cuda", dtype="bfloat16", max_num_batched_tokens=16384,
+              max_num_seqs=64, gpu_memory_fraction=0.9, max_model_len=8192)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None, "CUDA graphs are off"
+    prompt = random_prompt(1500, llm.loaded.config.vocab_size, 5)
+    out: dict[str, object] = {}
+    for name, runner_graphs in (("graphs", graphs), ("eager", None)):
+        llm.engine.runner.graphs = runner_graphs
+        llm.engine.reset_prefix_cache()
+        decode_throughput(llm, 1, 256, steps=4, seed=98)  # warm-up (and capture)
+        llm.engine.reset_prefix_cache()
+        res = first_token(llm, prompt, max_tokens=48, logprobs=True, request_id=f"same-{name}").output
+        out[f"{name}_ids"] = list(res.token_ids)
+        out[f"{name}_logprobs"] = list(res.logprobs)
+        for b in batches:
+            out[f"{name}_b{b}"] = decode_throughput(llm, b, context, steps=32, seed=b)
+            print(name, out[f"{name}_b{b}"], flush=True)
+    out["ids_equal"] = out["graphs_ids"] == out["eager_ids"]
+    out["max_logprob_diff"] = max(abs(a - b) for a, b in zip(out["graphs_logprobs"], out["eager_logprobs"]))  # type: ignore[arg-type]
+    for b in batches:
+        out[f"speedup_b{b}"] = out[f"eager_b{b}"]["step_ms"] / out[f"graphs_b{b}"]["step_ms"]  # type: ignore[index]
+    return out
+
+
+def _compare(reference: object, other: object) -> dict:
+    return {"ids_equal": reference.token_ids == other.token_ids,  # type: ignore[attr-defined]
+            "max_logprob_diff": max(abs(a - b) for a, b in zip(reference.logprobs, other.logprobs))}  # type: ignore[attr-defined]
+
+
+def hybrid(lengths: list[int], restore_lengths: list[int], repeats: int, arena_gib: int,
+           deadline: float, model: str = "shape:qwen3.5-27b", device: str = "cuda") -> dict:
+    """A hybrid model's cold prefill per length (pool on: it stores), then its restore."""
+    import dataclasses
+
+    from kvshare import LLM
+    from kvshare.bench.ceilings import pcie_bandwidth
+    from kvshare.bench.engine_perf import first_token, random_prompt, restore_first_token
+    from kvshare.kvpool.launch import PoolProcess, PoolProcessConfig
+
+    folder = Path(f"/tmp/kvshare-gpu-{uuid.uuid4().hex[:8]}")
+    folder.mkdir()
+    config = PoolProcessConfig(size_bytes=arena_gib << 30, socket_path=str(folder / "pool.sock"),
+                               arena_path=f"/dev/shm/kvshare-gpu-{uuid.uuid4().hex[:8]}.arena",
+                               ready_timeout=180, preallocate=True)
+    out: dict[str, object] = {}
+    with PoolProcess(config) as pool:
+        out.update(pcie_bandwidth())
+        torch.cuda.empty_cache()
+        start = time.perf_counter()
+        llm = LLM(model, device=device, dtype="bfloat16" if device == "cuda" else "float32", kv_pool=pool.address,
+                  max_num_batched_tokens=16384, max_num_seqs=4, gpu_memory_fraction=0.92,
+                  max_model_len=max(lengths) + 256)
+        connector = llm.engine.connector
+        assert connector is not None
+        if connector.registration is not None:  # type: ignore[attr-defined]
+            connector.registration.wait()  # type: ignore[attr-defined]
+        out["load_and_register_s"] = time.perf_counter() - start
+        vocab = llm.loaded.config.vocab_size
+        state_bytes = llm.loaded.config.state_bytes_per_sequence(2 if device == "cuda" else 4)
+        out["state_bytes"] = state_bytes
+        connector.set_enabled(False)
+        first_token(llm, random_prompt(min(2048, lengths[0]), vocab, 1), request_id="warm-up")
+        # Correctness at the first length: full recompute, pool restore, broken restore.
+        n = lengths[0]
+        prompt, follow_up = random_prompt(n, vocab, n), random_prompt(32, vocab, 3)
+        llm.engine.reset_prefix_cache()
+        timed = first_token(llm, prompt + follow_up, max_tokens=8, logprobs=True, request_id="reference")
+        out["cold_pool_off_s"], reference = timed.ttft_s, timed.output
+        connector.set_enabled(True)
+        rate = out["cold_pool_off_s"] / lengths[0]  # type: ignore[operator]
+        for i, n in enumerate(lengths):
+            # Prefill grows faster than linearly: skip a length that would overrun the call.
+            if time.monotonic() + 2.5 * rate * n + 30 > deadline:
+                out[f"cold_{n}_s"] = "skipped: not enough time left in this call"
+                continue
+            prompt = random_prompt(n, vocab, n)
+            llm.engine.reset_prefix_cache()
+            out[f"cold_{n}_s"] = first_token(llm, prompt, request_id=f"cold-{n}").ttft_s
+            rate = out[f"cold_{n}_s"] / n  # type: ignore[operator]
+            connector.wait_idle()
+            print(f"cold prefill {n}: {out[f'cold_{n}_s']:.2f} s", flush=True)
+            if i == 0:
+                restored = restore_first_token(llm, prompt + follow_up, "check", max_tokens=8, logprobs=True)
+                out["restore_check"] = {**_compare(reference, restored.pop("output")), **restored}
+                opts = connector.options  # type: ignore[attr-defined]
+                connector.options = dataclasses.replace(opts, skip_state_restore=True)  # type: ignore[attr-defined]
+                broken = restore_first_token(llm, prompt + follow_up, "broken", max_tokens=8, logprobs=True)
+                connector.options = opts  # type: ignore[attr-defined]
+                out["broken_check"] = {**_compare(reference, broken.pop("output")), **broken}
+                print("restore check", out["restore_check"], "broken", out["broken_check"], flush=True)
+            if n not in restore_lengths:
+                continue
+            runs = [restore_first_token(llm, prompt + follow_up, f"restore-{n}-{r}") for r in range(repeats)]
+            for r in runs:
+                r.pop("output")
+            ttft = sorted(r["ttft_s"] for r in runs)[len(runs) // 2]  # type: ignore[type-var]
+            loaded = runs[0]["loaded_bytes"]
+            floor = loaded / (out["h2d_GBps"] * 1e9)  # type: ignore[operator]
+            out[f"restore_{n}"] = {"runs": runs, "median_ttft_s": ttft, "loaded_bytes": loaded,
+                                   "floor_s": floor, "ratio_to_floor": ttft / floor,
+                                   "cold_over_restore": out[f"cold_{n}_s"] / ttft}  # type: ignore[operator]
+            print(f"restore {n}: {out[f'restore_{n}']}", flush=True)
+        out["connector"] = connector.stats()
+        connector.close()
+    return out
+
+
+def cuda_tests(out: Path, paths: list[str]) -> dict:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
-                           "tests/kvpool/test_bytes_check.py"], capture_output=True, text=True, env=env,
-                          cwd=Path(__file__).resolve().parents[1], timeout=400)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-m", "cuda", "-p", "no:cacheprovider",
+                           *paths], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).resolve().parents[1], timeout=500)
     (out / "cuda_tests.log").write_text(done.stdout + done.stderr)
     return {"returncode": done.returncode, "tail": done.stdout[-1500:]}
 
@@ -205,6 +321,11 @@ def main() -> None:
     parser.add_argument("--decode-batches", default="1,32")
     parser.add_argument("--decode-context", type=int, default=2048)
     parser.add_argument("--arena-gib", type=int, default=72)
+    parser.add_argument("--tests", default="tests/kvpool/test_bytes_check.py")
+    parser.add_argument("--hybrid-lengths", default="32768,131072,261888")
+    parser.add_argument("--hybrid-restore", default="131072,261888")
+    parser.add_argument("--hybrid-repeats", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=1e9, help="hybrid: skip lengths past this")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -216,13 +337,21 @@ def main() -> None:
     if "kernels" in wanted:
         section("kernels", out)(kernels)()
     if "tests" in wanted:
-        section("cuda_tests", out)(cuda_tests)(out)
+        section("cuda_tests", out)(cuda_tests)(out, args.tests.split(","))
     if "engine" in wanted:
         section("engine", out)(engine_perf)([int(x) for x in args.prefill.split(",")],
                                             [int(x) for x in args.decode_batches.split(",")],
                                             args.decode_context, out)
     if "pool" in wanted:
         section("pool", out)(pool_perf)(args.arena_gib)
+    if "graphs" in wanted:
+        section("graphs", out)(graphs_vs_eager)([int(x) for x in args.decode_batches.split(",")],
+                                                args.decode_context)
+    if "hybrid" in wanted:
+        section("hybrid", out)(hybrid)([int(x) for x in args.hybrid_lengths.split(",")],
+                                       [int(x) for x in args.hybrid_restore.split(",")],
+                                       args.hybrid_repeats, args.arena_gib,
+                                       time.monotonic() + args.budget_s)
     print(json.dumps(RESULTS, indent=1, default=str))
 
 

@@ -2,6 +2,12 @@
 
 python3 scripts/gpu_service.py validate --out $OUT
 python3 scripts/gpu_service.py bench27b --out $OUT [--lengths 32768,130816] [--per-block 8]
+python3 scripts/gpu_service.py two-replicas --out $OUT [--sessions 2] [--context 32768]
+
+`two-replicas` runs `kvshare validate` bytes/corruption/faults/pool-fill on CUDA, starts
+`kvshare up` with two replicas of shape:qwen3-8b on the one GPU (0.45 of its memory each) and
+the pool for the blocked six-turn sessions benchmark (alternate vs fixed placement), then two
+float32 replicas for the regression check.
 
 `bench27b` starts `kvshare up` with one replica of shape:gemma3-27b (two 54 GB replicas and
 a 128k-token KV cache do not fit one H200), waits until the pool arena is registered with
@@ -58,7 +64,36 @@ def wait_registered(url: str, timeout: float) -> float:
     raise TimeoutError("the pool arena was not registered in time")
 
 
+def start_cluster(out: Path, port: int, *up_args: str) -> subprocess.Popen:
+    """`kvshare up` on `port` with its log in out/cluster-PORT.log; returns once the router answers
+    and every replica has registered the whole pool arena with CUDA."""
+    log = (out / f"cluster-{port}.log").open("w")
+    up = subprocess.Popen(kvshare("up", "--device", "cuda", "--pool-preallocate", "--port", str(port), *up_args),
+                          env=env(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    start = time.monotonic()
+    while time.monotonic() - start < 300:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if up.poll() is not None:
+            raise RuntimeError("kvshare up exited")
+        time.sleep(1)
+    print(f"cluster ready in {time.monotonic() - start:.0f} s", flush=True)
+    for replica in httpx.get(f"{url}/admin/replicas", timeout=10).json():
+        print(f"arena registered after {wait_registered(replica['url'], 240):.0f} s more", flush=True)
+    return up
+
+
+def stop_cluster(up: subprocess.Popen) -> None:
+    os.killpg(up.pid, signal.SIGINT)
+    up.wait(timeout=60)
+
+
 def bench27b(out: Path, lengths: str, per_block: int, pool_size: str) -> int:
+    deadline = time.monotonic() + 570  # the device call's limit is 600 s
     import torch
 
     from kvshare.bench.ceilings import pcie_bandwidth
@@ -68,53 +103,78 @@ def bench27b(out: Path, lengths: str, per_block: int, pool_size: str) -> int:
     (out / "ceiling.json").write_text(json.dumps(ceiling))
     print("ceiling", ceiling, flush=True)
     max_len = max(int(x) for x in lengths.split(",")) + 256
-    log = (out / "cluster.log").open("w")
-    up = subprocess.Popen(
-        kvshare("up", "--replicas", "1", "--model", "shape:gemma3-27b", "--device", "cuda",
-                "--gpu-memory-fraction", "0.96", "--max-num-batched-tokens", "16384",
-                "--max-num-seqs", "8", "--max-model-len", str(min(max_len, 131072)),
-                "--pool-size", pool_size, "--pool-preallocate", "--port", "8180"),
-        env=env(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-        start_new_session=True)
+    up = start_cluster(out, 8180, "--replicas", "1", "--model", "shape:gemma3-27b",
+                       "--gpu-memory-fraction", "0.96", "--max-num-batched-tokens", "16384",
+                       "--max-num-seqs", "8", "--max-model-len", str(min(max_len, 131072)),
+                       "--pool-size", pool_size)
+    failed = 0
     try:
-        url = "http://127.0.0.1:8180"
-        start = time.monotonic()
-        while time.monotonic() - start < 240:
+        for length in lengths.split(","):  # one run per length: a late timeout keeps earlier results
+            name = f"bench27b_{length}"
             try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if up.poll() is not None:
-                raise RuntimeError("kvshare up exited")
-            time.sleep(1)
-        print(f"cluster ready in {time.monotonic() - start:.0f} s", flush=True)
-        print(f"arena registered after {wait_registered('http://127.0.0.1:8181', 240):.0f} s more", flush=True)
-        done = subprocess.run(
-            kvshare("bench", "cross-replica", "--target", url, "--lengths", lengths,
-                    "--requests-per-block", str(per_block), "--replica-a", "0", "--replica-b", "0",
-                    "--shared-context", "--question-tokens", "32", "--output-tokens", "8",
-                    "--settle-timeout", "30", "--json", str(out / "bench27b.json"),
-                    "--markdown", str(out / "bench27b.md"), "--plot", str(out / "bench27b.png")),
-            env=env(), cwd=REPO, timeout=560)
-        return done.returncode
+                done = subprocess.run(
+                    kvshare("bench", "cross-replica", "--target", "http://127.0.0.1:8180", "--lengths", length,
+                            "--requests-per-block", str(per_block), "--replica-a", "0", "--replica-b", "0",
+                            "--shared-context", "--question-tokens", "32", "--output-tokens", "8",
+                            "--settle-timeout", "30", "--json", str(out / f"{name}.json"),
+                            "--markdown", str(out / f"{name}.md"), "--plot", str(out / f"{name}.png")),
+                    env=env(), cwd=REPO, timeout=max(1.0, deadline - time.monotonic()))
+                failed += done.returncode != 0
+            except subprocess.TimeoutExpired:
+                print(f"{name}: out of time", flush=True)
+                failed += 1
+        return failed
     finally:
-        os.killpg(up.pid, signal.SIGINT)
-        up.wait(timeout=60)
-        log.close()
+        stop_cluster(up)
+
+
+def two_replicas(out: Path, sessions: int, context: int, pool_size: str) -> int:
+    checked = subprocess.run(
+        kvshare("validate", "bytes", "corruption", "faults", "pool-fill", "--device", "cuda", "--trials", "10",
+                "--pool-size", "4GiB", "--json", str(out / "validate_cuda.json")),
+        env=env(), cwd=REPO, timeout=300)
+    up = start_cluster(out, 8280, "--replicas", "2", "--model", "shape:qwen3-8b",
+                       "--gpu-memory-fraction", "0.45", "--max-num-batched-tokens", "16384",
+                       "--max-num-seqs", "16", "--max-model-len", str(context + 8192),
+                       "--pool-size", pool_size)
+    try:
+        benched = subprocess.run(
+            kvshare("bench", "sessions", "--target", "http://127.0.0.1:8280", "--sessions", str(sessions),
+                    "--turns", "6", "--context", str(context), "--question-tokens", "64", "--output-tokens", "32",
+                    "--placement", "both", "--settle-timeout", "30", "--json", str(out / "sessions.json"),
+                    "--markdown", str(out / "sessions.md"), "--plot", str(out / "sessions.png")),
+            env=env(), cwd=REPO, timeout=400)
+    finally:
+        stop_cluster(up)
+    # Token-identical answers need float32: in bf16 a near-tied greedy token flips with the
+    # batch shape of the recomputed suffix even when the restored bytes are exact.
+    up = start_cluster(out, 8380, "--replicas", "2", "--model", "shape:qwen3-8b", "--dtype", "float32",
+                       "--gpu-memory-fraction", "0.45", "--max-model-len", "8192", "--pool-size", "16GiB")
+    try:
+        regression = subprocess.run(
+            kvshare("validate", "regression", "--target", "http://127.0.0.1:8380",
+                    "--json", str(out / "validate_regression_cuda_float32.json")),
+            env=env(), cwd=REPO, timeout=300)
+    finally:
+        stop_cluster(up)
+    return checked.returncode or benched.returncode or regression.returncode
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=("validate", "bench27b"))
+    parser.add_argument("what", choices=("validate", "bench27b", "two-replicas"))
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--lengths", default="32768,130816")
     parser.add_argument("--per-block", type=int, default=8)
     parser.add_argument("--pool-size", default="88GiB")
+    parser.add_argument("--sessions", type=int, default=2, help="two-replicas: per placement per block")
+    parser.add_argument("--context", type=int, default=32768, help="two-replicas: first turn's tokens")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.what == "validate":
         return validate(args.out)
+    if args.what == "two-replicas":
+        return two_replicas(args.out, args.sessions, args.context, args.pool_size)
     return bench27b(args.out, args.lengths, args.per_block, args.pool_size)
 
 
