@@ -1,4 +1,4 @@
-"""_Service regression: greedy answers with the pool on (restored on another replica) equal
+"""Service regression: greedy answers with the pool on (restored on another replica) equal
 the answers with the pool off, token for token.
 
 Through the router: the pool is switched off on every replica and each prompt is answered
@@ -108,13 +108,10 @@ class _Service:
         self.model = self.model or entry["id"]
         return entry
 
-    def post(self, path: str, request: dict, replica: int, max_tokens: int) -> httpx.Response:
+    def generate(self, path: str, request: dict, replica: int, max_tokens: int) -> Answer:
         body = {"model": self.model, **request, "max_tokens": max_tokens, "temperature": 0,
                 "return_token_ids": True}
-        return self.http.post(f"{self.url}{path}", json=body, headers={PIN: str(replica)})
-
-    def generate(self, path: str, request: dict, replica: int, max_tokens: int) -> Answer:
-        reply = self.post(path, request, replica, max_tokens)
+        reply = self.http.post(f"{self.url}{path}", json=body, headers={PIN: str(replica)})
         reply.raise_for_status()
         return _answer(reply.json())
 
