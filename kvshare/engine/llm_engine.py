@@ -51,12 +51,12 @@ class RequestOutput:
 @dataclass
 class _Request:
     seq: Sequence
+    prompt: tuple[int, ...]  # every output carries it: built once
     detokenizer: IncrementalDetokenizer | None
     generator: torch.Generator | None
     stop_ids: frozenset[int]
     emitted_text: int = 0  # characters of seq.text already reported
     logprobs: list[float] = field(default_factory=list)
-    prompt: tuple[int, ...] | None = None  # built once: every output carries it
 
 
 class LLMEngine:
@@ -101,7 +101,7 @@ class LLMEngine:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos)
-        self.requests[request_id] = _Request(seq, detok, generator, stop_ids)
+        self.requests[request_id] = _Request(seq, tuple(prompt_token_ids), detok, generator, stop_ids)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False when it is unknown or already done."""
@@ -232,8 +232,6 @@ class LLMEngine:
             visible = max(req.emitted_text, len(seq.text) - max(len(s) for s in seq.params.stop) + 1)
         new_text = seq.text[req.emitted_text:visible]
         req.emitted_text = visible
-        if req.prompt is None:
-            req.prompt = tuple(seq.token_ids[:seq.num_prompt_tokens])
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=req.prompt,

@@ -15,21 +15,19 @@ import time
 from dataclasses import dataclass
 from types import TracebackType
 
-from kvshare.kvpool.arena import DEFAULT_SLAB_BYTES
 from kvshare.kvpool.cli import READY_PREFIX
+from kvshare.kvpool.daemon import PoolConfig
 
 
 @dataclass(frozen=True)
-class PoolProcessConfig:
-    size_bytes: int
-    socket_path: str
-    arena_path: str
-    slab_bytes: int = DEFAULT_SLAB_BYTES
-    preallocate: bool = False
+class PoolProcessConfig(PoolConfig):
+    """The daemon's own configuration (checked the same way), and how to run its process."""
+
     log_level: str = "WARNING"
     ready_timeout: float = 30.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.ready_timeout <= 0:
             raise ValueError(f"ready_timeout must be > 0, got {self.ready_timeout}")
 

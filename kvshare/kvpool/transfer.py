@@ -180,10 +180,24 @@ class CudaTransfer(Transfer):
         self.free = {d: [torch.cuda.Event() for _ in range(2)] for d in ("load", "store")}
         self.weights = word_weights(layout.payload_bytes // 8, self.device)
 
-    def _rows(self, direction: str, buffer: int, copies: Sequence[PageCopy], group: range) -> torch.Tensor:
-        """Staging buffer `buffer` as one row of bytes per page of the group."""
-        nbytes = copies[group.start].nbytes
-        return self.staging[direction][buffer][:len(group) * nbytes].view(len(group), nbytes)
+    def _pipeline(self, direction: str, copies: Sequence[PageCopy],
+                  first: torch.cuda.Stream, fill: Callable[[torch.Tensor, range], None],
+                  second: torch.cuda.Stream, drain: Callable[[torch.Tensor, range], None]) -> None:
+        """Each page group through the direction's two staging buffers: fill(rows, group) on
+        `first` once `second` is done with the buffer, then drain(rows, group) on `second`
+        once `first` filled it. Rows are the buffer as one row of bytes per page."""
+        for k, group in enumerate(page_groups(copies, self.staging_bytes)):
+            b = k % 2
+            nbytes = copies[group.start].nbytes
+            rows = self.staging[direction][b][:len(group) * nbytes].view(len(group), nbytes)
+            first.wait_event(self.free[direction][b])
+            with torch.cuda.stream(first):
+                fill(rows, group)
+                self.filled[direction][b].record(first)
+            second.wait_event(self.filled[direction][b])
+            with torch.cuda.stream(second):
+                drain(rows, group)
+                self.free[direction][b].record(second)
 
     def _checksum_group(self, rows: torch.Tensor, sums: torch.Tensor) -> None:
         for s, (lo, hi) in enumerate(self.layout.segments(rows.shape[1])):
@@ -210,22 +224,19 @@ class CudaTransfer(Transfer):
         if self.load_delay_cycles:
             with torch.cuda.stream(copy_s):
                 torch.cuda._sleep(self.load_delay_cycles)
-        for k, group in enumerate(page_groups(copies, self.staging_bytes)):
-            b = k % 2
-            rows = self._rows("load", b, copies, group)
-            copy_s.wait_event(self.free["load"][b])
-            with torch.cuda.stream(copy_s):
-                for row, i in zip(rows, group):
-                    c = copies[i]
-                    row.copy_(self.arena[c.offset:c.offset + c.nbytes], non_blocking=True)
-                self.filled["load"][b].record(copy_s)
-            scatter_s.wait_event(self.filled["load"][b])
-            with torch.cuda.stream(scatter_s):
-                self._checksum_group(rows, sums[group.start:group.stop])
-                for row, i in zip(rows, group):
-                    c, view = copies[i], self.page_view(row, copies[i].nbytes)
-                    self.kv[:view.shape[0]].index_copy_(2, indices[i], view[:, :, c.first_block:])
-                self.free["load"][b].record(scatter_s)
+
+        def fill(rows: torch.Tensor, group: range) -> None:
+            for row, i in zip(rows, group):
+                c = copies[i]
+                row.copy_(self.arena[c.offset:c.offset + c.nbytes], non_blocking=True)
+
+        def drain(rows: torch.Tensor, group: range) -> None:
+            self._checksum_group(rows, sums[group.start:group.stop])
+            for row, i in zip(rows, group):
+                c, view = copies[i], self.page_view(row, copies[i].nbytes)
+                self.kv[:view.shape[0]].index_copy_(2, indices[i], view[:, :, c.first_block:])
+
+        self._pipeline("load", copies, copy_s, fill, scatter_s, drain)
         return self._finish(copies, sums, scatter_s, always_done=self.break_order == "load")
 
     def store(self, copies: Sequence[PageCopy], ready: threading.Event | None = None) -> TransferJob:
@@ -238,21 +249,18 @@ class CudaTransfer(Transfer):
         indices = self._indices(copies, gather_s)
         with torch.cuda.stream(gather_s):
             sums = torch.zeros((len(copies), 2, 2), dtype=torch.int64, device=self.device)
-        for k, group in enumerate(page_groups(copies, self.staging_bytes)):
-            b = k % 2
-            rows = self._rows("store", b, copies, group)
-            gather_s.wait_event(self.free["store"][b])
-            with torch.cuda.stream(gather_s):
-                for row, i in zip(rows, group):
-                    torch.index_select(self.kv, 2, indices[i], out=self.page_view(row, copies[i].nbytes))
-                self._checksum_group(rows, sums[group.start:group.stop])
-                self.filled["store"][b].record(gather_s)
-            copy_s.wait_event(self.filled["store"][b])
-            with torch.cuda.stream(copy_s):
-                for row, i in zip(rows, group):
-                    c = copies[i]
-                    self.arena[c.offset:c.offset + c.nbytes].copy_(row, non_blocking=True)
-                self.free["store"][b].record(copy_s)
+
+        def fill(rows: torch.Tensor, group: range) -> None:
+            for row, i in zip(rows, group):
+                torch.index_select(self.kv, 2, indices[i], out=self.page_view(row, copies[i].nbytes))
+            self._checksum_group(rows, sums[group.start:group.stop])
+
+        def drain(rows: torch.Tensor, group: range) -> None:
+            for row, i in zip(rows, group):
+                c = copies[i]
+                self.arena[c.offset:c.offset + c.nbytes].copy_(row, non_blocking=True)
+
+        self._pipeline("store", copies, gather_s, fill, copy_s, drain)
         copy_s.wait_stream(gather_s)
         return self._finish(copies, sums, copy_s, always_done=False)
 

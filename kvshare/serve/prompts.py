@@ -24,12 +24,9 @@ class PromptError(ValueError):
 
 
 def _is_token_list(value: object) -> bool:
-    if not isinstance(value, list):
-        return False
-    # The C-level type set is ~4x faster than the generator on a 130k-token prompt; the
-    # generator remains for lists holding other types (int subclasses other than bool).
-    return set(map(type, value)) <= {int} or all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value)
+    # Exact types, not isinstance: bools are not token ids. (The set of types is ~4x faster
+    # than a loop over a 130k-token prompt.)
+    return isinstance(value, list) and set(map(type, value)) <= {int}
 
 
 def completion_prompt(prompt: object) -> str | list[int]:
