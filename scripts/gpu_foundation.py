@@ -9,6 +9,8 @@ Sections (each records its own error and the run goes on):
 - engine: shape:gemma3-27b cold prefill at 32k and 128k, decode at batch 1 and 32;
 - pool: store and restore 128k tokens of the gemma3-27b layout through the real pool;
 - graphs: gemma3-27b decode replayed from CUDA graphs vs eager: same tokens, step times;
+- restore27b: the same for shape:gemma3-27b (--hybrid-lengths/--hybrid-restore), with a
+  host profile and a CUDA trace of one restore per length;
 - hybrid: shape:qwen3.5-27b cold prefill at 32k/128k/256k and its restore (KV + recurrent
   state) from the pool, beside the bytes floor; a 32k restore checked against recompute,
   and against the broken variant that restores the KV without the state.
@@ -98,6 +100,7 @@ def kernels() -> dict:
         t, c = meta.paged()
         got = paged_decode_attention(q, k, v, t, c, bs, d**-0.5, window).float()
         out[f"decode_rel_err_h{hq}_{hkv}_d{d}_w{window}"] = rel_error(got, ref)
+    out.update(short_queries())
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     for shape in ("tiny-gemma3", "tiny-qwen3", "tiny-llama"):
         runs = {}
@@ -114,6 +117,45 @@ def kernels() -> dict:
         reply = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                          SamplingParams(max_tokens=24, temperature=0.0))
         out["smollm2_cuda_reply"] = reply.text
+    return out
+
+
+def short_queries() -> dict:
+    """A few new tokens over a long paged context (the step after a restore): the paged
+    split-K kernel against a float32 SDPA reference, and its time against varlen flash."""
+    from kvshare.engine.attention import SDPABackend, StepMeta, VarlenBackend
+    from tests.engine.test_parity import rel_error
+
+    out: dict[str, object] = {}
+    bs, hq, hkv, d = 16, 32, 16, 128
+    paged, flash = VarlenBackend(), VarlenBackend(paged_decode=False)
+    for q_lens, ctx, window in (((32, 17, 1), (32768, 4097, 1000), None), ((32, 3), (32768, 2000), 1024),
+                                ((32,), (131072,), None)):
+        nb = sum(-(-c // bs) for c in ctx) + 1
+        k = torch.randn(nb * bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        perm, tables, at = torch.randperm(nb).tolist(), [], 0
+        for c in ctx:
+            tables.append(tuple(perm[at:at + -(-c // bs)]))
+            at += -(-c // bs)
+        q = torch.randn(sum(q_lens), hq, d, device="cuda", dtype=torch.bfloat16)
+        meta = StepMeta(q_lens=q_lens, ctx_lens=ctx, block_tables=tuple(tables), block_size=bs,
+                        device=torch.device("cuda"))
+        name = f"q{'-'.join(map(str, q_lens))}_ctx{max(ctx)}_w{window}"
+        if max(ctx) <= 32768:
+            ref = SDPABackend().attend(q.float(), k.float(), v.float(), meta, d**-0.5, window)
+            out[f"short_{name}_rel_err_paged"] = rel_error(paged.attend(q, k, v, meta, d**-0.5, window).float(), ref)
+            out[f"short_{name}_rel_err_flash"] = rel_error(flash.attend(q, k, v, meta, d**-0.5, window).float(), ref)
+        for label, backend in (("paged", paged), ("flash", flash)):
+            backend.attend(q, k, v, meta, d**-0.5, window)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(10):
+                backend.attend(q, k, v, meta, d**-0.5, window)
+            torch.cuda.synchronize()
+            out[f"short_{name}_{label}_ms"] = (time.perf_counter() - start) * 100
+        print(name, {k2: v2 for k2, v2 in out.items() if name in k2}, flush=True)
+        del k, v
     return out
 
 
@@ -226,9 +268,39 @@ def _compare(reference: object, other: object) -> dict:
             "max_logprob_diff": max(abs(a - b) for a, b in zip(reference.logprobs, other.logprobs))}  # type: ignore[attr-defined]
 
 
+def profile_restore(llm: object, prompt: list[int], out: Path, name: str) -> None:
+    """Where one restore's time goes: host functions (cProfile) and the CUDA timeline
+    (torch profiler, a Chrome trace)."""
+    import cProfile
+    import gzip
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvshare.bench.engine_perf import restore_first_token
+
+    host = cProfile.Profile()
+    host.enable()
+    restore_first_token(llm, prompt, f"{name}-cprofile")  # type: ignore[arg-type]
+    host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(60)
+    (out / f"{name}_cprofile.txt").write_text(text.getvalue())
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        restore_first_token(llm, prompt, f"{name}-trace")  # type: ignore[arg-type]
+    trace = out / f"{name}_trace.json"
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+        dst.write(src.read())
+    trace.unlink()
+
+
 def hybrid(lengths: list[int], restore_lengths: list[int], repeats: int, arena_gib: int,
-           deadline: float, model: str = "shape:qwen3.5-27b", device: str = "cuda") -> dict:
-    """A hybrid model's cold prefill per length (pool on: it stores), then its restore."""
+           deadline: float, model: str = "shape:qwen3.5-27b", device: str = "cuda",
+           profile_dir: Path | None = None) -> dict:
+    """A model's cold prefill per length (pool on: it stores), then its restore; for a hybrid
+    model also the restore without its recurrent state (the broken variant)."""
     import dataclasses
 
     from kvshare import LLM
@@ -281,6 +353,7 @@ def hybrid(lengths: list[int], restore_lengths: list[int], repeats: int, arena_g
             if i == 0:
                 restored = restore_first_token(llm, prompt + follow_up, "check", max_tokens=8, logprobs=True)
                 out["restore_check"] = {**_compare(reference, restored.pop("output")), **restored}
+            if i == 0 and state_bytes:
                 opts = connector.options  # type: ignore[attr-defined]
                 connector.options = dataclasses.replace(opts, skip_state_restore=True)  # type: ignore[attr-defined]
                 broken = restore_first_token(llm, prompt + follow_up, "broken", max_tokens=8, logprobs=True)
@@ -299,6 +372,8 @@ def hybrid(lengths: list[int], restore_lengths: list[int], repeats: int, arena_g
                                    "floor_s": floor, "ratio_to_floor": ttft / floor,
                                    "cold_over_restore": out[f"cold_{n}_s"] / ttft}  # type: ignore[operator]
             print(f"restore {n}: {out[f'restore_{n}']}", flush=True)
+            if profile_dir is not None:
+                profile_restore(llm, prompt + follow_up, profile_dir, f"restore_{n}")
         out["connector"] = connector.stats()
         connector.close()
     return out
@@ -347,6 +422,12 @@ def main() -> None:
     if "graphs" in wanted:
         section("graphs", out)(graphs_vs_eager)([int(x) for x in args.decode_batches.split(",")],
                                                 args.decode_context)
+    if "restore27b" in wanted:
+        section("restore27b", out)(hybrid)([int(x) for x in args.hybrid_lengths.split(",")],
+                                           [int(x) for x in args.hybrid_restore.split(",")],
+                                           args.hybrid_repeats, args.arena_gib,
+                                           time.monotonic() + args.budget_s, model="shape:gemma3-27b",
+                                           profile_dir=out)
     if "hybrid" in wanted:
         section("hybrid", out)(hybrid)([int(x) for x in args.hybrid_lengths.split(",")],
                                        [int(x) for x in args.hybrid_restore.split(",")],

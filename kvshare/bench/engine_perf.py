@@ -30,8 +30,9 @@ class TimedRequest:
     step_ends_s: tuple[float, ...]  # when each engine step up to the first token returned
 
     def phases(self) -> dict[str, float]:
-        """admit_s: the first step (admission, pool lookup, load enqueued); wait_s: until the
-        step before the token (a load in flight: the steps are polls); compute_s: the rest."""
+        """admit_s: the first step, when more than one led to the token; wait_s: until the
+        step before the token; compute_s: the rest. A pool restore computes its new tokens in
+        its admission step, so a restored request's whole time is compute_s."""
         admit = self.step_ends_s[0] if len(self.step_ends_s) > 1 else 0.0
         before_token = self.step_ends_s[-2] if len(self.step_ends_s) > 1 else 0.0
         return {"admit_s": admit, "wait_s": before_token - admit, "compute_s": self.ttft_s - before_token,

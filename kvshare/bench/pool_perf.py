@@ -76,9 +76,7 @@ def measure_pool_bandwidth(pool: str, shape: str = "gemma3-27b", num_tokens: int
     match_s = time.perf_counter() - start
     connector.load("load", table)
     enqueue_s = time.perf_counter() - start - match_s
-    ok = None
-    while ok is None:
-        ok = connector.poll().get("load")
+    ok = connector.finish_load("load")
     _sync(dev)
     load_s = time.perf_counter() - start
     loaded = connector.counters["loaded_bytes"]

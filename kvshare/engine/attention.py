@@ -9,13 +9,15 @@ Backends:
   it is the reference the others are tested against.
 - `VarlenBackend` (CUDA, bf16/fp16): gathers each sequence's keys into one packed batch
   and runs torch's varlen flash attention, causal aligned bottom-right with an optional
-  sliding window. Decode-only steps use the paged Triton kernel when it is available.
+  sliding window. Steps whose sequences all have at most MAX_QUERY new tokens (decode
+  included) use the paged Triton kernel when it is available.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -150,23 +152,38 @@ def _causal_mask(ctx: int, n: int, key_start: int, m: int, window: int | None,
 
 
 class VarlenBackend(AttentionBackend):
-    """CUDA prefill/mixed steps through torch's varlen flash attention; paged decode kernel."""
+    """CUDA steps: the paged Triton kernel when every sequence has at most MAX_QUERY new
+    tokens (decode, short follow-ups after a long restored prefix), else varlen flash.
+
+    Flash's grid is (query blocks x heads): a few new tokens over a long context leave most
+    SMs idle, each CTA streaming the whole context, after a gather of every key; the paged
+    kernel reads the keys in place and splits the context over the SMs."""
 
     def __init__(self, paged_decode: bool = True) -> None:
         from torch.nn.attention.varlen import varlen_attn
 
         self._varlen_attn = varlen_attn
-        self._decode = None
+        self._paged: ModuleType | None = None  # the paged kernels; None: varlen for every step
         if paged_decode:
-            from kvshare.engine.paged_decode import paged_decode_attention
+            from kvshare.engine import paged_decode as paged
 
-            self._decode = paged_decode_attention
+            self._paged = paged
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: StepMeta, scale: float, window: int | None) -> torch.Tensor:
-        if meta.decode_only and self._decode is not None:
+        paged = self._paged
+        # Decode first, reading only decode_only/paged()/block_size: the captured graph step
+        # (cuda_graphs.GraphStepMeta) has nothing else, and its splits must depend only on
+        # static shapes (the tables' width), not on this step's context lengths.
+        if paged is not None and meta.decode_only:
             tables, ctx = meta.paged()
-            return self._decode(q, k_cache, v_cache, tables, ctx, meta.block_size, scale, window)
+            return paged.paged_decode_attention(q, k_cache, v_cache, tables, ctx, meta.block_size,
+                                                scale, window)
+        if paged is not None and meta.max_q <= paged.MAX_QUERY:
+            tables, ctx = meta.paged()
+            return paged.paged_attention(q, k_cache, v_cache, tables, ctx, meta.block_size, scale,
+                                         window, cu_seqlens_q=meta.cu_seqlens_q, max_q=meta.max_q,
+                                         max_context=max(meta.ctx_lens))
         keys = meta.key_range(window)
         k = k_cache.index_select(0, keys.slots)
         v = v_cache.index_select(0, keys.slots)

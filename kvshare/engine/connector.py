@@ -4,8 +4,10 @@ Ordering contract between engine and connector (ARCHITECTURE.md, "Ordering rules
 - `match` reports how many tokens beyond the GPU-local prefix the store can restore and
   keeps them pinned until `load` or `cancel`.
 - `load` writes only into the blocks it is given for the matched range, which the engine
-  allocated fresh for this request (never blocks shared with another request). The
-  engine does not read them until `poll` reports the load finished and verified.
+  allocated fresh for this request (never blocks shared with another request). Work the
+  engine issues on the current (compute) stream after `load` returns sees the restored
+  bytes. They are verified only by `finish_load`: the engine keeps nothing computed from
+  them (tokens, KV, registrations, stores) until it returned True.
 - `store` copies full chunks whose KV was produced by work already issued on the current
   (compute) stream; the connector orders its copies after that work itself.
 - The connector holds its own references on every block it copies from or into until
@@ -94,9 +96,15 @@ class KVConnector(ABC):
         """Pin the longest restorable run past num_local_tokens (never the last token)."""
 
     @abstractmethod
-    def load(self, request_id: str, block_table: Sequence[int], state_slot: int | None = None) -> None:
+    def load(self, request_id: str, block_table: Sequence[int], state_slot: int | None = None) -> bool:
         """Start restoring the matched range into block_table (the request's whole table)
-        and, for hybrid models, the state at the range's end into state_slot."""
+        and, for hybrid models, the state at the range's end into state_slot; order the
+        current stream after the copies. False: nothing was started (compute the range)."""
+
+    @abstractmethod
+    def finish_load(self, request_id: str) -> bool:
+        """Wait for the request's load, verify it and let go of its pool pages. True: the
+        restored range is exact; False: it is not, and what was computed from it is void."""
 
     @abstractmethod
     def cancel(self, request_id: str) -> None:
@@ -114,12 +122,13 @@ class KVConnector(ABC):
         token_ids[:boundary], a chunk boundary (hybrid models)."""
 
     @abstractmethod
-    def poll(self) -> dict[str, bool]:
-        """Finish completed copies; return {request_id: ok} of loads that completed."""
+    def poll(self) -> None:
+        """Commit the stores whose copies completed (never blocks)."""
 
     @abstractmethod
     def forget(self, request_id: str) -> None:
-        """The request left the engine; its in-flight copies still complete normally."""
+        """The request left the engine: end its load if one is unfinished (unverified:
+        nothing of it is kept); its stores in flight still complete normally."""
 
     @abstractmethod
     def set_enabled(self, enabled: bool) -> None:

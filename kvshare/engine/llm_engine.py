@@ -1,8 +1,9 @@
 """The engine loop: admit requests, schedule, run the model, sample, detokenize, stop.
 
-`LLMEngine.step()` is the one loop body: collect finished pool loads, schedule a batch,
-run it, sample, append tokens, hand newly full chunks to the connector, and report what
-changed. Callers (the offline `LLM`, the server's engine thread) drive it.
+`LLMEngine.step()` is the one loop body: commit finished pool stores, schedule a batch
+(admission may start pool restores), run it, sample, verify the restores (dropping the
+results of any that failed), append tokens, hand newly full chunks to the connector, and
+report what changed. Callers (the offline `LLM`, the server's engine thread) drive it.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ class LLMEngine:
         return self.blocks.reset_prefix_cache()
 
     def step(self) -> list[RequestOutput]:
-        self.scheduler.collect_loads()
+        if self.connector is not None:
+            self.connector.poll()
         chunks = self.scheduler.schedule()
         outputs, self._finished_outputs = self._finished_outputs, []
         if not chunks:
@@ -133,11 +135,16 @@ class LLMEngine:
                             [self.requests[c.seq.request_id].generator for c in sampling],
                             self.generator)
         logprobs = self._logprobs(logits, sampling, tokens)
+        # Nothing computed from a restore counts before the restore is verified.
+        failed = self.scheduler.finish_restores()
+        chunks = [c for c in chunks if c.seq.request_id not in failed]
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
         self._register_and_store(chunks)
         now = time.monotonic()
         for chunk, token, logprob in zip(sampling, tokens, logprobs):
+            if chunk.seq.request_id in failed:
+                continue
             req = self.requests[chunk.seq.request_id]
             if logprob is not None:
                 req.logprobs.append(logprob)

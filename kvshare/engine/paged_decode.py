@@ -1,10 +1,16 @@
-"""Paged decode attention in Triton (split-K "flash decoding").
+"""Paged attention in Triton (split-K "flash decoding") for decode and short causal chunks.
 
-One program per (sequence, KV head, split) walks its share of the sequence's context
-straight out of the paged cache (no gather), computing all query heads of the KV head's
-group at once; a second kernel merges the splits with their log-sum-exp. Reads each
-key/value byte once, which is what the decode floor (bytes / HBM bandwidth) assumes.
-The grid depends only on (batch, heads, splits), so the launch is CUDA-graph safe.
+One program per (sequence x query block, KV head, split) walks its share of the keys its
+queries see straight out of the paged cache (no gather); a second kernel merges the splits
+with their log-sum-exp. The program's query tile holds (new token, group head) pairs, so
+all query heads of a KV head's group, and all of a sequence's few new tokens, share each
+key/value load: the keys are read once per query block, which is what the decode floor
+(bytes / HBM bandwidth) assumes, and splitting the context keeps a lone long sequence
+(e.g. 32 new tokens after a 128k-token prefix restore) from running on a few SMs.
+
+Decode (one token per sequence, `paged_decode_attention`) takes a constexpr path with no
+query offsets and no causal mask; its grid depends only on (batch, heads, splits), so the
+launch is CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -14,63 +20,101 @@ import triton
 import triton.language as tl
 
 TILE = 64  # keys per loop iteration
+MAX_QUERY = 64  # most new tokens per sequence the paged path serves; longer chunks go to varlen flash
+MAX_ROWS = 64  # query rows (token x group head) per program when several tokens per sequence
 
 
 @triton.jit
 def _split_kernel(
-    Q, K, V, TABLES, CTX, ACC, MAX, SUM,
-    scale, window, table_stride, num_splits,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    Q, K, V, TABLES, CTX, CU_Q, ACC, MAX, SUM,
+    scale, window, table_stride, num_splits, q_blocks,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
-    seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    ctx = tl.load(CTX + seq)
+    if VARLEN:
+        seq = tl.program_id(0) // q_blocks
+        row0 = (tl.program_id(0) % q_blocks) * ROWS  # first (token, head) row of this program
+        ctx = tl.load(CTX + seq)
+        q_start = tl.load(CU_Q + seq)
+        q_len = tl.load(CU_Q + seq + 1) - q_start
+        n_rows = q_len * GROUP
+        if row0 >= n_rows:  # a query block past this sequence's tokens (max_q sized the grid)
+            return
+        # The new tokens are the last q_len keys: token t sits at position ctx - q_len + t.
+        first = ctx - q_len + row0 // GROUP
+        last = ctx - q_len + (tl.minimum(row0 + ROWS, n_rows) - 1) // GROUP
+    else:  # decode: token `seq` is sequence `seq`'s only query, at position ctx - 1
+        seq = tl.program_id(0)
+        row0 = 0
+        ctx = tl.load(CTX + seq)
+        q_start = seq
+        q_len = 1
+        n_rows = GROUP
+        first = ctx - 1
+        last = ctx - 1
+    # Keys any row of the block sees: [first - window + 1, last]; the splits share them.
     start = 0
     if window > 0:
-        start = tl.maximum(ctx - window, 0)
-    per_split = tl.cdiv(tl.cdiv(ctx - start, num_splits), TILE) * TILE
+        start = tl.maximum(first - window + 1, 0)
+    per_split = tl.cdiv(tl.cdiv(last + 1 - start, num_splits), TILE) * TILE
     lo = start + split * per_split
-    hi = tl.minimum(lo + per_split, ctx)
+    hi = tl.minimum(lo + per_split, last + 1)
 
-    g = tl.arange(0, GROUP_PAD)
+    r = row0 + tl.arange(0, ROWS)
+    tok = r // GROUP
+    row_ok = r < n_rows
     d = tl.arange(0, HEAD_DIM)
-    q_heads = kv_head * GROUP + g
-    q_mask = g < GROUP
-    q = tl.load(Q + (seq * NUM_KV_HEADS * GROUP + q_heads)[:, None] * HEAD_DIM + d[None, :],
-                mask=q_mask[:, None], other=0.0)
+    # Row of (token, query head) in the packed [tokens, heads] layout of Q and the output.
+    # Decode's rows are its group's heads, contiguous: written so, sm_90 register use stays
+    # the old decode kernel's (the // and % form costs up to 50 more at head dim 256).
+    if VARLEN:
+        out_row = (q_start + tok) * (NUM_KV_HEADS * GROUP) + kv_head * GROUP + r % GROUP
+    else:
+        out_row = q_start * (NUM_KV_HEADS * GROUP) + kv_head * GROUP + r
+    out_row = out_row.to(tl.int64)
+    q = tl.load(Q + out_row[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0)
+    q_pos = ctx - q_len + tok
+    q_lo = tl.where(window > 0, q_pos - window + 1, 0)  # the engine's window: key > pos - W
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
     for t in range(lo, hi, TILE):
         pos = t + tl.arange(0, TILE)
         valid = pos < hi
         block = tl.load(TABLES + seq * table_stride + pos // BLOCK_SIZE, mask=valid, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # int64: caches pass 2**31 elements
         offs = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
         k = tl.load(K + offs, mask=valid[:, None], other=0.0)
         v = tl.load(V + offs, mask=valid[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
+        if VARLEN:  # per-row causal and window bounds; decode's single row is covered by [lo, hi)
+            seen = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= q_lo[:, None])
+        else:
+            seen = valid[None, :]
+        scores = tl.where(seen, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        # A row may see no key of this tile yet (causal/window): keep exp() off -inf - -inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m_i = m_new
 
-    row = (seq * NUM_KV_HEADS * GROUP + q_heads) * num_splits + split
-    tl.store(MAX + row, m_i, mask=q_mask)
-    tl.store(SUM + row, l_i, mask=q_mask)
-    tl.store(ACC + row[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask[:, None])
+    row = out_row * num_splits + split
+    tl.store(MAX + row, m_i, mask=row_ok)
+    tl.store(SUM + row, l_i, mask=row_ok)
+    tl.store(ACC + row[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
 
 
 @triton.jit
 def _merge_kernel(ACC, MAX, SUM, OUT, num_splits,
                   HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    row = tl.program_id(0)  # (sequence, query head)
+    row = tl.program_id(0).to(tl.int64)  # (query token, query head)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
     valid = s < num_splits
@@ -78,6 +122,7 @@ def _merge_kernel(ACC, MAX, SUM, OUT, num_splits,
     l_s = tl.load(SUM + row * num_splits + s, mask=valid, other=0.0)
     acc = tl.load(ACC + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
                   mask=valid[:, None], other=0.0)
+    # Every query sees at least its own key, so some split has m > -inf.
     m_max = tl.max(m, 0)
     w = tl.where(valid & (m > float("-inf")), tl.exp(m - m_max), 0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
@@ -85,9 +130,64 @@ def _merge_kernel(ACC, MAX, SUM, OUT, num_splits,
 
 
 def num_splits_for(batch: int, num_kv_heads: int, max_context: int) -> int:
-    """Enough programs to fill the GPU (~4 waves of 132 SMs), never splits under a tile."""
+    """Enough programs to fill the GPU (~4 waves of 132 SMs), never splits under a tile.
+    `batch` counts (sequence, query block) programs per KV head."""
     want = max(1, (4 * 132) // max(1, batch * num_kv_heads))
     return max(1, min(want, triton.cdiv(max_context, TILE), 64))
+
+
+def query_rows(group: int, max_q: int) -> int:
+    """Rows of a program's query tile: decode keeps just the group (padded for tl.dot's
+    M >= 16); several tokens fill up to MAX_ROWS, more tokens take more query blocks."""
+    rows = group if max_q == 1 else min(MAX_ROWS, max_q * group)
+    return max(16, triton.next_power_of_2(rows))
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+    scale: float, window: int | None, cu_seqlens_q: torch.Tensor | None = None,
+    max_q: int = 1, num_splits: int | None = None, max_context: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of a step's new tokens over the paged cache, keys read in place.
+
+    q [T, Hq, D], sequence i's tokens at rows cu_seqlens_q[i]:cu_seqlens_q[i + 1] (None: one
+    token per sequence, T = B), the last of its context_lens[i] keys, already in the cache
+    [slots, Hkv, D]; max_q >= every sequence's token count (<= MAX_QUERY), sizing the grid.
+    max_context (host int, default the tables' width) sizes the splits. Returns [T, Hq, D].
+    """
+    assert 1 <= max_q <= MAX_QUERY and (cu_seqlens_q is not None or max_q == 1)
+    num_tokens, num_heads, head_dim = q.shape
+    batch = context_lens.shape[0]
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    rows = query_rows(group, max_q)
+    q_blocks = triton.cdiv(max_q * group, rows)
+    if num_splits is None:
+        keys = max_context or block_tables.shape[1] * block_size
+        if window:  # a sequence's queries see at most window + max_q - 1 keys
+            keys = min(keys, window + max_q - 1)
+        num_splits = num_splits_for(batch * q_blocks, num_kv_heads, keys)
+    n = num_tokens * num_heads * num_splits
+    acc = torch.empty((n, head_dim), dtype=torch.float32, device=q.device)
+    m = torch.empty(n, dtype=torch.float32, device=q.device)
+    s = torch.empty(n, dtype=torch.float32, device=q.device)
+    _split_kernel[(batch * q_blocks, num_kv_heads, num_splits)](
+        q.contiguous(), k_cache, v_cache, block_tables, context_lens,
+        context_lens if cu_seqlens_q is None else cu_seqlens_q,  # unread when not VARLEN
+        acc, m, s, scale, window or 0, block_tables.stride(0), num_splits, q_blocks,
+        GROUP=group, ROWS=rows, HEAD_DIM=head_dim, NUM_KV_HEADS=num_kv_heads,
+        BLOCK_SIZE=block_size, TILE=TILE, VARLEN=cu_seqlens_q is not None,
+        # 8 warps once a chunk's fp32 accumulator passes 32 KB (128 regs a thread at 4): no
+        # spills on sm_90 for 64 rows x head dim 256. Decode keeps the default 4.
+        num_warps=8 if cu_seqlens_q is not None and rows * head_dim > 64 * 128 else 4,
+    )
+    out = torch.empty_like(q)
+    _merge_kernel[(num_tokens * num_heads,)](
+        acc, m, s, out, num_splits, HEAD_DIM=head_dim,
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+    )
+    return out
 
 
 def paged_decode_attention(
@@ -96,25 +196,5 @@ def paged_decode_attention(
     scale: float, window: int | None, num_splits: int | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one query per sequence); caches [slots, Hkv, D]; returns [B, Hq, D]."""
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    if num_splits is None:
-        width = block_tables.shape[1] * block_size
-        num_splits = num_splits_for(batch, num_kv_heads, min(width, window or width))
-    rows = batch * num_heads * num_splits
-    acc = torch.empty((rows, head_dim), dtype=torch.float32, device=q.device)
-    m = torch.empty(rows, dtype=torch.float32, device=q.device)
-    s = torch.empty(rows, dtype=torch.float32, device=q.device)
-    _split_kernel[(batch, num_kv_heads, num_splits)](
-        q.contiguous(), k_cache, v_cache, block_tables, context_lens, acc, m, s,
-        scale, window or 0, block_tables.stride(0), num_splits,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size, TILE=TILE,
-    )
-    out = torch.empty_like(q)
-    _merge_kernel[(batch * num_heads,)](
-        acc, m, s, out, num_splits, HEAD_DIM=head_dim,
-        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-    )
-    return out
+    return paged_attention(q, k_cache, v_cache, block_tables, context_lens, block_size,
+                           scale, window, num_splits=num_splits)

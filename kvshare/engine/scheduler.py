@@ -3,10 +3,17 @@
 Each step the scheduler hands the runner (sequence, number of new tokens) pairs. Running
 sequences go first, in arrival order, so decodes are never starved by long prefills;
 waiting sequences are admitted while the token budget, the sequence limit and free
-blocks allow. Admission reuses the GPU-local prefix cache, then asks the connector for
-more (a pool restore puts the sequence in LOADING until the copy is verified). When
-blocks run out, the most recently admitted running sequence is preempted: its blocks
-are released and it is recomputed later.
+blocks allow. When blocks run out, the most recently admitted running sequence is
+preempted: its blocks are released and it is recomputed later.
+
+Admission reuses the GPU-local prefix cache, then asks the connector for more. A pool
+restore is optimistic: the sequence's new tokens are scheduled in the same step, the
+compute stream ordered after the copies, so the step does not wait for the host to see
+the copy end. Its results count only once `finish_restores` has verified the bytes; a
+restore that fails verification is discarded with everything computed from it and the
+sequence is recomputed without the pool. Sequences decoding in that step wait for the
+copy too (one compute stream): one step as long as the copy, far less than the prefill
+the restore replaces.
 """
 
 from __future__ import annotations
@@ -57,12 +64,12 @@ class Scheduler:
         self.state_chunk = state_chunk_tokens
         self.snapshot_interval = max(state_chunk_tokens, snapshot_interval // state_chunk_tokens * state_chunk_tokens)
         self.waiting: deque[Sequence] = deque()
-        self.loading: dict[str, Sequence] = {}
         self.running: list[Sequence] = []
+        self.restoring: list[Sequence] = []  # admitted this step with an unverified pool restore
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.loading) + len(self.running)
+        return len(self.waiting) + len(self.running)
 
     def add(self, seq: Sequence) -> None:
         if self.blocks.blocks_needed(seq.num_tokens + 1) > self.blocks.num_blocks:
@@ -84,13 +91,13 @@ class Scheduler:
         seq.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)
-        elif seq.request_id in self.loading:
-            del self.loading[seq.request_id]
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._release_blocks(seq)
-        if self.connector is not None:
+        if seq in self.restoring:
+            self.restoring.remove(seq)
+        if self.connector is not None:  # ends a restore in flight before its blocks go
             self.connector.forget(seq.request_id)
+        self._release_blocks(seq)
 
     def _release_blocks(self, seq: Sequence) -> None:
         self.blocks.release(seq.block_table)
@@ -100,20 +107,21 @@ class Scheduler:
             self.states.release(seq.state_slot)
             seq.state_slot = None
 
-    def collect_loads(self) -> None:
-        """Move sequences whose pool restore finished into RUNNING (or back to compute)."""
-        if self.connector is None:
-            return
-        for request_id, ok in self.connector.poll().items():
-            seq = self.loading.pop(request_id, None)
-            if seq is None:
-                continue  # finished (aborted) while loading
-            if ok:
-                seq.num_computed_tokens += seq.kv.pool_hit_tokens
-            else:
-                seq.kv.pool_hit_tokens = 0
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+    def finish_restores(self) -> set[str]:
+        """Verify this step's pool restores (after the step's compute was issued); returns the
+        ids of sequences whose restore failed: their step results must be dropped. They go
+        back to the queue's front to be recomputed without the pool."""
+        failed = set()
+        for seq in self.restoring:
+            assert self.connector is not None
+            if self.connector.finish_load(seq.request_id):
+                continue
+            failed.add(seq.request_id)
+            seq.use_pool = False
+            self.running.remove(seq)
+            self._requeue(seq)
+        self.restoring = []
+        return failed
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.config.max_num_batched_tokens
@@ -133,8 +141,6 @@ class Scheduler:
             if not self._admit(seq):
                 break
             self.waiting.popleft()
-            if seq.status is SequenceStatus.LOADING:
-                continue
             n = self._cap_at_snapshot(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
             if not self._grow(seq, seq.num_computed_tokens + n):
                 break  # cannot happen: _admit reserved the first chunk's blocks
@@ -170,7 +176,7 @@ class Scheduler:
         return [], None
 
     def _num_admitted(self) -> int:
-        return len(self.running) + len(self.loading)
+        return len(self.running)
 
     def _reserve_blocks(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's blocks to num_tokens, preempting later sequences if needed."""
@@ -192,9 +198,13 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.num_preemptions += 1
+        self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Back to the front of the queue holding nothing: recomputed from its prompt."""
         self._release_blocks(seq)
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -223,12 +233,12 @@ class Scheduler:
             cached, snapshot = self._cut_at_snapshot(seq, cached)
         local_tokens = len(cached) * bs
         match = None
-        if self.connector is not None:
+        if self.connector is not None and seq.use_pool:
             match = self.connector.match(seq.request_id, seq.token_ids, local_tokens)
         pool_tokens = match.num_tokens if match else 0
+        # The first chunk's blocks too: a restored sequence computes in its admission step.
         first_chunk = min(seq.num_tokens - local_tokens - pool_tokens, self.config.max_num_batched_tokens)
-        fresh = self.blocks.blocks_needed(local_tokens + pool_tokens + (0 if pool_tokens else first_chunk))
-        fresh -= len(cached)
+        fresh = self.blocks.blocks_needed(local_tokens + pool_tokens + first_chunk) - len(cached)
         # Cached blocks that are free still count as free until acquired.
         free_after = self.blocks.num_free_blocks - sum(self.blocks.ref_count[b] == 0 for b in cached)
         if fresh > free_after:
@@ -240,14 +250,15 @@ class Scheduler:
         seq.num_computed_tokens = local_tokens
         if self.states is not None:
             self._take_state_slot(seq, snapshot)
-        seq.kv.gpu_hit_tokens = local_tokens
-        seq.kv.pool_hit_tokens = pool_tokens
         seq.num_registered_blocks = len(cached)
         if pool_tokens and self.connector is not None:
-            self.connector.load(seq.request_id, seq.block_table, seq.state_slot)
-            seq.status = SequenceStatus.LOADING
-            self.loading[seq.request_id] = seq
-        else:
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            if self.connector.load(seq.request_id, seq.block_table, seq.state_slot):
+                self.restoring.append(seq)
+            else:
+                pool_tokens = 0
+        seq.kv.gpu_hit_tokens = local_tokens
+        seq.kv.pool_hit_tokens = pool_tokens
+        seq.num_computed_tokens = local_tokens + pool_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
         return True

@@ -12,7 +12,6 @@ from kvshare.engine.sampling_params import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
-    LOADING = "loading"  # a pool restore into its blocks is in flight
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -28,7 +27,9 @@ class KVSources:
 
 @dataclass
 class Sequence:
-    """Invariant: the KV of token_ids[:num_computed_tokens] is in the blocks of block_table."""
+    """Invariant: the KV of token_ids[:num_computed_tokens] is in the blocks of block_table
+    (a pool restore counts from its admission on: the compute stream is ordered after its
+    copies, and the step that reads them keeps its results only if the restore verifies)."""
 
     request_id: str
     token_ids: list[int]
@@ -43,6 +44,7 @@ class Sequence:
     finish_reason: str | None = None
     text: str = ""
     num_preemptions: int = 0
+    use_pool: bool = True  # False after a restore failed verification: recompute, never retry
     # Chained hashes of the full blocks of token_ids (GPU-local prefix cache keys), and
     # how many of this sequence's blocks are registered under them.
     block_hashes: list[bytes] = field(default_factory=list)

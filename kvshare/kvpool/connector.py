@@ -5,8 +5,9 @@ trip per lookup/reserve/commit) and a `Transfer` (bytes: CUDA streams or a CPU t
 
 Invariants:
 - Only committed pages are read, under a lease that lives until the copy completed and
-  its checksums matched; the daemon's checksum, the page header and the bytes copied must
-  all agree, otherwise the load is a miss (the engine recomputes) and a counted failure.
+  its checksums were compared; the daemon's checksum, the page header and the bytes copied
+  must all agree, otherwise `finish_load` says False (the engine discards what it computed
+  from the restore and recomputes) and the failure is counted.
 - A store reserves pages, copies after the compute work that wrote the blocks, writes
   each header, and commits only then; a failed copy aborts its reservations.
 - Blocks being copied hold an extra reference until the copy completed.
@@ -96,6 +97,13 @@ class _Load:
     def done(self) -> bool:
         return self.job.done() and (self.state_job is None or self.state_job.done())
 
+    def wait(self) -> None:
+        """Until every copy completed; returns at once for the broken (test-only) ordering,
+        whose jobs say done without waiting."""
+        for job in (self.job, self.state_job):
+            if job is not None and not job.done():
+                job.wait()
+
     @property
     def failed(self) -> bool:
         return self.job.failed or (self.state_job is not None and self.state_job.failed)
@@ -130,9 +138,8 @@ class PoolConnector(KVConnector):
         self.counters: Counter[str] = Counter()
         self._enabled = True
         self._requests: dict[str, _Request] = {}
-        self._loads: list[_Load] = []
+        self._loads: dict[str, _Load] = {}  # started, not yet finished, by request id
         self._stores: list[_Store] = []
-        self._finished_loads: dict[str, bool] = {}
         self._generation = b""
         self._lock = threading.Lock()  # guards arena adoption against the remap callback
         self.cache: PagedKVCache | None = None
@@ -255,7 +262,7 @@ class PoolConnector(KVConnector):
             self._release(req.match.lease)
             req.match = None
 
-    def load(self, request_id: str, block_table: Sequence[int], state_slot: int | None = None) -> None:
+    def load(self, request_id: str, block_table: Sequence[int], state_slot: int | None = None) -> bool:
         assert self.cache is not None and self.layout is not None and self.transfer is not None
         req = self._requests[request_id]
         match, req.match = req.match, None
@@ -291,12 +298,29 @@ class PoolConnector(KVConnector):
                                                            self.cache.states.rows[state_slot])
         except Exception:  # a broken copy is a miss, never an engine crash
             _log.exception("pool load failed to start")
+            pending.wait()
             self._end_load(pending, ok=False)
-            return
+            return False
+        for job in (pending.job, pending.state_job):
+            if job is not None:
+                self.transfer.consume(job)
         # Checked while the copies run: the lease keeps the slots from changing meanwhile.
         pending.headers_ok = all(self._header_ok(p, layout.payload_bytes) for p in pages) and (
             pending.state_page is None or self._header_ok(pending.state_page, pending.state_page.payload_bytes))
-        self._loads.append(pending)
+        self._loads[request_id] = pending
+        return True
+
+    def finish_load(self, request_id: str) -> bool:
+        load = self._loads.pop(request_id, None)
+        if load is None:
+            return False
+        load.wait()
+        verified = load.headers_ok and self._checksums_match(load)
+        if not load.headers_ok:
+            self.counters["header_failures"] += 1
+        ok = not load.failed and (verified or not self.options.verify)
+        self._end_load(load, ok)
+        return ok
 
     def _header_ok(self, page: PageRef, payload_bytes: int) -> bool:
         """The slot still holds the page the daemon says: key, size and checksum agree."""
@@ -323,7 +347,6 @@ class PoolConnector(KVConnector):
             for b in load.incomplete:
                 self.cache.blocks.complete[b] = True
         self.cache.blocks.release(load.held)
-        self._finished_loads[load.request_id] = ok
 
     def _release(self, lease: int) -> bool:
         if not lease:
@@ -438,23 +461,10 @@ class PoolConnector(KVConnector):
 
     # ------------------------------------------------------------------ progress
 
-    def poll(self) -> dict[str, bool]:
-        for load in [x for x in self._loads if x.done()]:
-            self._loads.remove(load)
-            verified = load.headers_ok and self._checksums_match(load)
-            if not load.headers_ok:
-                self.counters["header_failures"] += 1
-            ok = not load.failed and (verified or not self.options.verify)
-            if ok:
-                self.transfer.consume(load.job)
-                if load.state_job is not None:
-                    self.transfer.consume(load.state_job)
-            self._end_load(load, ok)
+    def poll(self) -> None:
         for store in [x for x in self._stores if x.job.done()]:
             self._stores.remove(store)
             self._finish_store(store)
-        done, self._finished_loads = self._finished_loads, {}
-        return done
 
     def _checksums_match(self, load: _Load) -> bool:
         ok = True
@@ -469,12 +479,17 @@ class PoolConnector(KVConnector):
         return ok
 
     def forget(self, request_id: str) -> None:
+        load = self._loads.pop(request_id, None)
+        if load is not None:  # its blocks are being let go: the copy must be over first
+            load.wait()
+            self._end_load(load, ok=False)
         req = self._requests.pop(request_id, None)
         if req is not None and req.match is not None:
             self._release(req.match.lease)
 
     def wait_idle(self) -> None:
-        """Block until every copy in flight has completed and been committed (tests, shutdown)."""
+        """Block until every store in flight has completed and been committed (tests,
+        shutdown); loads are finished by their requests."""
         if self.transfer is not None:
             self.transfer.synchronize()
         self.poll()

@@ -4,8 +4,12 @@
 the registered arena and a GPU staging buffer, and scatters/gathers between the staging
 buffer and the scattered blocks on the GPU. Two staging buffers per direction and two
 streams per direction (copy engine, SMs) let group i+1's copies overlap group i's scatter.
-A group is a run of pages of one size checksummed together: at 16 MiB pages, issuing the
-checksum kernels page by page took the host longer than the copy took the PCIe link.
+A group is a run of pages of one size checksummed and scattered/gathered together: at 16
+MiB pages, issuing the checksum kernels page by page took the host longer than the copy
+took the PCIe link, and index_copy_ over a cache of more than 2**31 elements is split into
+32 launches per page, which block the host once the stream's queue fills. The scatter and
+gather are one Triton launch per group with 64-bit offsets (block_copy.py), driven by a
+table of (page, block) pairs uploaded once per load or store.
 
 `ThreadTransfer` (CPU) does the same work on a worker thread, straight from/into the
 arena.
@@ -26,12 +30,15 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
 
 from kvshare.kvpool.layout import PageLayout, checksum_into, checksum_rows_into, word_weights
+
+if TYPE_CHECKING:
+    from kvshare.kvpool.block_copy import BlockCopy
 
 BreakOrder = Literal["", "store", "load"]
 _log = logging.getLogger(__name__)
@@ -118,7 +125,7 @@ class Transfer(ABC):
 
     @abstractmethod
     def consume(self, job: TransferJob) -> None:
-        """Order the compute stream after a finished load."""
+        """Order the compute work issued from now on after the load's copies."""
 
     @abstractmethod
     def synchronize(self) -> None:
@@ -179,6 +186,9 @@ class CudaTransfer(Transfer):
         self.filled = {d: [torch.cuda.Event() for _ in range(2)] for d in ("load", "store")}
         self.free = {d: [torch.cuda.Event() for _ in range(2)] for d in ("load", "store")}
         self.weights = word_weights(layout.payload_bytes // 8, self.device)
+        from kvshare.kvpool.block_copy import BlockCopy  # triton: only where CUDA is
+
+        self.blocks: BlockCopy = BlockCopy(kv, layout.blocks_per_page)
 
     def _pipeline(self, direction: str, copies: Sequence[PageCopy],
                   first: torch.cuda.Stream, fill: Callable[[torch.Tensor, range], None],
@@ -203,22 +213,19 @@ class CudaTransfer(Transfer):
         for s, (lo, hi) in enumerate(self.layout.segments(rows.shape[1])):
             checksum_rows_into(rows[:, lo:hi], self.weights, sums[:, s])
 
-    def _indices(self, copies: Sequence[PageCopy], stream: torch.cuda.Stream) -> list[torch.Tensor]:
-        """Block ids of every copy, uploaded in one pinned, asynchronous copy on `stream`."""
-        flat = [b for c in copies for b in c.blocks[c.first_block:]]
+    def _pairs(self, copies: Sequence[PageCopy],
+               stream: torch.cuda.Stream) -> Callable[[range], torch.Tensor]:
+        """The (page, j, block) pairs of every copy, uploaded in one pinned, asynchronous
+        copy on `stream`; returns the device pairs of a group (a slice: no GPU work)."""
+        table, offsets = self.blocks.pairs([c.blocks for c in copies], [c.first_block for c in copies])
         with torch.cuda.stream(stream):
-            ids = torch.tensor(flat, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
-        out, start = [], 0
-        for c in copies:
-            n = len(c.blocks) - c.first_block
-            out.append(ids[start:start + n])
-            start += n
-        return out
+            pairs = torch.from_numpy(table).pin_memory().to(self.device, non_blocking=True)
+        return lambda group: pairs[offsets[group.start]:offsets[group.stop]]
 
     def load(self, copies: Sequence[PageCopy]) -> TransferJob:
         assert self.arena is not None
         copy_s, scatter_s = self.streams["load_copy"], self.streams["load_scatter"]
-        indices = self._indices(copies, scatter_s)
+        pairs = self._pairs(copies, scatter_s)
         with torch.cuda.stream(scatter_s):
             sums = torch.zeros((len(copies), 2, 2), dtype=torch.int64, device=self.device)
         if self.load_delay_cycles:
@@ -232,9 +239,7 @@ class CudaTransfer(Transfer):
 
         def drain(rows: torch.Tensor, group: range) -> None:
             self._checksum_group(rows, sums[group.start:group.stop])
-            for row, i in zip(rows, group):
-                c, view = copies[i], self.page_view(row, copies[i].nbytes)
-                self.kv[:view.shape[0]].index_copy_(2, indices[i], view[:, :, c.first_block:])
+            self.blocks(rows, pairs(group), group.start, to_cache=True)
 
         self._pipeline("load", copies, copy_s, fill, scatter_s, drain)
         return self._finish(copies, sums, scatter_s, always_done=self.break_order == "load")
@@ -246,13 +251,12 @@ class CudaTransfer(Transfer):
         produced.record(torch.cuda.current_stream(self.device))
         if self.break_order != "store":
             gather_s.wait_event(produced)
-        indices = self._indices(copies, gather_s)
+        pairs = self._pairs(copies, gather_s)
         with torch.cuda.stream(gather_s):
             sums = torch.zeros((len(copies), 2, 2), dtype=torch.int64, device=self.device)
 
         def fill(rows: torch.Tensor, group: range) -> None:
-            for row, i in zip(rows, group):
-                torch.index_select(self.kv, 2, indices[i], out=self.page_view(row, copies[i].nbytes))
+            self.blocks(rows, pairs(group), group.start, to_cache=False)
             self._checksum_group(rows, sums[group.start:group.stop])
 
         def drain(rows: torch.Tensor, group: range) -> None:
@@ -426,7 +430,9 @@ class ThreadTransfer(Transfer):
         return job
 
     def consume(self, job: TransferJob) -> None:
-        """Nothing to order on the CPU: the engine thread only runs after done() was seen."""
+        """The CPU has no stream to order: the engine thread waits for the worker here."""
+        if self.break_order != "load":
+            job.wait()
 
     def synchronize(self) -> None:
         barrier = threading.Event()

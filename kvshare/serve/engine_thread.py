@@ -33,9 +33,9 @@ from kvshare.kvpool.connector import PoolConnector
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# After a step that produced no output (all requests loading from the pool, or a prefill
-# chunk that samples nothing), wait this long for commands before stepping again: a busy
-# spin would take the GIL from the copy thread and the event loop.
+# After a step that produced no output (a prefill chunk that samples nothing), wait this
+# long for commands before stepping again: a busy spin would take the GIL from the copy
+# thread and the event loop.
 _IDLE_STEP_WAIT_S = 0.001
 
 
@@ -49,7 +49,7 @@ class EngineFailure(Exception):
 
 @dataclass(frozen=True)
 class EngineSnapshot:
-    running: int = 0  # admitted: computing, decoding or loading from the pool
+    running: int = 0  # admitted: computing or decoding
     waiting: int = 0
     gpu_cache_usage: float = 0.0  # share of KV blocks held by requests
     num_blocks: int = 0
@@ -60,7 +60,7 @@ class EngineSnapshot:
 def snapshot_of(engine: LLMEngine) -> EngineSnapshot:
     scheduler, connector = engine.scheduler, engine.connector
     return EngineSnapshot(
-        running=len(scheduler.running) + len(scheduler.loading),
+        running=len(scheduler.running),
         waiting=len(scheduler.waiting),
         gpu_cache_usage=engine.blocks.usage,
         num_blocks=engine.blocks.num_blocks,

@@ -84,10 +84,7 @@ class ConnectorHarness:
         request = f"load-{trial}"
         hit = self.connector.match(request, tokens, 0).num_tokens
         ok = False
-        if hit:
-            self.connector.load(request, blocks)
-            while (done := self.connector.poll().get(request)) is None:
-                pass
-            ok = done
+        if hit and self.connector.load(request, blocks):
+            ok = self.connector.finish_load(request)
         self.connector.forget(request)
         return hit, ok, blocks

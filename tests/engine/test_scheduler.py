@@ -65,7 +65,7 @@ class Recorder:
         def recording(chunks: list[ScheduledChunk]) -> torch.Tensor | None:
             self.steps.append([(c.seq, c.seq.num_computed_tokens, c.num_new_tokens) for c in chunks])
             sched = self.engine.scheduler
-            self.admitted.append(len(sched.running) + len(sched.loading))
+            self.admitted.append(len(sched.running))
             self.check_blocks()
             for c in chunks:  # the blocks for this chunk's KV are there before it runs
                 assert len(c.seq.block_table) * BLOCK >= c.seq.num_computed_tokens + c.num_new_tokens

@@ -1,0 +1,103 @@
+"""The block-copy kernel moves exactly what index_copy_ (load) and index_select (store) move.
+
+The kernel runs in Triton's interpreter on the CPU (TRITON_INTERPRET=1 must be set before
+triton is imported: hence a subprocess), on tiny caches: bf16 and float32, int64 and int32
+words, chunks that take several masked loop iterations, first_block > 0 (and a page with
+nothing left to load), global-only pages, several pages per group, shuffled block ids.
+Broken variants (block id off by one, wrong cache stride) must fail the same comparisons.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_SCRIPT = """
+import json
+import numpy as np
+import torch
+from kvshare.kvpool.block_copy import BlockCopy
+
+NUM_SLOTS, NUM_BLOCKS, BPP = 3, 16, 3
+SHAPES = {  # name: (dtype, block_size, kv_heads, head_dim, block_words)
+    "bf16-int64": (torch.bfloat16, 2, 3, 4, 4),     # 48-byte chunks: 6 words, 2 iterations
+    "f32-int64": (torch.float32, 2, 3, 4, 8),       # 96-byte chunks: 12 words, 2 iterations
+    "bf16-int32": (torch.bfloat16, 2, 1, 3, 1024),  # 12-byte chunks: 3 int32 words
+}
+FIRSTS = [0, 1, 2, 3]  # first_block per page of a load; page 3 has nothing left to load
+GROUPS = [range(0, 3), range(3, 4)]
+
+
+class OffByOne(BlockCopy):
+    def pairs(self, blocks, first_blocks):
+        table, offsets = super().pairs(blocks, first_blocks)
+        table[:, 2] = (table[:, 2] + 1) % NUM_BLOCKS
+        return table, offsets
+
+
+def wrong_stride(kv, bpp, block_words):
+    copier = BlockCopy(kv, bpp, block_words)
+    copier.num_blocks -= 1
+    return copier
+
+
+def as_bytes(t):
+    return t.reshape(-1).view(torch.uint8)
+
+
+def case(make, shape, direction, slots, seed):
+    dtype, bs, heads, dim, block_words = SHAPES[shape]
+    gen = torch.Generator().manual_seed(seed)
+    kv0 = torch.randn(NUM_SLOTS, 2, NUM_BLOCKS, bs, heads, dim, generator=gen).to(dtype)
+    nbytes = slots * 2 * BPP * bs * heads * dim * kv0.element_size()
+    pages = len(FIRSTS)
+    # The staging buffer is larger than the pages: bytes past them must stay as they are.
+    buf0 = torch.randint(0, 256, (pages * nbytes + 64,), dtype=torch.uint8, generator=gen)
+    order = np.random.default_rng(seed).permutation(NUM_BLOCKS)[: pages * BPP]
+    blocks = [tuple(int(b) for b in order[i * BPP:(i + 1) * BPP]) for i in range(pages)]
+    firsts = FIRSTS if direction == "load" else [0] * pages
+
+    kv_ref, buf_ref = kv0.clone(), buf0.clone()
+    rows_ref = buf_ref[: pages * nbytes].view(pages, nbytes)
+    for i, (b, f) in enumerate(zip(blocks, firsts)):
+        view = rows_ref[i].view(dtype).view(slots, 2, BPP, bs, heads, dim)
+        if direction == "load":
+            kv_ref[:slots].index_copy_(2, torch.tensor(b[f:], dtype=torch.int64), view[:, :, f:])
+        else:
+            torch.index_select(kv_ref[:slots], 2, torch.tensor(b, dtype=torch.int64), out=view)
+
+    kv, buf = kv0.clone(), buf0.clone()
+    rows = buf[: pages * nbytes].view(pages, nbytes)
+    copier = make(kv, BPP, block_words)
+    table, offsets = copier.pairs(blocks, firsts)
+    pairs = torch.from_numpy(table)
+    for g in GROUPS:
+        copier(rows[g.start:g.stop], pairs[offsets[g.start]:offsets[g.stop]], g.start,
+               to_cache=direction == "load")
+    return torch.equal(as_bytes(kv), as_bytes(kv_ref)) and torch.equal(buf, buf_ref)
+
+
+CASES = [(shape, direction, slots) for shape in SHAPES for direction in ("load", "store")
+         for slots in (NUM_SLOTS, 1)]
+out = {}
+for name, make in (("kernel", BlockCopy), ("off_by_one", OffByOne), ("wrong_stride", wrong_stride)):
+    out[name] = {"/".join(map(str, c)): case(make, *c, seed=k) for k, c in enumerate(CASES)}
+print(json.dumps(out))
+"""
+
+
+def test_block_copy_equals_index_copy_in_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout)
+    assert len(out["kernel"]) == 12 and all(out["kernel"].values()), out["kernel"]
+    # Teeth: each broken variant is caught by every case.
+    assert not any(out["off_by_one"].values()), out["off_by_one"]
+    assert not any(out["wrong_stride"].values()), out["wrong_stride"]

@@ -1,0 +1,106 @@
+"""A pool restore is used before it is verified, and discarded when verification fails.
+
+The engine computes a restored request's new tokens in its admission step, ordered after
+the copies but before the host has compared checksums (scheduler.py). These tests corrupt
+a committed page and check that the answer is still the recomputed one: the restore is
+thrown away with the step computed from it, nothing of it is registered or emitted, and
+no block is leaked. With verification switched off (the test-only `verify=False`) the same
+corruption changes the answer, which shows the page really was read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Iterator
+
+import pytest
+
+from kvshare import LLM, SamplingParams
+from kvshare.engine.llm_engine import RequestOutput
+from kvshare.kvpool.connector import PoolConnector
+from kvshare.kvpool.keys import chunk_keys
+from kvshare.kvpool.launch import PoolProcess
+from kvshare.kvpool.page import HEADER_BYTES
+from tests.kvpool.pool_fixture import PoolFactory
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+PROMPT = [random.Random(11).randrange(3, 512) for _ in range(700)]  # 2 full chunks + a tail
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[PoolProcess]:
+    factory = PoolFactory()
+    yield factory.start(factory.config(size_bytes=256 << 20, slab_bytes=64 << 20))
+    factory.close()
+
+
+@pytest.fixture(scope="module")
+def llm(pool: PoolProcess) -> LLM:
+    return LLM("shape:tiny-qwen3", dtype="float32", kv_pool=pool.address, weights_seed=7)
+
+
+def connector_of(llm: LLM) -> PoolConnector:
+    connector = llm.engine.connector
+    assert isinstance(connector, PoolConnector)
+    return connector
+
+
+def answer(llm: LLM) -> RequestOutput:
+    """The prompt's greedy answer with an empty GPU-local cache: only the pool can help."""
+    llm.engine.reset_prefix_cache()
+    out = llm.generate([PROMPT], GREEDY)[0]
+    connector_of(llm).wait_idle()
+    return out
+
+
+def corrupt_chunk(connector: PoolConnector, chunk: int) -> None:
+    """Overwrite 64 payload bytes of a committed page with 0x7f (large finite floats)."""
+    keys = chunk_keys(connector.namespace, PROMPT)
+    found = connector.client.lookup(keys[:chunk + 1])
+    assert len(found.pages) == chunk + 1, "the prompt's chunks are not all in the pool"
+    page = found.pages[chunk]
+    connector.client.arena.view(page.offset + HEADER_BYTES + 4096, 64)[:] = b"\x7f" * 64
+    connector.client.release(found.lease)
+
+
+@pytest.fixture(scope="module")
+def reference(llm: LLM) -> RequestOutput:
+    connector = connector_of(llm)
+    connector.set_enabled(False)
+    out = answer(llm)
+    connector.set_enabled(True)
+    answer(llm)  # stores the prompt's full chunks
+    return out
+
+
+def test_a_verified_restore_gives_the_recomputed_answer(llm: LLM, reference: RequestOutput) -> None:
+    out = answer(llm)
+    assert out.pool_hit_tokens == 512
+    assert out.token_ids == reference.token_ids
+
+
+def test_a_corrupt_restore_is_discarded_and_recomputed(llm: LLM, reference: RequestOutput) -> None:
+    connector = connector_of(llm)
+    blocks = llm.engine.blocks
+    failures = connector.counters["checksum_failures"]
+    corrupt_chunk(connector, 1)
+    out = answer(llm)
+    assert connector.counters["checksum_failures"] == failures + 1
+    assert out.token_ids == reference.token_ids
+    assert out.pool_hit_tokens == 0 and out.computed_tokens == len(PROMPT)
+    assert not llm.engine.has_unfinished()
+    assert blocks.num_free_blocks == blocks.num_blocks  # the discarded restore leaked nothing
+
+
+def test_unverified_the_corrupt_page_would_change_the_answer(llm: LLM, reference: RequestOutput) -> None:
+    connector = connector_of(llm)
+    corrupt_chunk(connector, 1)
+    options = connector.options
+    connector.options = dataclasses.replace(options, verify=False)
+    try:
+        out = answer(llm)
+    finally:
+        connector.options = options
+    assert out.pool_hit_tokens == 512
+    assert out.token_ids != reference.token_ids
