@@ -296,7 +296,7 @@ def profile_restore(llm: object, prompt: list[int], out: Path, name: str) -> Non
     trace.unlink()
 
 
-def hybrid(lengths: list[int], restore_lengths: list[int], repeats: int, arena_gib: int,
+def restore_perf(lengths: list[int], restore_lengths: list[int], repeats: int, arena_gib: int,
            deadline: float, model: str = "shape:qwen3.5-27b", device: str = "cuda",
            profile_dir: Path | None = None) -> dict:
     """A model's cold prefill per length (pool on: it stores), then its restore; for a hybrid
@@ -423,13 +423,13 @@ def main() -> None:
         section("graphs", out)(graphs_vs_eager)([int(x) for x in args.decode_batches.split(",")],
                                                 args.decode_context)
     if "restore27b" in wanted:
-        section("restore27b", out)(hybrid)([int(x) for x in args.hybrid_lengths.split(",")],
+        section("restore27b", out)(restore_perf)([int(x) for x in args.hybrid_lengths.split(",")],
                                            [int(x) for x in args.hybrid_restore.split(",")],
                                            args.hybrid_repeats, args.arena_gib,
                                            time.monotonic() + args.budget_s, model="shape:gemma3-27b",
                                            profile_dir=out)
     if "hybrid" in wanted:
-        section("hybrid", out)(hybrid)([int(x) for x in args.hybrid_lengths.split(",")],
+        section("hybrid", out)(restore_perf)([int(x) for x in args.hybrid_lengths.split(",")],
                                        [int(x) for x in args.hybrid_restore.split(",")],
                                        args.hybrid_repeats, args.arena_gib,
                                        time.monotonic() + args.budget_s)

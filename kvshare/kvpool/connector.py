@@ -94,9 +94,6 @@ class _Load:
     state_job: TransferJob | None = None
     state_page: PageRef | None = None
 
-    def done(self) -> bool:
-        return self.job.done() and (self.state_job is None or self.state_job.done())
-
     def wait(self) -> None:
         """Until every copy completed; returns at once for the broken (test-only) ordering,
         whose jobs say done without waiting."""

@@ -95,12 +95,6 @@ class Transfer(ABC):
     def set_arena(self, arena: torch.Tensor) -> None:
         self.arena = arena
 
-    def page_view(self, data: torch.Tensor, nbytes: int) -> torch.Tensor:
-        """Bytes of a page as [slots, K|V, blocks, block_size, kv_heads, head_dim]."""
-        kv = self.kv
-        slots = nbytes // self.layout.slot_bytes
-        return data[:nbytes].view(kv.dtype).view(slots, 2, self.layout.blocks_per_page, *kv.shape[3:])
-
     @abstractmethod
     def load(self, copies: Sequence[PageCopy]) -> TransferJob: ...
 
@@ -350,6 +344,12 @@ class ThreadTransfer(Transfer):
         while True:
             self.jobs.get()()
 
+    def page_view(self, data: torch.Tensor, nbytes: int) -> torch.Tensor:
+        """Bytes of a page as [slots, K|V, blocks, block_size, kv_heads, head_dim]."""
+        kv = self.kv
+        slots = nbytes // self.layout.slot_bytes
+        return data[:nbytes].view(kv.dtype).view(slots, 2, self.layout.blocks_per_page, *kv.shape[3:])
+
     def _page(self, c: PageCopy) -> torch.Tensor:
         assert self.arena is not None
         return self.arena[c.offset:c.offset + c.nbytes]
@@ -399,8 +399,10 @@ class ThreadTransfer(Transfer):
         def work() -> None:
             for i, c in enumerate(copies):
                 data = self._page(c)
-                torch.index_select(self.kv, 2, torch.tensor(c.blocks, dtype=torch.int64),
-                                   out=self.page_view(data, c.nbytes))
+                # Only the page's slots: index_select resizes `out` to its input's slots.
+                view = self.page_view(data, c.nbytes)
+                torch.index_select(self.kv[:view.shape[0]], 2, torch.tensor(c.blocks, dtype=torch.int64),
+                                   out=view)
                 self._checksums(job, i, data)
 
         self._submit(job, work, ready)

@@ -50,3 +50,25 @@ def test_row_checksums_equal_single_checksums_and_wrap() -> None:
     checksum_rows_into(flipped[:, 1024:], weights, again)
     assert torch.equal(again[[0, 1, 2, 4]], grouped[[0, 1, 2, 4], 1])
     assert not torch.equal(again[3], grouped[3, 1])
+
+
+def test_cpu_store_of_a_global_only_page_writes_only_that_page() -> None:
+    """A page that holds the first slots only gets exactly those bytes; the arena bytes
+    after it (the next page) stay as they were."""
+    from kvshare.engine.connector import KVCacheLayout
+    from kvshare.kvpool.layout import PageLayout
+    from kvshare.kvpool.transfer import ThreadTransfer
+    from kvshare.models.presets import shape_preset
+
+    cache = KVCacheLayout.allocate(shape_preset("tiny-gemma3"), 8, 16, torch.float32, torch.device("cpu"))
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(1)))
+    layout = PageLayout.of(cache, 32)
+    transfer = ThreadTransfer(cache.kv, layout)
+    nbytes = layout.global_bytes
+    arena = torch.full((2 * layout.payload_bytes,), 0x5A, dtype=torch.uint8)
+    transfer.set_arena(arena)
+    transfer.store([PageCopy(offset=0, nbytes=nbytes, blocks=(5, 2))]).wait()
+    assert 0 < nbytes < layout.payload_bytes
+    assert bool((arena[nbytes:] == 0x5A).all())
+    expected = cache.kv[:layout.num_global_slots][:, :, [5, 2]]
+    assert torch.equal(transfer.page_view(arena, nbytes), expected)
