@@ -50,6 +50,17 @@ class AccessKeys:
         """The key /admin/* needs: the admin key, else the api key, else none (loopback only)."""
         return self.admin_key if self.admin_key is not None else self.api_key
 
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> AccessKeys:
+        """The keys in KVSHARE_API_KEY and KVSHARE_ADMIN_KEY: what clients such as the
+        bench and validate send, and what a server reads when given no key flag or file."""
+        return cls(read_key(None, None, API_KEY_ENV, environ), read_key(None, None, ADMIN_KEY_ENV, environ))
+
+    def authorization(self, admin: bool) -> dict[str, str]:
+        """The header a client holding these keys sends to /admin (`admin`) or /v1."""
+        key = self.admin_credential if admin else self.api_key
+        return {} if key is None else {"Authorization": f"Bearer {key}"}
+
     def environment(self) -> dict[str, str]:
         """The environment variables that hand these keys to a child process."""
         keys = {API_KEY_ENV: self.api_key, ADMIN_KEY_ENV: self.admin_key}

@@ -6,15 +6,18 @@ router's fan-out and proxy reaching nothing but what they name."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import httpx
 import pytest
 from aiohttp import web
 
+from kvshare.bench.client import BenchClient, BenchError, served_models
 from kvshare.serve.auth import (
     ADMIN_KEY_ENV,
     API_KEY_ENV,
@@ -28,6 +31,7 @@ from kvshare.serve.cli import access_keys, register
 from kvshare.serve.http import Handler, error_middleware
 from kvshare.serve.router import ADMIN_CALLS, RouterConfig, build_router_app
 from kvshare.serve.routing_keys import RoutingKeys
+from kvshare.validate.regression import _Service
 from tests.serve.inprocess import BackgroundServer
 
 API, ADMIN = "api-secret", "admin-secret"
@@ -45,7 +49,7 @@ def guarded_app(keys: AccessKeys, remote: str | None = None) -> tuple[web.Applic
     async def handle(request: web.Request) -> web.Response:
         if request.path not in OPEN_PATHS:
             calls.append(f"{request.method} {request.path}")
-        return web.json_response({"status": "ok", "instance": "fake", "path": request.path})
+        return web.json_response({"status": "ok", "instance": "fake", "path": request.path, "data": []})
 
     @web.middleware
     async def pose(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -236,3 +240,28 @@ def test_router_reaches_nothing_but_the_named_calls(keys: AccessKeys) -> None:
             assert status == (404 if fan_out else 400), (target, status)
         assert client.get("/admin/all/clear_pool", headers=admin).status_code == 405
     assert calls == [[], []]
+
+
+def test_bench_and_validate_clients_send_the_keys_of_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(API_KEY_ENV, API)
+    monkeypatch.setenv(ADMIN_KEY_ENV, ADMIN)
+    keys = AccessKeys.from_environment()
+    assert keys == AccessKeys(API, ADMIN)
+
+    async def bench(url: str, keys: AccessKeys) -> list[str]:
+        async with aiohttp.ClientSession() as session:
+            assert await served_models(session, url, keys) == []
+            client = BenchClient(session, url, "m", keys=keys)
+            await client.admin_all("reset_prefix_cache")
+            return await client.replicas()
+
+    with keyed_router(keys) as (client, calls):
+        url = str(client.base_url).rstrip("/")
+        assert len(asyncio.run(bench(url, keys))) == 2
+        with pytest.raises(BenchError, match="401"):
+            asyncio.run(bench(url, AccessKeys()))
+        service = _Service(url)
+        service.admin_all("clear_pool")
+        assert service.http.get(f"{url}/admin/replicas", headers=service.admin).status_code == 200
+    assert [c.count("POST /admin/clear_pool") for c in calls] == [1, 1]
+    assert [c.count("POST /admin/reset_prefix_cache") for c in calls] == [1, 1]
