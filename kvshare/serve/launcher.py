@@ -11,9 +11,10 @@ Every child's output lines are copied to one log, prefixed with its name ([pool]
 ready line and for each server's /health. `supervise()` (what `kvshare up` runs) restarts a
 replica that exits, with backoff (RestartPolicy), while the router's health checks keep
 traffic off it; it returns when the pool or the router exits, or every replica is given up.
-Keys reach the replicas and the router in their environment, never their command line. Shutdown sends SIGTERM to all (the daemon then removes its socket and arena),
-SIGKILL after a grace period, and removes whatever a killed daemon left behind. Children
-get SIGTERM if the launching thread dies (Linux), so none outlives a crashed launcher.
+Keys reach the replicas and the router in their environment, never their command line.
+Shutdown sends SIGTERM to all (the daemon then removes its socket and arena), SIGKILL
+after a grace period, and removes whatever a killed daemon left behind. Children get
+SIGTERM if the launching thread dies (Linux), so none outlives a crashed launcher.
 """
 
 from __future__ import annotations
@@ -363,7 +364,7 @@ class Cluster:
             return
         if restarts.due_at is None:  # a new exit
             restarts.exited(now)
-            crashes = f"{restarts.fast_crashes} crash(es) in a row"
+            crashes = f"{restarts.fast_crashes} fast exit(s) in a row"
             if restarts.given_up:
                 self._log.write("up", f"{child.describe_exit()}\nreplica{i} is not restarted again "
                                       f"({crashes}); the other replicas keep serving")
