@@ -10,6 +10,7 @@ answer that would end at once still has a first token to time.
 The target is the router. Admin calls go through its /admin/all/<path>, which reaches every
 replica and also makes the router's cache-aware index forget what the replicas forgot;
 counters are read from each replica's own /admin/stats (URLs from /admin/replicas).
+Requests carry the keys of KVSHARE_API_KEY and KVSHARE_ADMIN_KEY (kvshare.serve.auth).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
 from kvshare.bench.synthetic import Prompt
+from kvshare.serve.auth import AccessKeys
 
 REPLICA_HEADER = "x-kvshare-replica"
 SESSION_HEADER = "x-session-id"
@@ -89,6 +91,7 @@ class BenchClient:
     url: str  # the router (or a single replica)
     model: str  # the `model` field sent with each request
     text_content: bool = True  # False: the model has no tokenizer, content is token ids
+    keys: AccessKeys = field(default_factory=AccessKeys)
 
     def __post_init__(self) -> None:
         if self.url.endswith("/"):
@@ -106,7 +109,7 @@ class BenchClient:
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
         }
         data = json.dumps(body).encode()  # before the clock starts: a long prompt takes a while
-        headers = {"content-type": "application/json", **options.headers()}
+        headers = {"content-type": "application/json", **options.headers(), **self.keys.authorization(False)}
         ttft = None
         texts: list[str] = []
         ids: list[int] = []
@@ -137,27 +140,29 @@ class BenchClient:
 
     async def replicas(self) -> list[str]:
         """Replica base URLs, in router index order (the index that REPLICA_HEADER pins)."""
-        return [r["url"].rstrip("/") for r in await get_json(self.session, self.url + "/admin/replicas")]
+        replicas = await get_json(self.session, self.url + "/admin/replicas", self.keys.authorization(True))
+        return [r["url"].rstrip("/") for r in replicas]
 
     async def admin_all(self, action: str, body: Mapping[str, Any] | None = None) -> Any:
         """POST /admin/<action> on every replica, through the router."""
         path = f"/admin/all/{action}"
-        async with self.session.post(self.url + path, json=dict(body or {})) as resp:
+        async with self.session.post(self.url + path, json=dict(body or {}),
+                                     headers=self.keys.authorization(True)) as resp:
             await _check(resp, path)
             return await resp.json(content_type=None)
 
     async def stats(self, base_url: str) -> dict[str, Any]:
-        return await get_json(self.session, base_url + "/admin/stats")
+        return await get_json(self.session, base_url + "/admin/stats", self.keys.authorization(True))
 
 
-async def get_json(session: aiohttp.ClientSession, url: str) -> Any:
-    async with session.get(url) as resp:
+async def get_json(session: aiohttp.ClientSession, url: str, headers: Mapping[str, str]) -> Any:
+    async with session.get(url, headers=headers) as resp:
         await _check(resp, url)
         return await resp.json(content_type=None)
 
 
-async def served_models(session: aiohttp.ClientSession, url: str) -> list[str]:
-    return [m["id"] for m in (await get_json(session, url + "/v1/models"))["data"]]
+async def served_models(session: aiohttp.ClientSession, url: str, keys: AccessKeys) -> list[str]:
+    return [m["id"] for m in (await get_json(session, url + "/v1/models", keys.authorization(False)))["data"]]
 
 
 async def _check(resp: aiohttp.ClientResponse, path: str) -> None:

@@ -24,6 +24,7 @@ from kvshare.bench.runner import Observer, Workload, run_design
 from kvshare.bench.stats import BootstrapSpec
 from kvshare.bench.summary import Comparison, compare
 from kvshare.bench.synthetic import PromptModel, load_prompt_model
+from kvshare.serve.auth import AccessKeys
 
 # What a run can fail with that is the setup's fault, not a bug: bad parameters, a server that
 # errs or is unreachable (aiohttp's connection errors are OSErrors), a request that times out.
@@ -66,11 +67,12 @@ async def run_bench(
     timeout = aiohttp.ClientTimeout(total=options.request_timeout_s)
     # No connection cap: a workload bounds its own concurrency.
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        served = await served_models(session, url)
+        keys = AccessKeys.from_environment()
+        served = await served_models(session, url, keys)
         if not served:
             raise ValueError(f"{url} serves no model")
         model = model or load_prompt_model(options.model or served[0])
-        client = BenchClient(session, url, served[0], text_content=model.tokenizer is not None)
+        client = BenchClient(session, url, served[0], text_content=model.tokenizer is not None, keys=keys)
         replicas = tuple(await client.replicas())
         if not replicas:
             raise ValueError(f"{url} lists no replicas")

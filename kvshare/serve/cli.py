@@ -14,6 +14,7 @@ from kvshare.engine.cli import add_model_arguments, engine_options
 if TYPE_CHECKING:
     from aiohttp import web
 
+    from kvshare.serve.auth import AccessKeys
     from kvshare.serve.launcher import UpConfig
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -37,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="the shared pool's socket (default: the per-user default socket)")
     pool.add_argument("--no-kv-pool", action="store_true", help="run without the shared pool")
     serve.add_argument("--chunk-tokens", type=int, default=256, help="tokens per pool page")
-    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
+    add_key_arguments(serve)
     serve.add_argument("--served-model-name", help="the model name clients send (default: --model)")
     serve.add_argument("--max-body-bytes", default="8MiB", help="largest request body (default: 8MiB)")
     serve.add_argument("--log-level", default="INFO", choices=_LOG_LEVELS)
@@ -64,6 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router.add_argument("--load-penalty-tokens", type=float, default=64.0,
                         help="cache-aware: score cost of one request in flight, in tokens")
     router.add_argument("--health-interval", type=float, default=1.0, help="seconds between checks")
+    add_key_arguments(router)
     router.add_argument("--log-level", default="INFO", choices=_LOG_LEVELS)
     router.set_defaults(func=run_router)
 
@@ -89,7 +91,33 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
     up.add_argument("--port", type=int, default=8080,
                     help="router port; replicas take the next ones (0: any free ports)")
     up.add_argument("--policy", default="cache-aware", choices=POLICIES)
-    up.add_argument("--api-key", help="passed to every replica")
+    up.add_argument("--replica-restarts", type=int, default=5, metavar="N",
+                    help="restart a replica that exits, with backoff; after N exits in a row each "
+                    "within 60 s of its start it stays down (0: never restart; default: 5)")
+    add_key_arguments(up)
+
+
+def add_key_arguments(parser: argparse.ArgumentParser) -> None:
+    """--api-key[-file] and --admin-key[-file]; the rules they set: kvshare.serve.auth."""
+    from kvshare.serve.auth import ADMIN_KEY_ENV, API_KEY_ENV
+
+    keys = parser.add_argument_group(
+        "access keys", f"Without a key, /v1 is open and /admin answers loopback clients only. "
+        f"A key on the command line is visible to every local user (/proc/PID/cmdline): "
+        f"prefer a key file or ${API_KEY_ENV} / ${ADMIN_KEY_ENV}.")
+    keys.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (and on "
+                      f"/admin without an admin key); default: ${API_KEY_ENV}")
+    keys.add_argument("--api-key-file", metavar="PATH", help="read the API key from this file's first line")
+    keys.add_argument("--admin-key", help=f"require this key on /admin; default: ${ADMIN_KEY_ENV}")
+    keys.add_argument("--admin-key-file", metavar="PATH", help="read the admin key from this file's first line")
+
+
+def access_keys(args: argparse.Namespace) -> AccessKeys:
+    """The keys of parsed arguments, else the environment (ValueError if invalid)."""
+    from kvshare.serve.auth import ADMIN_KEY_ENV, API_KEY_ENV, AccessKeys, read_key
+
+    return AccessKeys(read_key(args.api_key, args.api_key_file, API_KEY_ENV),
+                      read_key(args.admin_key, args.admin_key_file, ADMIN_KEY_ENV))
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -102,8 +130,9 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format=_LOG_FORMAT)
     pool = None if args.no_kv_pool else args.kv_pool or f"unix:{default_pool_paths().socket_path}"
     try:
-        config = ServeConfig(args.served_model_name or args.model, args.api_key,
-                             parse_size(args.max_body_bytes))
+        keys = access_keys(args)
+        config = ServeConfig(args.served_model_name or args.model, api_key=keys.api_key,
+                             max_body_bytes=parse_size(args.max_body_bytes), admin_key=keys.admin_key)
         unsafe = {"break_order": args.unsafe_break_stream_order, "load_delay": args.unsafe_load_delay,
                   "verify": not args.unsafe_skip_checksums}
         llm = LLM(args.model, kv_pool=pool, chunk_tokens=args.chunk_tokens, kv_pool_options=unsafe,
@@ -130,12 +159,14 @@ def run_router(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level, format=_LOG_FORMAT)
     try:
+        access = access_keys(args)
         tokenizer = load_tokenizer(args.model)
         config = RouterConfig(
             tuple(args.replica), args.policy,
             PolicyConfig(pool_credit=args.pool_credit, load_penalty_tokens=args.load_penalty_tokens,
                          chunk_tokens=args.chunk_tokens),
-            block_tokens=args.block_tokens, health_interval=args.health_interval)
+            block_tokens=args.block_tokens, health_interval=args.health_interval,
+            api_key=access.api_key, admin_key=access.admin_key)
         keys = RoutingKeys(tokenizer, config.block_tokens)
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvshare router: {exc}", file=sys.stderr)
@@ -173,16 +204,18 @@ def _engine_argv(args: argparse.Namespace) -> tuple[str, ...]:
 
 def up_config(args: argparse.Namespace) -> UpConfig:
     """The UpConfig of parsed `kvshare up` arguments (ValueError if they are invalid)."""
-    from kvshare.serve.launcher import UpConfig
+    from kvshare.serve.launcher import RestartPolicy, UpConfig
     from kvshare.sizes import parse_size
 
+    keys = access_keys(args)
     return UpConfig(
         replicas=args.replicas, model=args.model, device=args.device,
         engine_args=_engine_argv(args), gpu_memory_fraction=args.gpu_memory_fraction,
         pool_size=parse_size(args.pool_size), pool_preallocate=args.pool_preallocate,
         kv_pool=not args.no_kv_pool,
         chunk_tokens=args.chunk_tokens, host=args.host, port=args.port, policy=args.policy,
-        api_key=args.api_key)
+        api_key=keys.api_key, admin_key=keys.admin_key,
+        restart=RestartPolicy(max_fast_crashes=args.replica_restarts))
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -200,7 +233,7 @@ def run_up(args: argparse.Namespace) -> int:
             print(f"kvshare up: router {cluster.url}; replicas {', '.join(cluster.replica_urls)}; "
                   f"pool {cluster.pool_address if config.kv_pool else 'off'} (Ctrl-C stops all)",
                   flush=True)
-            print(f"kvshare up: {cluster.wait_any_exit()}; shutting down", file=sys.stderr)
+            print(f"kvshare up: {cluster.supervise()}; shutting down", file=sys.stderr)
             return 1
     except RuntimeError as exc:
         print(f"kvshare up: {exc}", file=sys.stderr)

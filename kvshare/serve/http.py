@@ -1,9 +1,8 @@
-"""aiohttp pieces shared by the replica server and the router: error and auth middleware,
+"""aiohttp pieces shared by the replica server and the router: error middleware,
 strict JSON bodies, and Server-Sent Events."""
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -16,9 +15,6 @@ from kvshare.serve.errors import APIError, bad_request
 _log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-# Paths behind the API key; /health and /metrics stay open for probes and scrapers.
-PROTECTED_PREFIXES = ("/v1/", "/admin/")
 
 
 @web.middleware
@@ -39,21 +35,6 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception:
         _log.exception("unhandled error in %s %s", request.method, request.path)
         return APIError(500, "internal server error").response()
-
-
-def auth_middleware(api_key: str) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
-    expected = f"Bearer {api_key}".encode()
-
-    @web.middleware
-    async def check_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith(PROTECTED_PREFIXES):
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                               code="invalid_api_key")
-        return await handler(request)
-
-    return check_key
 
 
 def _reject_constant(name: str) -> float:

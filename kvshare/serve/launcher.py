@@ -7,10 +7,14 @@
         cluster.stop_pool(); cluster.start_pool()
 
 Every child's output lines are copied to one log, prefixed with its name ([pool],
-[replica0], [router]). Start-up waits for the pool's ready line and for each server's
-/health. Shutdown sends SIGTERM to all (the daemon then removes its socket and arena),
-SIGKILL after a grace period, and removes whatever a killed daemon left behind. Children
-get SIGTERM if the launching thread dies (Linux), so none outlives a crashed launcher.
+[replica0], [router]); the launcher's own lines are [up]. Start-up waits for the pool's
+ready line and for each server's /health. `supervise()` (what `kvshare up` runs) restarts a
+replica that exits, with backoff (RestartPolicy), while the router's health checks keep
+traffic off it; it returns when the pool or the router exits, or every replica is given up.
+Keys reach the replicas and the router in their environment, never their command line.
+Shutdown sends SIGTERM to all (the daemon then removes its socket and arena), SIGKILL
+after a grace period, and removes whatever a killed daemon left behind. Children get
+SIGTERM if the launching thread dies (Linux), so none outlives a crashed launcher.
 """
 
 from __future__ import annotations
@@ -40,11 +44,56 @@ from kvshare.kvpool.arena import DEFAULT_SLAB_BYTES
 from kvshare.kvpool.cli import READY_PREFIX
 from kvshare.kvpool.page import PAGE_ALIGN
 from kvshare.kvpool.paths import SHM_DIR
+from kvshare.serve.auth import ADMIN_KEY_ENV, API_KEY_ENV, AccessKeys
 from kvshare.serve.policies import POLICIES
 
 GIB = 1 << 30
 _STOP_GRACE_S = 15.0
 _PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How a replica that exits is restarted: after `first_delay_s`, doubling with each
+    crash in a row up to `max_delay_s`. An exit within `fast_crash_s` of the start is a
+    crash in a row; after `max_fast_crashes` of them the replica stays down (0: never restart)."""
+
+    first_delay_s: float = 1.0
+    max_delay_s: float = 30.0
+    fast_crash_s: float = 60.0
+    max_fast_crashes: int = 5
+
+    def __post_init__(self) -> None:
+        if not 0 < self.first_delay_s <= self.max_delay_s or self.fast_crash_s <= 0:
+            raise ValueError("restart delays must satisfy 0 < first <= max, and fast_crash_s > 0")
+        if self.max_fast_crashes < 0:
+            raise ValueError(f"max_fast_crashes must be >= 0, got {self.max_fast_crashes}")
+
+    def delay(self, crashes_in_a_row: int) -> float:
+        return min(self.max_delay_s, self.first_delay_s * 2.0 ** max(0, crashes_in_a_row - 1))
+
+
+@dataclass
+class ReplicaRestarts:
+    """One replica's restart bookkeeping; `due_at` is set while it waits to restart."""
+
+    policy: RestartPolicy
+    started_at: float
+    fast_crashes: int = 0
+    due_at: float | None = None
+    given_up: bool = False
+
+    def exited(self, now: float) -> None:
+        """Record an exit noticed at `now`: schedule the restart, or give up."""
+        fast = now - self.started_at < self.policy.fast_crash_s
+        self.fast_crashes = self.fast_crashes + 1 if fast else 0
+        if self.policy.max_fast_crashes == 0 or self.fast_crashes >= self.policy.max_fast_crashes:
+            self.given_up = True
+        else:
+            self.due_at = now + self.policy.delay(self.fast_crashes)
+
+    def restarted(self, now: float) -> None:
+        self.started_at, self.due_at = now, None
 
 
 @dataclass(frozen=True)
@@ -63,9 +112,12 @@ class UpConfig:
     policy: str = "cache-aware"
     router_args: tuple[str, ...] = ()
     api_key: str | None = None
+    admin_key: str | None = None
+    restart: RestartPolicy = RestartPolicy()
     ready_timeout: float = 300.0
 
     def __post_init__(self) -> None:
+        AccessKeys(self.api_key, self.admin_key)  # checks both keys
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if self.device.split(":")[0] not in ("cpu", "cuda"):
@@ -197,8 +249,12 @@ class _Child:
         self.signal(signal.SIGKILL)
         self.wait(_STOP_GRACE_S)
 
+    @property
+    def exit_code(self) -> int | None:
+        return self._process.poll() if self._process is not None else None
+
     def describe_exit(self) -> str:
-        code = self._process.poll() if self._process is not None else None
+        code = self.exit_code
         tail = "\n".join(self.tail) or "(no output)"
         return f"{self.name} exited with status {code}; its last output:\n{tail}"
 
@@ -239,6 +295,7 @@ class Cluster:
         self.replica_urls = [f"http://{config.host}:{p}" for p in ports[1:]]
         self._pool: _Child | None = None
         self._replicas: list[_Child | None] = [None] * n
+        self._restarts = [ReplicaRestarts(config.restart, 0.0) for _ in range(n)]
         self._router: _Child | None = None
 
     @property
@@ -264,11 +321,11 @@ class Cluster:
         if self.config.kv_pool:
             self.start_pool()
         for i in range(self.config.replicas):
-            self._replicas[i] = self._spawn(f"replica{i}", self._replica_argv(i), self._replica_env())
+            self._spawn_replica(i)
         for i, child in enumerate(self._replicas):
             assert child is not None
             self._wait_healthy(child, self.replica_urls[i])
-        self._router = self._spawn("router", self._router_argv(), self._env())
+        self._router = self._spawn("router", self._router_argv(), self._server_env(self._env()))
         self._wait_healthy(self._router, self.url)
 
     def stop(self) -> None:
@@ -287,13 +344,36 @@ class Cluster:
         return {c.name: c.pid for c in (self._pool, *self._replicas, self._router)
                 if c is not None and c.alive}
 
-    def wait_any_exit(self, poll_s: float = 0.5) -> str:
-        """Block until a child exits; return how it ended (for `kvshare up`)."""
+    def supervise(self, poll_s: float = 0.5) -> str:
+        """Restart replicas that exit (RestartPolicy) until the pool or the router exits, or
+        every replica is given up; return how it ended (for `kvshare up`). While it runs it
+        owns the replicas: kill_replica and start_replica are for clusters not supervised."""
         while True:
-            for child in (self._pool, *self._replicas, self._router):
+            for child in (self._pool, self._router):
                 if child is not None and not child.alive:
                     return child.describe_exit()
+            for i in range(self.config.replicas):
+                self._supervise_replica(i, time.monotonic())
+            if all(r.given_up for r in self._restarts):
+                return "every replica was given up"
             time.sleep(poll_s)
+
+    def _supervise_replica(self, i: int, now: float) -> None:
+        child, restarts = self._replicas[i], self._restarts[i]
+        if child is None or child.alive or restarts.given_up:
+            return
+        if restarts.due_at is None:  # a new exit
+            restarts.exited(now)
+            crashes = f"{restarts.fast_crashes} fast exit(s) in a row"
+            if restarts.given_up:
+                self._log.write("up", f"{child.describe_exit()}\nreplica{i} is not restarted again "
+                                      f"({crashes}); the other replicas keep serving")
+            else:
+                self._log.write("up", f"replica{i} exited with status {child.exit_code} ({crashes}); "
+                                      f"restarting it in {restarts.due_at - now:.1f} s")
+        elif now >= restarts.due_at:
+            self._log.write("up", f"restarting replica{i}")
+            self._spawn_replica(i)
 
     # ------------------------------------------------------------ faults (tests, bench)
 
@@ -307,8 +387,7 @@ class Cluster:
         child = self._replicas[i]
         if child is not None and child.alive:
             raise RuntimeError(f"replica{i} is running")
-        self._replicas[i] = self._spawn(f"replica{i}", self._replica_argv(i), self._replica_env())
-        self._wait_healthy(self._replicas[i], self.replica_urls[i])
+        self._wait_healthy(self._spawn_replica(i), self.replica_urls[i])
 
     def stop_pool(self) -> None:
         if self._pool is not None:
@@ -335,6 +414,16 @@ class Cluster:
         child.start()
         return child
 
+    def _spawn_replica(self, i: int) -> _Child:
+        child = self._spawn(f"replica{i}", self._replica_argv(i), self._server_env(self._replica_env()))
+        self._replicas[i] = child
+        self._restarts[i].restarted(time.monotonic())
+        return child
+
+    def _server_env(self, env: dict[str, str]) -> dict[str, str]:
+        """`env` with this cluster's keys (a server reads them from there: see kvshare.serve.auth)."""
+        return env | AccessKeys(self.config.api_key, self.config.admin_key).environment()
+
     def _wait_healthy(self, child: _Child, url: str) -> None:
         deadline = time.monotonic() + self.config.ready_timeout
         while not _healthy(url):
@@ -347,6 +436,8 @@ class Cluster:
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        for name in (API_KEY_ENV, ADMIN_KEY_ENV):  # only the servers get keys (_server_env)
+            env.pop(name, None)
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         return env
@@ -365,8 +456,6 @@ class Cluster:
         argv += ["--kv-pool", self.pool_address] if c.kv_pool else ["--no-kv-pool"]
         if c.replica_gpu_fraction is not None:
             argv += ["--gpu-memory-fraction", str(c.replica_gpu_fraction)]
-        if c.api_key is not None:
-            argv += ["--api-key", c.api_key]
         return argv + list(c.engine_args)
 
     def _router_argv(self) -> list[str]:

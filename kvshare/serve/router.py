@@ -11,8 +11,12 @@
 - Periodic GET /health puts replicas back; a replica whose instance id changed (a restart)
   starts with an empty cache index.
 - Responses are relayed chunk by chunk as they arrive (SSE is never buffered).
-- GET /admin/replicas lists the replicas; /admin/all/<path> forwards an admin call to
-  every replica and returns their answers.
+- GET /admin/replicas lists the replicas; /admin/all/<call> forwards one of the replicas'
+  admin calls (ADMIN_CALLS, nothing else) to every replica, with the router's admin
+  credential, and returns their answers.
+- A /v1 path with a dot segment or an encoded separator is refused: the client side of
+  the proxy would resolve `/v1/..%2Fadmin` into a replica's /admin.
+- Keys and the loopback rule for /admin without one: kvshare.serve.auth.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvshare.serve.auth import AccessKeys, access_middleware
 from kvshare.serve.errors import APIError, bad_request
 from kvshare.serve.http import error_middleware, sse_event
 from kvshare.serve.metrics import CONTENT_TYPE, RouterMetrics
@@ -41,6 +46,10 @@ SESSION_HEADER = "x-session-id"
 _NOT_FORWARDED = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
                             "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length"})
 _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+# The replica's admin endpoints (kvshare.serve.server.build_app) and their methods: the
+# only calls /admin/all/<call> forwards.
+ADMIN_CALLS = {"reset_prefix_cache": "POST", "kv_pool": "POST", "clear_pool": "POST", "stats": "GET"}
+_ENCODED_SEPARATORS = ("%2f", "%5c")
 
 
 @dataclass(frozen=True)
@@ -53,8 +62,11 @@ class RouterConfig:
     health_timeout: float = 5.0
     connect_timeout: float = 5.0
     max_body_bytes: int = 64 << 20
+    api_key: str | None = None
+    admin_key: str | None = None
 
     def __post_init__(self) -> None:
+        AccessKeys(self.api_key, self.admin_key)  # checks both keys
         if not self.replicas:
             raise ValueError("a router needs at least one --replica URL")
         for url in self.replicas:
@@ -91,6 +103,8 @@ class Router:
         self.replicas = [Replica(i, url) for i, url in enumerate(config.replicas)]
         self.policy = make_policy(config.policy, len(self.replicas), config.policy_config)
         self.metrics = RouterMetrics()
+        # What the fan-out sends replicas: in `kvshare up` they hold the router's keys.
+        self.admin_credential = AccessKeys(config.api_key, config.admin_key).admin_credential
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
 
@@ -150,6 +164,7 @@ class Router:
     # ------------------------------------------------------------ proxy
 
     async def proxy(self, request: web.Request) -> web.StreamResponse:
+        _check_path(request)
         body = await request.read()
         pinned = self._pinned(request)
         # Parsing and hashing a 130k-token prompt take ~20 ms. A pinned request needs its
@@ -297,8 +312,14 @@ class Router:
         return web.json_response([r.describe() for r in self.replicas])
 
     async def admin_all(self, request: web.Request) -> web.Response:
-        """Forward /admin/all/<path> to /admin/<path> of every replica, concurrently."""
-        path = "/admin/" + request.match_info["path"]
+        """Forward /admin/all/<call> to /admin/<call> of every replica, concurrently."""
+        call = request.match_info["call"]
+        if call not in ADMIN_CALLS:
+            raise APIError(404, f"unknown admin call {call!r}; /admin/all/ forwards only "
+                                f"{', '.join(sorted(ADMIN_CALLS))}")
+        if request.method != ADMIN_CALLS[call]:
+            raise APIError(405, f"/admin/all/{call} takes {ADMIN_CALLS[call]}, not {request.method}")
+        path = "/admin/" + call
         body = await request.read()
         answers = await asyncio.gather(*(self._admin_one(r, request, path, body) for r in self.replicas))
         ok = all(a["status"] is not None and a["status"] < 400 for a in answers)
@@ -313,6 +334,10 @@ class Router:
                          body: bytes) -> dict[str, Any]:
         answer: dict[str, Any] = {"index": replica.index, "url": replica.url, "status": None}
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+        credential = self.admin_credential
+        if credential is not None:  # replicas check their own key: send it, not the client's
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+            headers["Authorization"] = f"Bearer {credential}"
         try:
             async with self.session.request(request.method, replica.url + path, data=body or None,
                                             headers=headers) as resp:
@@ -328,18 +353,28 @@ class Router:
         return answer
 
 
+def _check_path(request: web.Request) -> None:
+    """400 for a path that would name another endpoint once the proxy resolves it."""
+    raw = request.raw_path.split("?", 1)[0].lower()
+    segments = request.path.split("/")
+    if any(s in (".", "..") for s in segments) or any(e in raw for e in _ENCODED_SEPARATORS):
+        raise bad_request(f"path {request.raw_path.split('?', 1)[0]!r} has a dot segment or an "
+                          "encoded separator")
+
+
 ROUTER_KEY = web.AppKey("kvshare_router", Router)
 
 
 def build_router_app(config: RouterConfig, keys: RoutingKeys) -> web.Application:
     router = Router(config, keys)
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware])
+    access = access_middleware(AccessKeys(config.api_key, config.admin_key))
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware, access])
     app[ROUTER_KEY] = router
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)
     app.router.add_get("/health", router.health)
     app.router.add_get("/metrics", router.metrics_text)
     app.router.add_get("/admin/replicas", router.list_replicas)
-    app.router.add_route("*", "/admin/all/{path:.+}", router.admin_all)
+    app.router.add_route("*", "/admin/all/{call:.+}", router.admin_all)
     app.router.add_route("*", "/v1/{path:.*}", router.proxy)
     return app

@@ -3,7 +3,7 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream with SSE),
 GET /v1/models, GET /health, GET /metrics, and the admin calls the benchmark drives:
 POST /admin/reset_prefix_cache, POST /admin/kv_pool {"enabled": bool},
-POST /admin/clear_pool, GET /admin/stats.
+POST /admin/clear_pool, GET /admin/stats. Who may call which: kvshare.serve.auth.
 
 The handlers never touch the engine: they send commands to the engine thread. A request
 whose client goes away (the handler is cancelled, or a streamed write fails) is aborted,
@@ -24,12 +24,12 @@ from aiohttp import web
 from kvshare.engine.llm_engine import LLMEngine, RequestOutput
 from kvshare.kvpool.client import PoolError, PoolUnavailable
 from kvshare.kvpool.connector import PoolConnector
+from kvshare.serve.auth import AccessKeys, access_middleware
 from kvshare.serve.engine_thread import EngineFailure, EngineThread, RequestStream, snapshot_of
 from kvshare.serve.errors import APIError, bad_request
 from kvshare.serve.http import (
     SSE_HEADERS,
     Handler,
-    auth_middleware,
     error_middleware,
     read_json_object,
     sse_event,
@@ -45,12 +45,12 @@ class ServeConfig:
     served_model_name: str
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    admin_key: str | None = None  # /admin/* needs it when set; see kvshare.serve.auth
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must not be empty (leave it unset for no key)")
+        AccessKeys(self.api_key, self.admin_key)  # checks both keys
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
 
@@ -249,9 +249,8 @@ SERVER_KEY = web.AppKey("kvshare_replica_server", ReplicaServer)
 def build_app(engine: LLMEngine, config: ServeConfig) -> web.Application:
     """The replica's aiohttp app; the engine thread runs from startup to cleanup."""
     server = ReplicaServer(engine, config)
-    middlewares = [server.count_requests, error_middleware]
-    if config.api_key is not None:
-        middlewares.append(auth_middleware(config.api_key))
+    middlewares = [server.count_requests, error_middleware,
+                   access_middleware(AccessKeys(config.api_key, config.admin_key))]
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[SERVER_KEY] = server
     app.on_startup.append(server.start)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from kvshare.serve.auth import AccessKeys
 from kvshare.validate.result import CheckResult
 
 PIN = "x-kvshare-replica"
@@ -89,15 +90,17 @@ class _Service:
     def __init__(self, url: str, model: str = "", timeout: float = 600.0) -> None:
         self.url = url.rstrip("/")
         self.model = model
-        self.http = httpx.Client(timeout=timeout)
+        keys = AccessKeys.from_environment()  # KVSHARE_API_KEY and KVSHARE_ADMIN_KEY
+        self.http = httpx.Client(timeout=timeout, headers=keys.authorization(False))
+        self.admin = keys.authorization(True)
 
     def admin_all(self, path: str, body: dict | None = None) -> None:
-        self.http.post(f"{self.url}/admin/all/{path}", json=body or {}).raise_for_status()
+        self.http.post(f"{self.url}/admin/all/{path}", json=body or {}, headers=self.admin).raise_for_status()
 
     def clear_pool(self, attempts: int = 10) -> None:
         """Clear the shared pool; a replica whose pool client is reconnecting answers 503."""
         for _ in range(attempts - 1):
-            if self.http.post(f"{self.url}/admin/all/clear_pool").status_code < 500:
+            if self.http.post(f"{self.url}/admin/all/clear_pool", headers=self.admin).status_code < 500:
                 return
             time.sleep(1.0)
         self.admin_all("clear_pool")
@@ -141,7 +144,7 @@ def run_regression_check(url: str, *, model: str = "", prompts: list[Prompt] | N
                          max_tokens: int = 24) -> CheckResult:
     result = CheckResult("regression")
     service = _Service(url, model)
-    replicas = service.http.get(f"{service.url}/admin/replicas").json()
+    replicas = service.http.get(f"{service.url}/admin/replicas", headers=service.admin).json()
     if len(replicas) < 2:
         result.skipped = "needs a router with at least two replicas"
         return result

@@ -1,5 +1,7 @@
-"""`kvshare up`: its configuration, and that it stops cleanly (no shared memory, socket or
-process left) on SIGTERM and when a child dies. A tiny random model keeps this quick."""
+"""`kvshare up`: its configuration, that it stops cleanly (no shared memory, socket or
+process left) on SIGTERM and when the router dies, that it restarts a replica that dies,
+and that its keys work end to end without showing in any command line. A tiny random
+model keeps this quick."""
 
 from __future__ import annotations
 
@@ -9,12 +11,15 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from kvshare.serve.launcher import Cluster, UpConfig
+from kvshare.serve.auth import ADMIN_KEY_ENV, API_KEY_ENV
+from kvshare.serve.launcher import Cluster, ReplicaRestarts, RestartPolicy, UpConfig
 
 TINY = ("--model", "shape:tiny-llama", "--replicas", "1", "--pool-size", "64MiB",
         "--kv-cache-memory", "16MiB")
@@ -80,7 +85,7 @@ def test_cluster_notices_a_dead_child() -> None:
         assert set(children) == {"pool", "replica0", "router"}
         os.kill(children["router"], signal.SIGKILL)
         started = time.monotonic()
-        ended = cluster.wait_any_exit(poll_s=0.1)
+        ended = cluster.supervise(poll_s=0.1)
         assert "router exited with status -9" in ended and time.monotonic() - started < 5
         arena = cluster.arena_path
     assert not os.path.exists(arena)
@@ -88,3 +93,105 @@ def test_cluster_notices_a_dead_child() -> None:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert "[replica0] kvshare serve: shape:tiny-llama ready" in log.getvalue()
+
+
+def test_restarts_back_off_and_give_up_after_fast_crashes_in_a_row() -> None:
+    policy = RestartPolicy(first_delay_s=1.0, max_delay_s=5.0, fast_crash_s=60.0, max_fast_crashes=4)
+    restarts = ReplicaRestarts(policy, started_at=0.0)
+    now, delays = 0.0, []
+    for _ in range(3):
+        now += 10.0  # each run dies 10 s after its start: a fast crash
+        restarts.exited(now)
+        assert restarts.due_at is not None and not restarts.given_up
+        delays.append(restarts.due_at - now)
+        now = restarts.due_at
+        restarts.restarted(now)
+    assert delays == [1.0, 2.0, 4.0]
+    restarts.exited(now + 500.0)  # a long run: the count starts over
+    assert restarts.fast_crashes == 0 and restarts.due_at == now + 501.0
+    restarts.restarted(now + 501.0)
+    for _ in range(4):
+        restarts.exited(restarts.started_at + 1.0)
+        if restarts.due_at is not None:
+            restarts.restarted(restarts.due_at)
+    assert restarts.given_up and restarts.fast_crashes == 4
+    never = ReplicaRestarts(RestartPolicy(max_fast_crashes=0), started_at=0.0)
+    never.exited(1000.0)
+    assert never.given_up
+    assert UpConfig.from_args(["--replica-restarts", "2"]).restart.max_fast_crashes == 2
+    with pytest.raises(ValueError):
+        RestartPolicy(first_delay_s=10.0, max_delay_s=1.0)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
+                    reason="needs /proc/PID/task/PID/children")
+def test_kvshare_up_with_keys_restarts_a_killed_replica(tmp_path: Path) -> None:
+    api_key, admin_key = "api-7f3c9e", "admin-41b8d2"
+    admin_file = tmp_path / "admin.key"
+    admin_file.write_text(admin_key + "\n")
+    env = dict(os.environ, **{API_KEY_ENV: api_key})
+    env.pop(ADMIN_KEY_ENV, None)
+    process = subprocess.Popen([sys.executable, "-m", "kvshare", "up", *TINY, "--replicas", "2",
+                                "--port", "0", "--admin-key-file", str(admin_file)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("kvshare up: router"):
+                started.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    api, admin = {"Authorization": f"Bearer {api_key}"}, {"Authorization": f"Bearer {admin_key}"}
+    body = {"model": "shape:tiny-llama", "prompt": [5, 6, 7], "max_tokens": 2}
+    try:
+        assert started.wait(180), "".join(lines)
+        found = re.search(r"router (http://\S+); replicas (\S+), (\S+);", "".join(lines))
+        assert found, "".join(lines)
+        router, replicas = found[1], [found[2], found[3]]
+        children = _children(process.pid)
+        assert len(children) == 4  # pool, 2 replicas, router
+        for pid in children:
+            assert api_key not in _cmdline(pid) and admin_key not in _cmdline(pid)
+        with httpx.Client(timeout=60) as client:
+            assert client.post(router + "/v1/completions", json=body).status_code == 401
+            assert client.post(router + "/v1/completions", json=body, headers=api).status_code == 200
+            assert client.post(replicas[1] + "/v1/completions", json=body).status_code == 401
+            assert client.get(replicas[1] + "/admin/stats", headers=api).status_code == 401
+            assert client.post(router + "/admin/all/clear_pool", headers=api).status_code == 401
+            cleared = client.post(router + "/admin/all/clear_pool", headers=admin)
+            assert cleared.status_code == 200, cleared.text
+
+            port = replicas[1].rsplit(":", 1)[1]
+            victim = next(p for p in children if f"--port {port} " in _cmdline(p))
+            os.kill(victim, signal.SIGKILL)
+            deadline = time.monotonic() + 120
+            while True:  # every request succeeds, on replica 0 until replica 1 is back
+                resp = client.post(router + "/v1/completions", json=body, headers=api)
+                assert resp.status_code == 200, resp.text
+                revived = [p for p in _children(process.pid) if f"--port {port} " in _cmdline(p)]
+                if revived and client.post(router + "/v1/completions", json=body,
+                                           headers={**api, "x-kvshare-replica": "1"}).status_code == 200:
+                    break
+                assert time.monotonic() < deadline, "".join(lines[-30:])
+                time.sleep(0.2)
+            assert revived != [victim]
+        assert any("replica1 exited with status -9" in line for line in lines), "".join(lines)
+        assert process.poll() is None  # the cluster kept running throughout
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()

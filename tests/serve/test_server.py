@@ -14,6 +14,7 @@ import pytest
 
 from kvshare import LLM
 from kvshare.engine.llm_engine import LLMEngine
+from kvshare.serve.router import ADMIN_CALLS
 from kvshare.serve.server import SERVER_KEY, ServeConfig, build_app
 from tests.serve.inprocess import BackgroundServer
 
@@ -105,6 +106,14 @@ def test_api_key_guards_api_and_admin_but_not_probes(served: tuple[BackgroundSer
         assert wrong.status_code == 401
         assert anonymous.get("/health").json()["status"] == "ok"
         assert anonymous.get("/metrics").status_code == 200
+
+
+def test_the_router_fans_out_exactly_the_replica_admin_calls(engine: LLMEngine) -> None:
+    app = build_app(engine, ServeConfig("tiny"))  # never started: only its routes are read
+    admin = {(route.method, route.resource.canonical) for route in app.router.routes()
+             if route.resource is not None and route.resource.canonical.startswith("/admin/")
+             and route.method != "HEAD"}  # aiohttp adds HEAD to each GET
+    assert admin == {(method, f"/admin/{call}") for call, method in ADMIN_CALLS.items()}
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_blocks(client: httpx.Client) -> None:
