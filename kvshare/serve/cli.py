@@ -38,6 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pool.add_argument("--no-kv-pool", action="store_true", help="run without the shared pool")
     serve.add_argument("--chunk-tokens", type=int, default=256, help="tokens per pool page")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
+    serve.add_argument("--cache-salt-required", action="store_true",
+                       help="refuse (400) /v1 requests without a cache_salt: tenants share no prefix cache")
     serve.add_argument("--served-model-name", help="the model name clients send (default: --model)")
     serve.add_argument("--max-body-bytes", default="8MiB", help="largest request body (default: 8MiB)")
     serve.add_argument("--log-level", default="INFO", choices=_LOG_LEVELS)
@@ -90,6 +92,8 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
                     help="router port; replicas take the next ones (0: any free ports)")
     up.add_argument("--policy", default="cache-aware", choices=POLICIES)
     up.add_argument("--api-key", help="passed to every replica")
+    up.add_argument("--cache-salt-required", action="store_true",
+                    help="passed to every replica: refuse /v1 requests without a cache_salt")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -103,7 +107,8 @@ def run_serve(args: argparse.Namespace) -> int:
     pool = None if args.no_kv_pool else args.kv_pool or f"unix:{default_pool_paths().socket_path}"
     try:
         config = ServeConfig(args.served_model_name or args.model, args.api_key,
-                             parse_size(args.max_body_bytes))
+                             parse_size(args.max_body_bytes),
+                             cache_salt_required=args.cache_salt_required)
         unsafe = {"break_order": args.unsafe_break_stream_order, "load_delay": args.unsafe_load_delay,
                   "verify": not args.unsafe_skip_checksums}
         llm = LLM(args.model, kv_pool=pool, chunk_tokens=args.chunk_tokens, kv_pool_options=unsafe,
@@ -176,9 +181,10 @@ def up_config(args: argparse.Namespace) -> UpConfig:
     from kvshare.serve.launcher import UpConfig
     from kvshare.sizes import parse_size
 
+    salt = ("--cache-salt-required",) if args.cache_salt_required else ()
     return UpConfig(
         replicas=args.replicas, model=args.model, device=args.device,
-        engine_args=_engine_argv(args), gpu_memory_fraction=args.gpu_memory_fraction,
+        engine_args=_engine_argv(args) + salt, gpu_memory_fraction=args.gpu_memory_fraction,
         pool_size=parse_size(args.pool_size), pool_preallocate=args.pool_preallocate,
         kv_pool=not args.no_kv_pool,
         chunk_tokens=args.chunk_tokens, host=args.host, port=args.port, policy=args.policy,
