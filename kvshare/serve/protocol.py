@@ -150,6 +150,7 @@ def parse_generate(body: dict[str, Any], chat: bool, model: ModelInfo) -> Genera
     n = _int(body, "n")
     if n not in (None, 1):
         raise bad_request(f"only n=1 is supported, got n={n}", "n")
+    cache_salt = cache_salt_of(body)
     ids = _prompt_ids(body, chat, model)
     seed = _int(body, "seed")
     if seed is not None and not 0 <= seed <= MAX_SEED:
@@ -171,7 +172,7 @@ def parse_generate(body: dict[str, Any], chat: bool, model: ModelInfo) -> Genera
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
     include_usage = stream and _bool(options or {}, "include_usage", False)
-    return GenerateRequest(chat, tuple(ids), params, stream, include_usage, cache_salt_of(body))
+    return GenerateRequest(chat, tuple(ids), params, stream, include_usage, cache_salt)
 
 
 def usage(out: RequestOutput) -> dict[str, Any]:

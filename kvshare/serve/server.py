@@ -140,11 +140,12 @@ class ReplicaServer:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         progress = _Progress(self.metrics, time.monotonic())
-        req = parse_generate(await read_json_object(request), chat, self.model)
-        if self.config.cache_salt_required and req.cache_salt is None:
+        body = await read_json_object(request)
+        if self.config.cache_salt_required and body.get("cache_salt") is None:
             raise bad_request("this server requires a cache_salt on every request: a non-empty "
                               "string, secret to your tenant, that isolates its prefix cache",
                               "cache_salt")
+        req = parse_generate(body, chat, self.model)
         if not self.thread.alive:
             raise APIError(503, "the engine thread is not running")
         fmt = ResponseFormat(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
