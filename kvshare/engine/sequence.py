@@ -77,7 +77,8 @@ class Sequence:
     def update_block_hashes(self, block_size: int) -> None:
         full = self.num_tokens // block_size
         if full > len(self.block_hashes):
-            parent = self.block_hashes[-1] if self.block_hashes else salted_root(ROOT_HASH, self.cache_salt)
+            parent = (self.block_hashes[-1] if self.block_hashes
+                      else salted_root(ROOT_HASH, self.cache_salt))
             self.block_hashes += block_hashes(self.token_ids[:full * block_size], block_size,
                                               start=len(self.block_hashes), parent=parent)
 

@@ -31,6 +31,7 @@ KEY_BYTES = 16
 # Domain separation: a namespace digest can never equal a chunk key by construction
 # of its input, whatever the namespace fields hold.
 _NAMESPACE_DOMAIN = b"kvshare.kvpool.namespace.v1"
+# Likewise a salted seed: its input starts with its own domain.
 _REQUEST_SALT_DOMAIN = b"kvshare.kvpool.request_salt.v1"
 
 _INT32_MAX = 2**31 - 1
