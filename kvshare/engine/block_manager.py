@@ -8,6 +8,10 @@ A block is *complete* when every layer's KV is in it. Blocks restored from the p
 only the global layers (sliding-window layers are restored only near the resume point)
 are incomplete: a prefix hit may cover them, but must not end where a sliding window
 would read them.
+
+A request's `cache_salt` (a tenant's secret) moves its chain to a root of its own, so
+requests with different salts, or with and without one, never share a block: a tenant
+cannot learn from hit counts or timing what another tenant's prompts were.
 """
 
 from __future__ import annotations
@@ -19,6 +23,37 @@ import numpy as np
 import xxhash
 
 ROOT_HASH = b"kvshare-block-root"
+MAX_CACHE_SALT_CHARS = 1024
+# Domain separation: a salted root is hashed from an input that starts with this, which
+# no block hash's input does (those start with ROOT_HASH or another hash).
+_SALT_DOMAIN = b"kvshare.cache_salt.v1:"
+
+
+def check_cache_salt(cache_salt: object) -> str | None:
+    """`cache_salt` as a request may carry it: None, or a non-empty string of at most
+    MAX_CACHE_SALT_CHARS characters that encodes as UTF-8; ValueError otherwise."""
+    if cache_salt is None:
+        return None
+    if not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+    if not cache_salt:
+        raise ValueError("cache_salt must be a non-empty string (leave it out for no salt)")
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, "
+                         f"got {len(cache_salt)}")
+    try:
+        cache_salt.encode()
+    except UnicodeEncodeError:
+        raise ValueError("cache_salt must be valid Unicode text (no lone surrogates)") from None
+    return cache_salt
+
+
+def salted_root(root: bytes, cache_salt: str | None) -> bytes:
+    """The parent of a chain's first hash: `root` itself without a salt (the keys of
+    unsalted requests never change), else a digest of root and salt."""
+    if cache_salt is None:
+        return root
+    return xxhash.xxh3_128_digest(_SALT_DOMAIN + root + b"\0" + cache_salt.encode())
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, start: int = 0,

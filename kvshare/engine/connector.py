@@ -14,6 +14,9 @@ Ordering contract between engine and connector (ARCHITECTURE.md, "Ordering rules
   the copy has completed, so the engine may free or preempt a request at any time.
 - Connector failures (store down, corrupt page) are never raised to the engine: a match
   of 0 tokens, a load that reports False (recompute), a store that is skipped.
+- `cache_salt` (None or a non-empty string, the same in every call for one request) seeds
+  the request's keys: requests with different salts, or with and without one, share no
+  stored chunk; no salt keys exactly as the store's own namespace does.
 """
 
 from __future__ import annotations
@@ -92,7 +95,8 @@ class KVConnector(ABC):
         """Attach to the engine's cache; called once before any other method."""
 
     @abstractmethod
-    def match(self, request_id: str, token_ids: Sequence[int], num_local_tokens: int) -> PoolMatch:
+    def match(self, request_id: str, token_ids: Sequence[int], num_local_tokens: int, *,
+              cache_salt: str | None = None) -> PoolMatch:
         """Pin the longest restorable run past num_local_tokens (never the last token)."""
 
     @abstractmethod
@@ -112,12 +116,12 @@ class KVConnector(ABC):
 
     @abstractmethod
     def store(self, request_id: str, token_ids: Sequence[int], block_table: Sequence[int],
-              num_computed_tokens: int) -> None:
+              num_computed_tokens: int, *, cache_salt: str | None = None) -> None:
         """Store the full chunks of token_ids[:num_computed_tokens] not stored yet."""
 
     @abstractmethod
     def store_state(self, request_id: str, token_ids: Sequence[int], boundary: int,
-                    snapshot_slot: int) -> None:
+                    snapshot_slot: int, *, cache_salt: str | None = None) -> None:
         """Store the recurrent-state snapshot (an immutable snapshot slot) taken after
         token_ids[:boundary], a chunk boundary (hybrid models)."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 
+from kvshare.engine.block_manager import check_cache_salt
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.connector import KVConnector
 from kvshare.engine.llm_engine import LLMEngine, RequestOutput
@@ -18,6 +19,8 @@ class LLM:
     `kv_pool_options` are extra ConnectorOptions (test-only switches). Extra keyword
     arguments are EngineConfig fields (block_size, max_num_batched_tokens,
     kv_cache_memory, ...). `weights_seed` picks the random weights of a shape:NAME model.
+    The constructor's `cache_salt` salts every pool key of this LLM (a deployment-wide
+    namespace); `generate(..., cache_salt=...)` isolates one call's requests (a tenant).
     """
 
     def __init__(self, model: str, *, device: str = "cpu", dtype: str = "auto",
@@ -48,16 +51,24 @@ class LLM:
             return self.loaded.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
-    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> RequestOutput:
+    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None, *,
+             cache_salt: str | None = None) -> RequestOutput:
         if self.loaded.tokenizer is None:
             raise ValueError(f"model {self.loaded.name!r} has no tokenizer or chat template")
-        return self.generate([self.loaded.tokenizer.encode_chat(messages)], params)[0]
+        return self.generate([self.loaded.tokenizer.encode_chat(messages)], params,
+                             cache_salt=cache_salt)[0]
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+                 params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs come back in prompt order.
+
+        `cache_salt` (a non-empty string, as in vLLM) isolates these prompts' prefix cache,
+        GPU blocks and pool pages alike: they reuse only KV computed under the same salt.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
+        cache_salt = check_cache_salt(cache_salt)  # before any request is queued
         params = params or SamplingParams()
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
@@ -65,7 +76,7 @@ class LLM:
         ids = []
         for prompt, p in zip(prompts, per_prompt):
             request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(request_id, self.encode(prompt), p)
+            self.engine.add_request(request_id, self.encode(prompt), p, cache_salt)
             ids.append(request_id)
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):

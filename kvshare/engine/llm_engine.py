@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvshare.engine.block_manager import BlockManager
+from kvshare.engine.block_manager import BlockManager, check_cache_salt
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.connector import KVConnector, PagedKVCache
 from kvshare.engine.model_runner import ModelRunner
@@ -86,16 +86,22 @@ class LLMEngine:
         )
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
-                    params: SamplingParams) -> None:
-        """Queue a request. Raises ValueError for an empty, too long or out-of-vocab prompt."""
+                    params: SamplingParams, cache_salt: str | None = None) -> None:
+        """Queue a request. Raises ValueError for an empty, too long or out-of-vocab prompt,
+        or a malformed `cache_salt` (see `check_cache_salt`).
+
+        `cache_salt` isolates the request's prefix cache: it shares GPU blocks and pool
+        chunks only with requests of the same salt (None: with the other unsalted ones).
+        """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        cache_salt = check_cache_salt(cache_salt)
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.loaded.config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        seq = Sequence(request_id, list(prompt_token_ids), params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, cache_salt)
         self.scheduler.add(seq)
         generator = None
         if params.seed is not None:
@@ -174,7 +180,7 @@ class LLMEngine:
                 seq.num_registered_blocks = full
             if self.connector is not None:
                 self.connector.store(seq.request_id, seq.token_ids, seq.block_table,
-                                     seq.num_computed_tokens)
+                                     seq.num_computed_tokens, cache_salt=seq.cache_salt)
             if seq.num_computed_tokens in seq.snapshot_boundaries:
                 self._snapshot(seq)
 
@@ -185,7 +191,8 @@ class LLMEngine:
         boundary = seq.num_computed_tokens
         slot = states.snapshot(seq.block_hashes[boundary // self.config.block_size - 1], seq.state_slot)
         if slot is not None and self.connector is not None:
-            self.connector.store_state(seq.request_id, seq.token_ids, boundary, slot)
+            self.connector.store_state(seq.request_id, seq.token_ids, boundary, slot,
+                                       cache_salt=seq.cache_salt)
 
     def _append_token(self, req: _Request, token: int, now: float) -> RequestOutput:
         seq = req.seq

@@ -234,7 +234,8 @@ class Scheduler:
         local_tokens = len(cached) * bs
         match = None
         if self.connector is not None and seq.use_pool:
-            match = self.connector.match(seq.request_id, seq.token_ids, local_tokens)
+            match = self.connector.match(seq.request_id, seq.token_ids, local_tokens,
+                                         cache_salt=seq.cache_salt)
         pool_tokens = match.num_tokens if match else 0
         # The first chunk's blocks too: a restored sequence computes in its admission step.
         first_chunk = min(seq.num_tokens - local_tokens - pool_tokens, self.config.max_num_batched_tokens)

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from kvshare.engine.block_manager import ROOT_HASH, block_hashes
+from kvshare.engine.block_manager import ROOT_HASH, block_hashes, salted_root
 from kvshare.engine.sampling_params import SamplingParams
 
 
@@ -34,6 +34,7 @@ class Sequence:
     request_id: str
     token_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None  # seeds the block hashes and pool keys: tenant isolation
     arrival_time: float = field(default_factory=time.monotonic)
     status: SequenceStatus = SequenceStatus.WAITING
     num_prompt_tokens: int = 0
@@ -76,7 +77,8 @@ class Sequence:
     def update_block_hashes(self, block_size: int) -> None:
         full = self.num_tokens // block_size
         if full > len(self.block_hashes):
-            parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+            parent = (self.block_hashes[-1] if self.block_hashes
+                      else salted_root(ROOT_HASH, self.cache_salt))
             self.block_hashes += block_hashes(self.token_ids[:full * block_size], block_size,
                                               start=len(self.block_hashes), parent=parent)
 

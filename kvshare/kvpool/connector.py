@@ -28,7 +28,7 @@ import xxhash
 from kvshare.engine.connector import KVConnector, PagedKVCache, PoolMatch
 from kvshare.kvpool.client import PageRef, PoolClient, PoolError, PoolUnavailable
 from kvshare.kvpool.host_memory import HostRegistration
-from kvshare.kvpool.keys import Namespace, chunk_keys
+from kvshare.kvpool.keys import Namespace, chain_seed, chunk_keys
 from kvshare.kvpool.layout import CHECKSUM_BYTES, LAYOUT_VERSION, PageLayout
 from kvshare.kvpool.page import HEADER_BYTES, PageFormatError, PageHeader
 from kvshare.kvpool.transfer import (
@@ -217,17 +217,20 @@ class PoolConnector(KVConnector):
 
     # ------------------------------------------------------------------ lookup and load
 
-    def _keys(self, req: _Request, token_ids: Sequence[int], num_chunks: int) -> list[bytes]:
+    def _keys(self, req: _Request, token_ids: Sequence[int], num_chunks: int,
+              cache_salt: str | None) -> list[bytes]:
         if len(req.keys) < num_chunks:
-            req.keys = chunk_keys(self.namespace, token_ids[:num_chunks * self.chunk_tokens])
+            req.keys = chunk_keys(self.namespace, token_ids[:num_chunks * self.chunk_tokens],
+                                  cache_salt)
         return req.keys[:num_chunks]
 
-    def match(self, request_id: str, token_ids: Sequence[int], num_local_tokens: int) -> PoolMatch:
+    def match(self, request_id: str, token_ids: Sequence[int], num_local_tokens: int, *,
+              cache_salt: str | None = None) -> PoolMatch:
         req = self._requests.setdefault(request_id, _Request())
         usable_chunks = (len(token_ids) - 1) // self.chunk_tokens
         if not self._usable() or usable_chunks * self.chunk_tokens <= num_local_tokens:
             return PoolMatch(0)
-        keys = self._keys(req, token_ids, usable_chunks)
+        keys = self._keys(req, token_ids, usable_chunks, cache_salt)
         states = self.cache.states if self.cache is not None else None
         try:
             if states is None:
@@ -357,13 +360,14 @@ class PoolConnector(KVConnector):
     # ------------------------------------------------------------------ store
 
     def store(self, request_id: str, token_ids: Sequence[int], block_table: Sequence[int],
-              num_computed_tokens: int, ready: threading.Event | None = None) -> None:
+              num_computed_tokens: int, ready: threading.Event | None = None, *,
+              cache_salt: str | None = None) -> None:
         req = self._requests.setdefault(request_id, _Request())
         full = num_computed_tokens // self.chunk_tokens
         if not self._usable() or full <= req.stored_chunks:
             return
         assert self.cache is not None and self.layout is not None and self.transfer is not None
-        keys = self._keys(req, token_ids, full)
+        keys = self._keys(req, token_ids, full, cache_salt)
         bpp = self.layout.blocks_per_page
         chunks = [j for j in range(req.stored_chunks, full)
                   if self.cache.blocks.all_complete(block_table[j * bpp:(j + 1) * bpp])]
@@ -387,7 +391,7 @@ class PoolConnector(KVConnector):
             blocks = tuple(block_table[j * bpp:(j + 1) * bpp])
             copies.append(PageCopy(page.offset + HEADER_BYTES, self.layout.payload_bytes, blocks))
             pages.append(page)
-            parents.append(keys[j - 1] if j else self.namespace.digest())
+            parents.append(keys[j - 1] if j else chain_seed(self.namespace, cache_salt))
             held += blocks
         if not copies:
             return
@@ -402,12 +406,12 @@ class PoolConnector(KVConnector):
         self._stores.append(_Store(job, pages, parents, held, self.layout.payload_bytes))
 
     def store_state(self, request_id: str, token_ids: Sequence[int], boundary: int,
-                    snapshot_slot: int) -> None:
+                    snapshot_slot: int, *, cache_salt: str | None = None) -> None:
         if not self._usable() or boundary % self.chunk_tokens or boundary == 0:
             return
         assert self.cache is not None and self.cache.states is not None and self.transfer is not None
         req = self._requests.setdefault(request_id, _Request())
-        chunk = self._keys(req, token_ids, boundary // self.chunk_tokens)[-1]
+        chunk = self._keys(req, token_ids, boundary // self.chunk_tokens, cache_salt)[-1]
         row = self.cache.states.rows[snapshot_slot]
         try:
             reservation = self.client.reserve([state_key(chunk)], row.numel())

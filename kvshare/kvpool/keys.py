@@ -3,12 +3,16 @@
 A prompt is cut into chunks of `chunk_tokens` tokens; only full chunks get keys.
 Keys form a hash chain, so a key names a chunk *and* everything before it:
 
-    key[-1] = namespace.digest()
+    key[-1] = chain_seed(namespace, cache_salt)   # namespace.digest() without a salt
     key[i]  = xxh3_128(key[i-1] || token_ids[i*C:(i+1)*C] as little-endian int32)
 
 The hash is xxh3-128, never Python's `hash()` (seeded per process: replicas would
 never agree, LESSONS #4). The namespace holds everything that changes the bytes
 of a page, so two namespaces never share a page (LESSONS #6).
+
+A request's `cache_salt` (a tenant's secret, None for none) is mixed into the seed on
+top of the namespace, so tenants never share a page and cannot probe each other's
+prompts through hits; requests without one keep the namespace's keys unchanged.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ KEY_BYTES = 16
 # Domain separation: a namespace digest can never equal a chunk key by construction
 # of its input, whatever the namespace fields hold.
 _NAMESPACE_DOMAIN = b"kvshare.kvpool.namespace.v1"
+# Likewise a salted seed: its input starts with its own domain.
+_REQUEST_SALT_DOMAIN = b"kvshare.kvpool.request_salt.v1"
 
 _INT32_MAX = 2**31 - 1
 
@@ -36,7 +42,8 @@ class Namespace:
     """Everything that changes the bytes of a page; part of every key.
 
     `weights_digest` is a digest of the weights, or "random:<shape>:<seed>" for random
-    weights. `cache_salt` separates tenants that must never share cache.
+    weights. `cache_salt` is a salt of the whole deployment (every request); a request's
+    own salt is mixed in on top by `chain_seed`.
     """
 
     architecture: str
@@ -82,8 +89,21 @@ class Namespace:
         return xxhash.xxh3_128_digest(_NAMESPACE_DOMAIN + encoded)
 
 
-def chunk_keys(namespace: Namespace, token_ids: Sequence[int] | np.ndarray) -> list[bytes]:
-    """Return one 16-byte key per *full* chunk of `token_ids` (the tail is not keyed).
+def chain_seed(namespace: Namespace, cache_salt: str | None = None) -> bytes:
+    """key[-1] of a request's chain: the namespace's digest, or, for a salted request, a
+    digest of it and the salt (a non-empty string; the digest has a fixed length, so
+    the encoding is unambiguous)."""
+    if cache_salt is None:
+        return namespace.digest()
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise ValueError(f"cache_salt must be None or a non-empty string, got {cache_salt!r}")
+    return xxhash.xxh3_128_digest(_REQUEST_SALT_DOMAIN + namespace.digest() + cache_salt.encode())
+
+
+def chunk_keys(namespace: Namespace, token_ids: Sequence[int] | np.ndarray,
+               cache_salt: str | None = None) -> list[bytes]:
+    """Return one 16-byte key per *full* chunk of `token_ids` (the tail is not keyed),
+    chained from `chain_seed(namespace, cache_salt)`.
 
     Token ids must fit in int32 (they are hashed as little-endian int32).
     """
@@ -93,6 +113,7 @@ def chunk_keys(namespace: Namespace, token_ids: Sequence[int] | np.ndarray) -> l
         raise ValueError(
             f"token_ids must be a 1-D integer array, got {token_ids.dtype} {token_ids.shape}"
         )
+    seed = chain_seed(namespace, cache_salt)
     chunk = namespace.chunk_tokens
     full_chunks = len(token_ids) // chunk
     if full_chunks == 0:
@@ -104,7 +125,7 @@ def chunk_keys(namespace: Namespace, token_ids: Sequence[int] | np.ndarray) -> l
     chunk_bytes = chunk * 4
     digest = xxhash.xxh3_128_digest
     keys: list[bytes] = []
-    previous = namespace.digest()
+    previous = seed
     for start in range(0, len(data), chunk_bytes):
         previous = digest(previous + data[start : start + chunk_bytes])
         keys.append(previous)

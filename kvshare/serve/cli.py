@@ -39,6 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pool.add_argument("--no-kv-pool", action="store_true", help="run without the shared pool")
     serve.add_argument("--chunk-tokens", type=int, default=256, help="tokens per pool page")
     add_key_arguments(serve)
+    serve.add_argument("--cache-salt-required", action="store_true",
+                       help="refuse (400) /v1 requests without a cache_salt: tenants share no prefix cache")
     serve.add_argument("--served-model-name", help="the model name clients send (default: --model)")
     serve.add_argument("--max-body-bytes", default="8MiB", help="largest request body (default: 8MiB)")
     serve.add_argument("--log-level", default="INFO", choices=_LOG_LEVELS)
@@ -94,6 +96,8 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
     up.add_argument("--replica-restarts", type=int, default=5, metavar="N",
                     help="restart a replica that exits, with backoff; after N exits in a row each "
                     "within 60 s of its start it stays down (0: never restart; default: 5)")
+    up.add_argument("--cache-salt-required", action="store_true",
+                    help="passed to every replica: refuse /v1 requests without a cache_salt")
     add_key_arguments(up)
 
 
@@ -132,7 +136,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         keys = access_keys(args)
         config = ServeConfig(args.served_model_name or args.model, api_key=keys.api_key,
-                             max_body_bytes=parse_size(args.max_body_bytes), admin_key=keys.admin_key)
+                             max_body_bytes=parse_size(args.max_body_bytes), admin_key=keys.admin_key,
+                             cache_salt_required=args.cache_salt_required)
         unsafe = {"break_order": args.unsafe_break_stream_order, "load_delay": args.unsafe_load_delay,
                   "verify": not args.unsafe_skip_checksums}
         llm = LLM(args.model, kv_pool=pool, chunk_tokens=args.chunk_tokens, kv_pool_options=unsafe,
@@ -208,9 +213,10 @@ def up_config(args: argparse.Namespace) -> UpConfig:
     from kvshare.sizes import parse_size
 
     keys = access_keys(args)
+    salt = ("--cache-salt-required",) if args.cache_salt_required else ()
     return UpConfig(
         replicas=args.replicas, model=args.model, device=args.device,
-        engine_args=_engine_argv(args), gpu_memory_fraction=args.gpu_memory_fraction,
+        engine_args=_engine_argv(args) + salt, gpu_memory_fraction=args.gpu_memory_fraction,
         pool_size=parse_size(args.pool_size), pool_preallocate=args.pool_preallocate,
         kv_pool=not args.no_kv_pool,
         chunk_tokens=args.chunk_tokens, host=args.host, port=args.port, policy=args.policy,

@@ -74,6 +74,7 @@ class _Add:
     request_id: str
     prompt_token_ids: list[int] | tuple[int, ...]
     params: SamplingParams
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -147,9 +148,9 @@ class EngineThread:
         return self._thread.is_alive()
 
     def submit(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
-               params: SamplingParams) -> RequestStream:
+               params: SamplingParams, cache_salt: str | None = None) -> RequestStream:
         stream = self._streams[request_id] = RequestStream()
-        self._commands.put(_Add(request_id, prompt_token_ids, params))
+        self._commands.put(_Add(request_id, prompt_token_ids, params, cache_salt))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -241,7 +242,8 @@ class EngineThread:
     def _apply(self, command: _Add | _Abort | _Call) -> None:
         if isinstance(command, _Add):
             try:
-                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                        command.cache_salt)
             except ValueError as exc:
                 self._send([], [(command.request_id, EngineFailure(str(exc), user_error=True))])
             except Exception as exc:

@@ -1,8 +1,10 @@
 """The OpenAI request and response shapes of /v1/completions and /v1/chat/completions.
 
 Parsing turns a JSON body into a `GenerateRequest` or raises `APIError` (a 4xx naming the
-field). Extensions beyond OpenAI: `top_k`, `ignore_eos`, `token_ids` in every choice (the
-generated ids: a model without a tokenizer streams no text), and `usage.kv`.
+field). Extensions beyond OpenAI: `top_k`, `ignore_eos`, `cache_salt` (vLLM's: a
+non-empty string; only requests with the same salt share prefix cache), `token_ids` in
+every choice (the generated ids: a model without a tokenizer streams no text), and
+`usage.kv`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvshare.engine.block_manager import check_cache_salt
 from kvshare.engine.llm_engine import RequestOutput
 from kvshare.engine.sampling_params import SamplingParams
 from kvshare.models.tokenizer import Tokenizer
@@ -42,6 +45,7 @@ class GenerateRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    cache_salt: str | None = None
 
 
 def _present(body: dict[str, Any], name: str) -> bool:
@@ -87,6 +91,15 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
         raise bad_request(f"stop must be a non-empty string or a list of at most "
                           f"{MAX_STOP_STRINGS} non-empty strings", "stop")
     return tuple(stops)
+
+
+def cache_salt_of(body: dict[str, Any]) -> str | None:
+    """The request's `cache_salt`: absent or null is None; anything but a non-empty string
+    of at most MAX_CACHE_SALT_CHARS characters is a 400."""
+    try:
+        return check_cache_salt(body.get("cache_salt"))
+    except ValueError as exc:
+        raise bad_request(str(exc), "cache_salt") from None
 
 
 def check_model(body: dict[str, Any], model: ModelInfo) -> None:
@@ -137,6 +150,7 @@ def parse_generate(body: dict[str, Any], chat: bool, model: ModelInfo) -> Genera
     n = _int(body, "n")
     if n not in (None, 1):
         raise bad_request(f"only n=1 is supported, got n={n}", "n")
+    cache_salt = cache_salt_of(body)
     ids = _prompt_ids(body, chat, model)
     seed = _int(body, "seed")
     if seed is not None and not 0 <= seed <= MAX_SEED:
@@ -158,7 +172,7 @@ def parse_generate(body: dict[str, Any], chat: bool, model: ModelInfo) -> Genera
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
     include_usage = stream and _bool(options or {}, "include_usage", False)
-    return GenerateRequest(chat, tuple(ids), params, stream, include_usage)
+    return GenerateRequest(chat, tuple(ids), params, stream, include_usage, cache_salt)
 
 
 def usage(out: RequestOutput) -> dict[str, Any]:

@@ -7,6 +7,11 @@ prefix. A model without a tokenizer (`shape:NAME`) has exact keys for token-id p
 for text (which such a replica refuses anyway) and for chat messages the router falls back
 to hashing the raw UTF-8 text, or the messages as one JSON line each, in blocks of
 4 x block_tokens bytes (about block_tokens tokens of English).
+
+A request's `cache_salt` seeds its chain as it seeds the engine's, so the cache-aware
+index never scores one tenant's request against another tenant's prefixes (the replica
+would not hit them, and routing on them would leak which prompts were sent). A malformed
+salt gives no keys: the replica answers its 400.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvshare.engine.block_manager import block_hashes
+from kvshare.engine.block_manager import ROOT_HASH, block_hashes, check_cache_salt, salted_root
 from kvshare.models.tokenizer import Tokenizer
 from kvshare.serve.prompts import PromptError, request_prompt_ids
 
@@ -25,8 +30,8 @@ BYTES_PER_TOKEN = 4  # the fallback's estimate
 _BYTE_ROOT = b"kvshare-router-bytes"
 
 
-def byte_block_hashes(data: bytes, block_bytes: int) -> list[bytes]:
-    parent, out = _BYTE_ROOT, []
+def byte_block_hashes(data: bytes, block_bytes: int, parent: bytes = _BYTE_ROOT) -> list[bytes]:
+    out = []
     for i in range(len(data) // block_bytes):
         parent = xxhash.xxh3_128_digest(parent + data[i * block_bytes:(i + 1) * block_bytes])
         out.append(parent)
@@ -52,12 +57,17 @@ class RoutingKeys:
         if not isinstance(body, dict):
             return Prefix()
         try:
+            cache_salt = check_cache_salt(body.get("cache_salt"))
+        except ValueError:
+            return Prefix()
+        try:
             ids = request_prompt_ids(self.tokenizer, path, body)
         except PromptError:
-            return self._fallback(path, body) if self.tokenizer is None else Prefix()
-        return Prefix(tuple(block_hashes(ids, self.block_tokens)), len(ids))
+            return self._fallback(path, body, cache_salt) if self.tokenizer is None else Prefix()
+        root = salted_root(ROOT_HASH, cache_salt)
+        return Prefix(tuple(block_hashes(ids, self.block_tokens, parent=root)), len(ids))
 
-    def _fallback(self, path: str, body: dict[str, object]) -> Prefix:
+    def _fallback(self, path: str, body: dict[str, object], cache_salt: str | None) -> Prefix:
         if path.endswith("/chat/completions"):
             messages = body.get("messages")
             if not isinstance(messages, list):
@@ -70,5 +80,6 @@ class RoutingKeys:
             if not isinstance(prompt, str):
                 return Prefix()
             text = prompt
-        hashes = byte_block_hashes(text.encode(), BYTES_PER_TOKEN * self.block_tokens)
+        hashes = byte_block_hashes(text.encode(), BYTES_PER_TOKEN * self.block_tokens,
+                                   salted_root(_BYTE_ROOT, cache_salt))
         return Prefix(tuple(hashes))

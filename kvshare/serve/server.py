@@ -5,6 +5,10 @@ GET /v1/models, GET /health, GET /metrics, and the admin calls the benchmark dri
 POST /admin/reset_prefix_cache, POST /admin/kv_pool {"enabled": bool},
 POST /admin/clear_pool, GET /admin/stats. Who may call which: kvshare.serve.auth.
 
+With `cache_salt_required` every generate request must carry a `cache_salt`: in a server
+shared by tenants, an unsalted request would share prefix cache with every other
+unsalted one, and hit counts and timing would tell one tenant what another sent.
+
 The handlers never touch the engine: they send commands to the engine thread. A request
 whose client goes away (the handler is cancelled, or a streamed write fails) is aborted,
 which frees its blocks. Run the app with `handler_cancellation=True` so that a
@@ -46,6 +50,7 @@ class ServeConfig:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     admin_key: str | None = None  # /admin/* needs it when set; see kvshare.serve.auth
+    cache_salt_required: bool = False  # refuse /v1 generate requests without a cache_salt
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -135,12 +140,17 @@ class ReplicaServer:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         progress = _Progress(self.metrics, time.monotonic())
-        req = parse_generate(await read_json_object(request), chat, self.model)
+        body = await read_json_object(request)
+        if self.config.cache_salt_required and body.get("cache_salt") is None:
+            raise bad_request("this server requires a cache_salt on every request: a non-empty "
+                              "string, secret to your tenant, that isolates its prefix cache",
+                              "cache_salt")
+        req = parse_generate(body, chat, self.model)
         if not self.thread.alive:
             raise APIError(503, "the engine thread is not running")
         fmt = ResponseFormat(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                              self.model.name, int(time.time()))
-        stream = self.thread.submit(fmt.request_id, req.prompt_token_ids, req.params)
+        stream = self.thread.submit(fmt.request_id, req.prompt_token_ids, req.params, req.cache_salt)
         try:
             # The first output comes before any byte is sent: an engine failure is a 500.
             out = await self._next(stream, progress)

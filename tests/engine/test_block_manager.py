@@ -14,7 +14,16 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvshare.engine.block_manager import BlockManager, block_hashes
+from kvshare.engine.block_manager import (
+    MAX_CACHE_SALT_CHARS,
+    ROOT_HASH,
+    BlockManager,
+    block_hashes,
+    check_cache_salt,
+    salted_root,
+)
+from kvshare.engine.sampling_params import SamplingParams
+from kvshare.engine.sequence import Sequence
 
 BS = 4  # tokens per block
 
@@ -325,3 +334,41 @@ def test_block_hashes_chain_over_the_whole_prefix() -> None:
 def test_invalid_sizes_are_rejected() -> None:
     with pytest.raises(ValueError, match="num_blocks >= 1"):
         BlockManager(0, BS)
+
+
+def test_unsalted_block_hashes_are_unchanged() -> None:
+    """Regression guard: no salt keeps the chain (and the GPU cache hits) of before salts."""
+    assert salted_root(ROOT_HASH, None) == ROOT_HASH
+    pinned = ["25226e89f2d42d7f63949948c272071e", "bdcc1f30fbbcecc1291ca3d9235ed25c"]
+    assert [h.hex() for h in block_hashes(list(range(8)), BS)] == pinned
+    seq = Sequence("r", list(range(9)), SamplingParams())
+    seq.update_block_hashes(BS)
+    assert [h.hex() for h in seq.block_hashes] == pinned
+
+
+def test_salted_sequences_share_no_block_with_other_salts() -> None:
+    tokens = tokens_of([0, 1, 2], tail=1)
+    chains = []
+    for salt in (None, "tenant-a", "tenant-b"):
+        seq = Sequence("r", list(tokens), SamplingParams(), cache_salt=salt)
+        seq.update_block_hashes(BS)
+        chains.append(seq.block_hashes)
+    assert all(len(chain) == 3 for chain in chains)
+    every_hash = [h for chain in chains for h in chain]
+    assert len(set(every_hash)) == len(every_hash)
+    # A manager holding tenant-a's blocks matches them for tenant-a only.
+    bm = BlockManager(8, BS)
+    table = bm.allocate(3)
+    bm.register(table, chains[1])
+    assert bm.match_prefix(chains[1]) == table
+    assert bm.match_prefix(chains[0]) == [] and bm.match_prefix(chains[2]) == []
+
+
+@pytest.mark.parametrize(("salt", "says"), [
+    ("", "non-empty"), (5, "must be a string"), (["a"], "must be a string"),
+    ("x" * (MAX_CACHE_SALT_CHARS + 1), "at most"), ("\ud800", "lone surrogate"),
+])
+def test_malformed_cache_salts_are_refused(salt: object, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        check_cache_salt(salt)
+    assert check_cache_salt("x" * MAX_CACHE_SALT_CHARS) == "x" * MAX_CACHE_SALT_CHARS

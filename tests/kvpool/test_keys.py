@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvshare.kvpool.keys import KEY_BYTES, Namespace, chunk_keys
+from kvshare.kvpool.keys import KEY_BYTES, Namespace, chain_seed, chunk_keys
 
 NAMESPACE = Namespace(
     architecture="LlamaForCausalLM",
@@ -181,3 +181,35 @@ def test_256k_tokens_key_in_a_few_milliseconds() -> None:
     assert len(keys) == 1024
     print(f"chunk_keys: 262,144 tokens -> 1,024 keys in {min(timings) * 1e3:.2f} ms")
     assert min(timings) < 0.05
+
+
+SALTS = (None, "tenant-a", "tenant-b", "tenant-a ", "é")
+
+
+def test_different_request_salts_share_no_key_at_any_chunk() -> None:
+    tokens = list(range(80))  # 5 chunks
+    chains = [chunk_keys(NAMESPACE, tokens, salt) for salt in SALTS]
+    assert all(len(chain) == 5 for chain in chains)
+    every_key = [key for chain in chains for key in chain]
+    assert len(set(every_key)) == len(every_key)
+    assert chunk_keys(NAMESPACE, tokens, "tenant-a") == chains[1]  # the same salt agrees
+
+
+def test_no_request_salt_keeps_the_namespace_chain_exactly() -> None:
+    """Regression guard: unsalted keys are the deployment's keys of before salts existed."""
+    assert chain_seed(NAMESPACE) == NAMESPACE.digest()
+    keys = [key.hex() for key in chunk_keys(NAMESPACE, list(range(40)), cache_salt=None)]
+    assert keys == GOLDEN_KEYS_OF_RANGE_40
+
+
+def test_a_request_salt_is_separate_from_the_namespace_salt() -> None:
+    """A request salt never lands on the chain of a deployment salted with the same text."""
+    tokens = list(range(32))
+    salted_deployment = dataclasses.replace(NAMESPACE, cache_salt="tenant-a")
+    assert not set(chunk_keys(NAMESPACE, tokens, "tenant-a")) & set(chunk_keys(salted_deployment, tokens))
+
+
+@pytest.mark.parametrize("salt", ["", 7, b"tenant"])
+def test_malformed_request_salts_are_refused(salt: object) -> None:
+    with pytest.raises(ValueError, match="cache_salt"):
+        chunk_keys(NAMESPACE, list(range(32)), salt)  # type: ignore[arg-type]

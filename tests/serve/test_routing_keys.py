@@ -5,10 +5,13 @@ from __future__ import annotations
 import pytest
 
 from kvshare.engine.block_manager import block_hashes
+from kvshare.engine.sampling_params import SamplingParams
+from kvshare.engine.sequence import Sequence
 from kvshare.models.loader import load_tokenizer
 from kvshare.models.tokenizer import Tokenizer
+from kvshare.serve.policies import CacheAware, PolicyConfig, RouteRequest
 from kvshare.serve.protocol import ModelInfo, parse_generate
-from kvshare.serve.routing_keys import RoutingKeys
+from kvshare.serve.routing_keys import Prefix, RoutingKeys
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -76,3 +79,42 @@ def test_tokenizer_sources() -> None:
     assert load_tokenizer("shape:tiny-llama") is None
     with pytest.raises(FileNotFoundError):
         load_tokenizer("no-such-model")
+
+
+def test_the_router_keys_a_salted_request_as_the_engine_hashes_it() -> None:
+    keys = RoutingKeys(None, 16)
+    ids = list(range(5, 105))
+    for salt in (None, "tenant-a"):
+        body = {"prompt": ids} if salt is None else {"prompt": ids, "cache_salt": salt}
+        seq = Sequence("r", list(ids), SamplingParams(), cache_salt=salt)
+        seq.update_block_hashes(16)
+        assert keys.prefix_of(COMPLETIONS, body).hashes == tuple(seq.block_hashes)
+
+
+def test_salts_separate_routing_keys_and_cache_aware_scores() -> None:
+    """Another tenant's prefix neither raises a request's score nor is revealed by it."""
+    keys = RoutingKeys(None, 16)
+    ids = list(range(5, 305))
+    prefixes = {salt: keys.prefix_of(COMPLETIONS, {"prompt": ids, "cache_salt": salt})
+                for salt in ("tenant-a", "tenant-b")}
+    prefixes[None] = keys.prefix_of(COMPLETIONS, {"prompt": ids})
+    every_hash = [h for p in prefixes.values() for h in p.hashes]
+    assert len(every_hash) == 3 * 18 and len(set(every_hash)) == len(every_hash)
+    text = [keys.prefix_of(COMPLETIONS, {"prompt": "x" * 640, "cache_salt": s}).hashes
+            for s in ("tenant-a", "tenant-b")]
+    assert len(text[0]) == 10 and not set(text[0]) & set(text[1])  # the byte fallback too
+
+    policy = CacheAware(2, PolicyConfig(chunk_tokens=256))
+
+    def route(salt: str | None) -> RouteRequest:
+        return RouteRequest(prefix=prefixes[salt].hashes, block_tokens=16)
+    policy.record(route("tenant-a"), 0)
+    assert policy.gpu_tokens(route("tenant-a"), 0) == 288 and policy.pool_tokens(route("tenant-a")) == 256
+    for other in ("tenant-b", None):
+        assert policy.gpu_tokens(route(other), 0) == 0 and policy.pool_tokens(route(other)) == 0
+
+
+@pytest.mark.parametrize("salt", ["", 3, ["a"], "x" * 1025])
+def test_a_malformed_salt_has_no_routing_key(salt: object) -> None:
+    body = {"prompt": list(range(64)), "cache_salt": salt}
+    assert RoutingKeys(None, 16).prefix_of(COMPLETIONS, body) == Prefix()
