@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -130,7 +130,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from kvshare.bench.stats import BootstrapSpec
 
     console = Console()
-    log = Path(tempfile.gettempdir()) / f"kvshare-bench-up-{os.getpid()}.log"
+    # The cluster's output is kept only when the run fails, where the error message points to it.
+    log_dir = Path(tempfile.mkdtemp(prefix="kvshare-bench-")) if args.up is not None else None
+    log = (log_dir or Path(tempfile.gettempdir())) / "up.log"
     try:
         workload = args.make_workload(args)
         spec = BootstrapSpec(args.resamples, seed=args.seed)
@@ -143,12 +145,18 @@ def run_bench_command(args: argparse.Namespace) -> int:
             run = run_with_progress(workload, target.url, options, console)
         report(run, options, Outputs(args.json, args.markdown, args.plot), console)
     except BENCH_ERRORS as error:
-        console.print(f"[red]kvshare bench:[/red] {error}")
+        console.print(f"[red]kvshare bench:[/red] {error}" + _log_note(log_dir, log))
         return 2 if isinstance(error, ValueError) else 1
     except RuntimeError as error:  # the cluster did not start (kvshare.serve.launcher)
-        console.print(f"[red]kvshare bench:[/red] {error}\n(cluster output: {log})")
+        console.print(f"[red]kvshare bench:[/red] {error}" + _log_note(log_dir, log))
         return 1
+    if log_dir is not None:
+        shutil.rmtree(log_dir, ignore_errors=True)
     return 0
+
+
+def _log_note(log_dir: Path | None, log: Path) -> str:
+    return f"\n(cluster output kept in {log})" if log_dir is not None and log.exists() else ""
 
 
 def run_demo_command(args: argparse.Namespace) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import shlex
 import tempfile
 import time
 import uuid
@@ -61,9 +60,11 @@ def _environment(args: argparse.Namespace, wanted: list[str]) -> Iterator[tuple[
         target = args.target
         pool: _Pool | None = _Pool(args.pool) if args.pool else None
         if args.up is not None or ("regression" in wanted and target is None):
-            from kvshare.serve.launcher import Cluster, UpConfig
+            from kvshare.bench.cluster import up_config
+            from kvshare.serve.launcher import Cluster
 
-            cluster = stack.enter_context(Cluster(UpConfig.from_args(shlex.split(args.up or ""))))
+            # Free ports unless ARGS names --port: a fixed port may be taken on this host.
+            cluster = stack.enter_context(Cluster(up_config(args.up or "")))
             target = cluster.url
             pool = pool or _Pool(cluster.pool_address, cluster.stop_pool, cluster.start_pool)
         if pool is None and any(c != "regression" for c in wanted):

@@ -94,3 +94,49 @@ def test_stores_that_never_commit_in_time_are_flagged(fake: RunningFake, tmp_pat
     text = md.read_text()
     assert "warning: 1 requests were sent after waiting the whole settle timeout (0.05 s)" in text
     assert "| 0.0%/0.0% |" in text  # and indeed the ON follow-up found nothing in the pool
+
+
+def _fake_up(url: str | None, logs: list[Path]) -> object:
+    """A cluster_target that writes to its log and yields `url`, or fails to start (url None)."""
+    from collections.abc import Iterator
+    from contextlib import contextmanager
+
+    from kvshare.bench.cluster import Target
+
+    @contextmanager
+    def cluster_target(target: str | None, up_args: str | None, log: Path) -> Iterator[Target]:
+        logs.append(log)
+        log.write_text("replica output\n")
+        if url is None:
+            raise RuntimeError("replica 0 exited with status 1")
+        yield Target(url, None)
+
+    return cluster_target
+
+
+def test_the_cluster_log_is_removed_after_a_good_run(fake: RunningFake, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from kvshare.bench import cluster
+
+    logs: list[Path] = []
+    monkeypatch.setattr(cluster, "cluster_target", _fake_up(fake.url, logs))
+    assert main(["bench", "cross-replica", "--up", "", "--lengths", "16", "--requests-per-block", "1",
+                 "--design", "OFF-ON", "--resamples", "50"]) == 0
+    assert len(logs) == 1 and not logs[0].exists() and not logs[0].parent.exists()
+
+
+def test_the_cluster_log_is_kept_and_named_when_the_run_fails(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvshare.bench import cluster
+
+    logs: list[Path] = []
+    monkeypatch.setattr(cluster, "cluster_target", _fake_up(None, logs))
+    assert main(["bench", "cross-replica", "--up", "", "--lengths", "16"]) == 1
+    out = capsys.readouterr().out.replace("\n", "")
+    try:
+        assert logs[0].read_text() == "replica output\n"
+        assert str(logs[0]) in out
+    finally:
+        logs[0].unlink()
+        logs[0].parent.rmdir()
