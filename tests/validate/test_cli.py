@@ -3,13 +3,29 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 from types import TracebackType
 
 import pytest
+import torch
 
+from kvshare.cli import main
 from kvshare.serve import launcher
 from kvshare.serve.launcher import UpConfig
 from kvshare.validate import cli as validate_cli
+from kvshare.validate import corruption
+from kvshare.validate.capacity import pool_geometry
+from kvshare.validate.corruption import run_corruption_check
+from tests.kvpool.pool_fixture import MIB, PoolFactory
+
+GIB = 1 << 30
+
+
+@pytest.fixture
+def pools() -> Iterator[PoolFactory]:
+    factory = PoolFactory()
+    yield factory
+    factory.close()
 
 
 class _FakeCluster:
@@ -52,3 +68,38 @@ def test_an_explicit_port_in_up_args_wins(monkeypatch: pytest.MonkeyPatch) -> No
     with validate_cli._environment(_args(up="--port 9300"), ["regression"]):
         pass
     assert started[0].port == 9300
+
+
+def test_a_gemma3_27b_corruption_run_gets_a_pool_that_holds_all_its_pages() -> None:
+    """The H200 failure: 17 pages of 124 MiB do not fit the default 2 GiB (8 slabs of 2 pages)."""
+    (need,) = corruption.pool_needs("gemma3-27b", torch.bfloat16)
+    assert (need.payload_bytes, need.pages) == (124 * MIB, 17)
+    assert need.pages_held(2 * GIB, 256 * MIB) == 16
+    size, slab = pool_geometry([need], 2 * GIB)
+    assert need.pages_held(size, slab) >= 17 and size <= 3 * GIB
+
+
+def test_checks_size_the_pool_they_start_from_what_they_store(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """tiny-gemma3 pages (384 KiB) overflow a 1 MiB pool: 17 corrupted pages, 6-chunk prefixes."""
+    code = main(["validate", "bytes", "corruption", "faults", "--pool-size", "1MiB", "--trials", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "not found by lookup" not in out
+
+
+def test_a_given_pool_too_small_for_a_check_is_refused_not_failed(
+    pools: PoolFactory, capsys: pytest.CaptureFixture[str],
+) -> None:
+    pool = pools.start(pools.config(size_bytes=2 * MIB, slab_bytes=MIB))
+    assert main(["validate", "corruption", "--pool", pool.address]) == 2
+    out = capsys.readouterr().out
+    assert "holds 4 of the 17 pages of 384 KiB this check keeps at once" in out
+    assert "failed" not in out
+
+
+def test_corruption_on_a_pool_that_evicts_its_pages_is_inconclusive(pools: PoolFactory) -> None:
+    pool = pools.start(pools.config(size_bytes=2 * MIB, slab_bytes=MIB))
+    result = run_corruption_check(pool.address, pages=16)
+    assert not result.failures and result.skipped.startswith("inconclusive: the pool evicted page 0")
