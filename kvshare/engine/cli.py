@@ -15,12 +15,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights-seed", type=int, default=0, help="seed of shape:NAME random weights")
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096,
                         help="token budget of one engine step (prefill chunk size)")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one engine step")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + output in tokens (default: the model's context length)")
     parser.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB")
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.9,
                         help="share of the GPU this replica may use (weights + cache)")
-    parser.add_argument("--attention-backend", default="auto", choices=("auto", "sdpa", "varlen"))
+    parser.add_argument("--attention-backend", default="auto", choices=("auto", "sdpa", "varlen"),
+                        help="attention kernel (auto: varlen on CUDA in bfloat16/float16, else sdpa)")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:
@@ -44,10 +46,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_arguments(parser)
     parser.add_argument("prompt", help="the prompt text")
     parser.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest token set of this probability")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     parser.add_argument("--kv-pool", default=None, help="unix:/path/to/pool.sock")
     parser.set_defaults(func=_generate)
 

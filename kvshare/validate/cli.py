@@ -35,13 +35,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("validate", help="prove shared KV is byte-exact and answers are unchanged")
     parser.add_argument("checks", nargs="*", default=["all"], help=f"any of {', '.join(CHECKS)}, or all")
     parser.add_argument("--pool", default=None, help="unix:PATH of a running pool (default: start one)")
-    parser.add_argument("--pool-size", default="2GiB")
+    parser.add_argument("--pool-size", default="2GiB",
+                        help="least size of a pool started here (grown to what the checks keep)")
     parser.add_argument("--target", default=None, help="router URL for the regression check")
     parser.add_argument("--up", default=None, help='start `kvshare up` with these args, e.g. "--replicas 2"')
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the checks' KV caches live")
     parser.add_argument("--shape", default=None, help="page layout of bytes/corruption (a shape preset)")
-    parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--num-chunks", type=int, default=6)
+    parser.add_argument("--trials", type=int, default=20, help="store/restore trials of the bytes check")
+    parser.add_argument("--num-chunks", type=int, default=6, help="pool pages per bytes-check trial")
     parser.add_argument("--json", default=None, help="write every check's counts here")
     # Test-only: remove one stream dependency / ignore checksums, to prove the checks catch it.
     parser.add_argument("--unsafe-break-stream-order", choices=("store", "load"), default="",
