@@ -8,10 +8,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import kvshare
+from kvshare import preflight
 from kvshare.cli import build_parser, main
 from kvshare.cli_env import parsers
+from kvshare.models import loader
 from tests.kvpool.pool_fixture import REPO_ROOT, child_env
 
 
@@ -82,3 +85,50 @@ def test_the_environment_reaches_the_installed_command() -> None:
     done = _kvshare("serve", "--help", env={"KVSHARE_PORT": "9000"})
     assert done.returncode == 0 and "(default: 9000)" in " ".join(done.stdout.split())
     assert isinstance(build_parser({}), argparse.ArgumentParser)
+
+
+_NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+
+
+@_NO_CUDA
+@pytest.mark.parametrize("argv", [
+    ["generate", "--device", "cuda", "hi"],
+    ["serve", "--device", "cuda"],
+    ["up", "--device", "cuda", "--replicas", "1"],
+    ["validate", "bytes", "--device", "cuda"],
+    ["bench", "cross-replica", "--up=--device cuda"],
+])
+def test_a_missing_gpu_fails_in_one_line_without_a_traceback(argv: list[str]) -> None:
+    done = _kvshare(*argv)
+    output = (done.stdout + done.stderr).strip().splitlines()
+    assert done.returncode == 2, output
+    assert "Traceback" not in done.stderr
+    assert len(output) == 1 and "--device cuda: no CUDA GPU is usable here" in output[0], output
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--model", "shape:qwen3-8b", "hi"],
+    ["serve", "--model", "shape:qwen3-8b"],
+    ["up", "--model", "shape:qwen3-8b", "--replicas", "1"],
+])
+def test_a_model_larger_than_memory_fails_before_loading(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(preflight, "available_bytes", lambda device: 24 << 30)
+    monkeypatch.setattr(loader, "load_model", _must_not_load)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "shape:qwen3-8b needs about 31.51 GiB (weights 30.51 GiB in float32 + KV cache 1 GiB)" in err
+    assert "but cpu has 24 GiB RAM available" in err
+
+
+def test_a_model_that_fits_passes_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(preflight, "available_bytes", lambda device: 24 << 30)
+    preflight.check_model_fits("shape:qwen3-8b", "cpu", "bfloat16")
+    with pytest.raises(ValueError, match="2 x"):
+        preflight.check_model_fits("shape:qwen3-8b", "cpu", "bfloat16", engines=2)
+
+
+def _must_not_load(*args: object, **kwargs: object) -> None:
+    raise AssertionError("the model was loaded")

@@ -125,10 +125,12 @@ def _shared_prefix(args: argparse.Namespace) -> Workload:
 
 def run_bench_command(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
-    from kvshare.bench.cluster import cluster_target
+    from kvshare.bench.cluster import cluster_target, up_config
     from kvshare.bench.driver import BENCH_ERRORS, BenchOptions, Outputs, report, run_with_progress
     from kvshare.bench.stats import BootstrapSpec
+    from kvshare.preflight import check_up
 
     console = Console()
     # The cluster's output is kept only when the run fails, where the error message points to it.
@@ -139,17 +141,21 @@ def run_bench_command(args: argparse.Namespace) -> int:
         spec = BootstrapSpec(args.resamples, seed=args.seed)
         command = shlex.join(["kvshare", *sys.argv[1:]])
         if args.up is not None:
-            console.print(f"starting the cluster (kvshare up {args.up}); its output goes to {log}")
+            check_up(up_config(args.up))  # before announcing a cluster that cannot start
+            console.print(f"starting the cluster (kvshare up {escape(args.up)}); its output goes to {log}",
+                          soft_wrap=True)
         with cluster_target(args.target, args.up, log) as target:
             options = BenchOptions(args.design, args.seed, spec, args.model or target.model,
                                    args.timeout, command, args.settle_timeout)
             run = run_with_progress(workload, target.url, options, console)
         report(run, options, Outputs(args.json, args.markdown, args.plot), console)
     except BENCH_ERRORS as error:
-        console.print(f"[red]kvshare bench:[/red] {error}" + _log_note(log_dir, log))
+        console.print(f"[red]kvshare bench:[/red] {escape(str(error))}" + _log_note(log_dir, log),
+                      soft_wrap=True)
         return 2 if isinstance(error, ValueError) else 1
     except RuntimeError as error:  # the cluster did not start (kvshare.serve.launcher)
-        console.print(f"[red]kvshare bench:[/red] {error}" + _log_note(log_dir, log))
+        console.print(f"[red]kvshare bench:[/red] {escape(str(error))}" + _log_note(log_dir, log),
+                      soft_wrap=True)
         return 1
     if log_dir is not None:
         shutil.rmtree(log_dir, ignore_errors=True)
@@ -157,7 +163,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 
 def _log_note(log_dir: Path | None, log: Path) -> str:
-    return f"\n(cluster output kept in {log})" if log_dir is not None and log.exists() else ""
+    """Where the failed run's cluster output is kept (none: the cluster never started)."""
+    if log_dir is None:
+        return ""
+    if log.exists():
+        return f"\n(cluster output kept in {log})"
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return ""
 
 
 def run_demo_command(args: argparse.Namespace) -> int:

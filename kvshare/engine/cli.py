@@ -41,6 +41,13 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def check_engine_fits(args: argparse.Namespace) -> None:
+    """The device exists and the model fits in it (ValueError: one sentence saying why not)."""
+    from kvshare.preflight import check_model_fits
+
+    check_model_fits(args.model, args.device, args.dtype, engine_options(args)["kv_cache_memory"])  # type: ignore[arg-type]
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("generate", help="generate text for one prompt")
     add_model_arguments(parser)
@@ -56,6 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     from kvshare import LLM, SamplingParams
 
@@ -63,6 +71,7 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, seed=args.seed)
+        check_engine_fits(args)
         start = time.monotonic()
         llm = LLM(args.model, kv_pool=args.kv_pool, **engine_options(args))  # type: ignore[arg-type]
         console.print(f"[dim]loaded {llm.loaded.name} in {time.monotonic() - start:.1f} s[/dim]")
@@ -72,7 +81,7 @@ def _generate(args: argparse.Namespace) -> int:
         else:
             out = llm.generate([args.prompt], params)[0]
     except (ValueError, FileNotFoundError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
         return 2
     print(out.text)
     console.print(

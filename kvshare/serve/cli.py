@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from kvshare.engine.cli import add_model_arguments, engine_options
+from kvshare.engine.cli import add_model_arguments, check_engine_fits, engine_options
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -106,6 +106,7 @@ def run_serve(args: argparse.Namespace) -> int:
                              parse_size(args.max_body_bytes))
         unsafe = {"break_order": args.unsafe_break_stream_order, "load_delay": args.unsafe_load_delay,
                   "verify": not args.unsafe_skip_checksums}
+        check_engine_fits(args)
         llm = LLM(args.model, kv_pool=pool, chunk_tokens=args.chunk_tokens, kv_pool_options=unsafe,
                   **engine_options(args))  # type: ignore[arg-type]
     except (ValueError, FileNotFoundError) as exc:
@@ -186,10 +187,12 @@ def up_config(args: argparse.Namespace) -> UpConfig:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    from kvshare.preflight import check_up
     from kvshare.serve.launcher import Cluster
 
     try:
         config = up_config(args)
+        check_up(config)
     except ValueError as exc:
         print(f"kvshare up: {exc}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+    from rich.console import Console
 
     from kvshare.validate.bytes_check import BytesCheckConfig
     from kvshare.validate.capacity import PoolNeed
@@ -75,10 +76,13 @@ def _environment(args: argparse.Namespace, wanted: list[str]) -> Iterator[tuple[
         pool: _Pool | None = _Pool(args.pool) if args.pool else None
         if args.up is not None or ("regression" in wanted and target is None):
             from kvshare.bench.cluster import up_config
+            from kvshare.preflight import check_up
             from kvshare.serve.launcher import Cluster
 
             # Free ports unless ARGS names --port: a fixed port may be taken on this host.
-            cluster = stack.enter_context(Cluster(up_config(args.up or "")))
+            config = up_config(args.up or "")
+            check_up(config)
+            cluster = stack.enter_context(Cluster(config))
             target = cluster.url
             pool = pool or _Pool(cluster.pool_address, cluster.stop_pool, cluster.start_pool)
         if pool is None and any(c != "regression" for c in wanted):
@@ -190,7 +194,7 @@ def _checked(name: str, args: argparse.Namespace, pool: _Pool | None, target: st
 def _validate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from kvshare.bench.report import Table, print_table
+    from kvshare.preflight import check_device
 
     wanted = list(CHECKS) if "all" in args.checks else [c for c in CHECKS if c in args.checks]
     wanted += [c for c in args.checks if c not in CHECKS and c != "all"]
@@ -199,6 +203,17 @@ def _validate(args: argparse.Namespace) -> int:
     if unknown:
         console.print(f"[red]unknown check(s): {', '.join(unknown)}[/red]; choose from {', '.join(CHECKS)}")
         return 2
+    try:
+        check_device(args.device)
+        return _run_checks(args, wanted, console)
+    except ValueError as exc:  # a device, or a cluster (--up), this machine does not have
+        console.print(f"kvshare validate: {exc}", markup=False, highlight=False)
+        return 2
+
+
+def _run_checks(args: argparse.Namespace, wanted: list[str], console: Console) -> int:
+    from kvshare.bench.report import Table, print_table
+
     # Piped or logged, a spinner shows nothing: one line per check start and end instead.
     lines = not console.is_terminal
     results, seconds, refused = [], {}, set()
