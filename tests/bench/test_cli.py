@@ -140,3 +140,32 @@ def test_the_cluster_log_is_kept_and_named_when_the_run_fails(
     finally:
         logs[0].unlink()
         logs[0].parent.rmdir()
+
+
+def test_a_plot_of_one_length_labels_values_counts_and_the_ratio(
+    fake: RunningFake, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    from kvshare.bench import driver, plots
+
+    plotted: list[tuple] = []
+    monkeypatch.setattr(driver, "plot_run", lambda run, comparisons, path: plotted.append((run, comparisons)))
+    assert main(["bench", "cross-replica", "--target", fake.url, "--lengths", "16", "--requests-per-block",
+                 "2", "--resamples", "50", "--plot", str(tmp_path / "p.png")]) == 0
+    run, comparisons = plotted[0]
+    (point,) = comparisons
+    texts = [t.get_text() for t in plots.plot_figure(run, comparisons).axes[0].texts]
+    assert f"{point.off.value:.3g} s (n={point.counts[0]})" in texts
+    assert f"{point.on.value:.3g} s (n={point.counts[1]})" in texts
+    r = point.ratio
+    assert f"ON/OFF {r.value:.3g} [{r.low:.3g}, {r.high:.3g}]" in texts
+
+
+def test_piped_output_is_markdown_with_whole_cells(fake: RunningFake, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "cross-replica", "--target", fake.url, "--lengths", "16", "--requests-per-block",
+                 "1", "--design", "OFF-ON", "--resamples", "50"]) == 0
+    out = capsys.readouterr().out
+    header = ("| metric | series | context tokens | OFF median [95%] | ON median [95%] | ON/OFF [95%] "
+              "| block medians | n OFF/ON | pool hit OFF/ON |")
+    assert header in out.splitlines()
+    row = next(line for line in out.splitlines() if line.startswith("| ttft_s |"))
+    assert len(row.split("|")) == 11 and "…" not in out

@@ -103,3 +103,16 @@ def test_corruption_on_a_pool_that_evicts_its_pages_is_inconclusive(pools: PoolF
     pool = pools.start(pools.config(size_bytes=2 * MIB, slab_bytes=MIB))
     result = run_corruption_check(pool.address, pages=16)
     assert not result.failures and result.skipped.startswith("inconclusive: the pool evicted page 0")
+
+
+def test_piped_output_has_progress_lines_and_a_markdown_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "pool-fill", "faults", "--pool-size", "8MiB"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == ["validate pool-fill: started", lines[1]] and lines[1].startswith(
+        "validate pool-fill: passed (")
+    assert "validate faults: started" in lines
+    assert any(line.startswith("validate faults.daemon_restart: passed (") for line in lines)
+    assert "| check | status | counts | seconds |" in lines
+    row = next(line for line in lines if line.startswith("| pool-fill | passed |"))
+    # Every count, whole; 16 MiB: the pool grew to hold the 8 pages of 1 MiB of the faults check.
+    assert "verified_bytes=" in row and "arena_bytes=16777216 |" in row
