@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from collections.abc import Mapping
+
+from kvshare import __version__
+from kvshare.cli_env import apply_conventions
 
 # Each module here defines `register(subparsers)`, which adds its subcommands and sets
 # `func` on them. Handlers import heavy modules (torch) themselves, so `kvshare --help`
@@ -18,19 +23,27 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand; flag defaults come from `environ` (default: os.environ)."""
     parser = argparse.ArgumentParser(
         prog="kvshare",
         description="Share prefix KV cache between LLM inference replicas through one host-memory pool.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name in SUBCOMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
+    apply_conventions(parser, os.environ if environ is None else environ)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()
+    except ValueError as error:  # a KVSHARE_* variable that cannot be a flag's value
+        print(f"kvshare: {error}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

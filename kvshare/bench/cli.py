@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -63,8 +63,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _common(cross)
     cross.add_argument("--lengths", type=_int_list, default=(1024, 2048, 4096), help="context tokens")
     cross.add_argument("--requests-per-block", type=int, default=8, help="follow-ups per length")
-    cross.add_argument("--question-tokens", type=int, default=32)
-    cross.add_argument("--output-tokens", type=int, default=8)
+    cross.add_argument("--question-tokens", type=int, default=32, help="tokens of each follow-up question")
+    cross.add_argument("--output-tokens", type=int, default=8, help="tokens each request generates")
     cross.add_argument("--replica-a", type=int, default=0, help="replica A, which prefills the context")
     cross.add_argument("--replica-b", type=int, default=1,
                        help="replica B, which is measured (may equal A: caches are reset between)")
@@ -75,28 +75,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sessions = workloads.add_parser("sessions", help="multi-turn sessions that resend their history")
     _common(sessions)
     sessions.add_argument("--sessions", type=int, default=4, help="per placement per block")
-    sessions.add_argument("--turns", type=int, default=6)
+    sessions.add_argument("--turns", type=int, default=6, help="turns per session")
     sessions.add_argument("--context", type=int, default=4096, help="tokens of the first turn's document")
-    sessions.add_argument("--question-tokens", type=int, default=32)
-    sessions.add_argument("--output-tokens", type=int, default=32)
-    sessions.add_argument("--placement", choices=("alternate", "fixed", "both"), default="both")
+    sessions.add_argument("--question-tokens", type=int, default=32, help="tokens of each turn's question")
+    sessions.add_argument("--output-tokens", type=int, default=32, help="tokens each turn generates")
+    sessions.add_argument("--placement", choices=("alternate", "fixed", "both"), default="both",
+                          help="turns alternate between replicas, stay on one, or both kinds of session")
     sessions.set_defaults(make_workload=_sessions)
 
     shared = workloads.add_parser("shared-prefix", help="concurrent users over a few shared documents")
     _common(shared)
-    shared.add_argument("--documents", type=int, default=4)
+    shared.add_argument("--documents", type=int, default=4, help="shared documents per block")
     shared.add_argument("--users", type=int, default=64, help="questions per block, one per user")
-    shared.add_argument("--concurrency", type=int, default=8)
-    shared.add_argument("--doc-tokens", type=int, default=4096)
-    shared.add_argument("--question-tokens", type=int, default=32)
-    shared.add_argument("--output-tokens", type=int, default=16)
+    shared.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    shared.add_argument("--doc-tokens", type=int, default=4096, help="tokens per document")
+    shared.add_argument("--question-tokens", type=int, default=32, help="tokens of each question")
+    shared.add_argument("--output-tokens", type=int, default=16, help="tokens each answer generates")
     shared.set_defaults(make_workload=_shared_prefix)
 
     demo = subparsers.add_parser(
         "demo", help="start the default cluster and show what the shared pool does (minutes, CPU)")
     demo.add_argument("--out", type=Path, default=Path("kvshare-demo"), help="folder for the results")
     demo.add_argument("--up", metavar="ARGS", default="", help="`kvshare up` arguments (default: none)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="prompts and request order")
     demo.set_defaults(func=run_demo_command)
 
 
@@ -124,31 +125,51 @@ def _shared_prefix(args: argparse.Namespace) -> Workload:
 
 def run_bench_command(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
-    from kvshare.bench.cluster import cluster_target
+    from kvshare.bench.cluster import cluster_target, up_config
     from kvshare.bench.driver import BENCH_ERRORS, BenchOptions, Outputs, report, run_with_progress
     from kvshare.bench.stats import BootstrapSpec
+    from kvshare.preflight import check_up
 
     console = Console()
-    log = Path(tempfile.gettempdir()) / f"kvshare-bench-up-{os.getpid()}.log"
+    # The cluster's output is kept only when the run fails, where the error message points to it.
+    log_dir = Path(tempfile.mkdtemp(prefix="kvshare-bench-")) if args.up is not None else None
+    log = (log_dir or Path(tempfile.gettempdir())) / "up.log"
     try:
         workload = args.make_workload(args)
         spec = BootstrapSpec(args.resamples, seed=args.seed)
         command = shlex.join(["kvshare", *sys.argv[1:]])
         if args.up is not None:
-            console.print(f"starting the cluster (kvshare up {args.up}); its output goes to {log}")
+            check_up(up_config(args.up))  # before announcing a cluster that cannot start
+            console.print(f"starting the cluster (kvshare up {escape(args.up)}); its output goes to {log}",
+                          soft_wrap=True)
         with cluster_target(args.target, args.up, log) as target:
             options = BenchOptions(args.design, args.seed, spec, args.model or target.model,
                                    args.timeout, command, args.settle_timeout)
             run = run_with_progress(workload, target.url, options, console)
         report(run, options, Outputs(args.json, args.markdown, args.plot), console)
     except BENCH_ERRORS as error:
-        console.print(f"[red]kvshare bench:[/red] {error}")
+        console.print(f"[red]kvshare bench:[/red] {escape(str(error))}" + _log_note(log_dir, log),
+                      soft_wrap=True)
         return 2 if isinstance(error, ValueError) else 1
     except RuntimeError as error:  # the cluster did not start (kvshare.serve.launcher)
-        console.print(f"[red]kvshare bench:[/red] {error}\n(cluster output: {log})")
+        console.print(f"[red]kvshare bench:[/red] {escape(str(error))}" + _log_note(log_dir, log),
+                      soft_wrap=True)
         return 1
+    if log_dir is not None:
+        shutil.rmtree(log_dir, ignore_errors=True)
     return 0
+
+
+def _log_note(log_dir: Path | None, log: Path) -> str:
+    """Where the failed run's cluster output is kept (none: the cluster never started)."""
+    if log_dir is None:
+        return ""
+    if log.exists():
+        return f"\n(cluster output kept in {log})"
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return ""
 
 
 def run_demo_command(args: argparse.Namespace) -> int:

@@ -38,8 +38,10 @@ def cluster_target(target: str | None, up_args: str | None, log: Path) -> Iterat
         yield Target(target, None)
         return
     # Imported here: benchmarking a running cluster needs nothing from kvshare.serve.
+    from kvshare.preflight import check_up
     from kvshare.serve.launcher import Cluster
 
     config = up_config(up_args or "")
+    check_up(config)
     with log.open("a") as stream, Cluster(config, log=stream) as cluster:
         yield Target(cluster.url, config.model)

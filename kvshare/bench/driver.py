@@ -19,7 +19,7 @@ from kvshare.bench.design import Design
 from kvshare.bench.plots import plot_run
 from kvshare.bench.progress import RichObserver, new_progress
 from kvshare.bench.records import BenchRun, RunInfo
-from kvshare.bench.report import markdown, tables, unsettled_warning, write_json
+from kvshare.bench.report import markdown, print_table, tables, unsettled_warning, write_json
 from kvshare.bench.runner import Observer, Workload, run_design
 from kvshare.bench.stats import BootstrapSpec
 from kvshare.bench.summary import Comparison, compare
@@ -98,7 +98,7 @@ def report(run: BenchRun, options: BenchOptions, outputs: Outputs, console: Cons
     """Print the tables and write the files asked for; returns the comparisons."""
     comparisons = compare(run.blocks, run.info.design, options.bootstrap)
     for table in tables(run, comparisons, options.bootstrap):
-        console.print(table.rich())
+        print_table(console, table)
     if warning := unsettled_warning(run):
         console.print(f"[yellow]{warning}[/yellow]")
     if outputs.json:

@@ -24,6 +24,10 @@ _STYLE = {OFF: {"linestyle": "--", "marker": "o"}, "ON": {"linestyle": "-", "mar
 
 
 def plot_run(run: BenchRun, comparisons: Sequence[Comparison], path: Path) -> None:
+    plot_figure(run, comparisons).savefig(path, dpi=120)
+
+
+def plot_figure(run: BenchRun, comparisons: Sequence[Comparison]) -> Figure:
     # A bare Figure renders with the Agg canvas: no pyplot, no global figure registry, no display.
     fig = Figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.subplots()
@@ -36,27 +40,40 @@ def plot_run(run: BenchRun, comparisons: Sequence[Comparison], path: Path) -> No
     ax.set_title(f"kvshare {run.info.workload} ({run.info.model}, {run.info.design.label})")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 def _curves(ax: Axes, curves: Sequence[Comparison], log_x: bool) -> None:
     for series in dict.fromkeys(c.series for c in curves):
         for condition in CONDITIONS:
-            points = [(c.x, c.off if condition == OFF else c.on) for c in curves if c.series == series]
-            points = [(x, e) for x, e in points if e is not None]
+            points = [(c, c.off if condition == OFF else c.on) for c in curves if c.series == series]
+            points = [(c, e) for c, e in points if e is not None]
             if not points:
                 continue
-            xs = np.array([x for x, _ in points], dtype=float)
+            xs = np.array([c.x for c, _ in points], dtype=float)
             ys = np.array([e.value for _, e in points])
             err = np.array([[e.value - e.low for _, e in points], [e.high - e.value for _, e in points]])
             ax.errorbar(xs, ys, yerr=err, capsize=3, label=f"{series}, pool {condition}",
                         **_STYLE[condition])
+            # Values on the points: a log axis labels few ticks, and a point may fall between them.
+            n = 0 if condition == OFF else 1
+            for (c, e), x in zip(points, xs):
+                ax.annotate(f"{e.value:.3g} s (n={c.counts[n]})", (x, e.value), textcoords="offset points",
+                            xytext=(6, 4 if condition == OFF else -12), fontsize=8)
+        for c in curves:
+            if c.series == series and c.ratio is not None and c.on is not None:
+                r = c.ratio
+                ax.annotate(f"ON/OFF {r.value:.3g} [{r.low:.3g}, {r.high:.3g}]", (float(c.x or 0), c.on.value),
+                            textcoords="offset points", xytext=(6, -24), fontsize=8)
+    xs = sorted({c.x for c in curves if c.x is not None})
     if log_x:
         ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({c.x for c in curves if c.x is not None}))
+        ax.set_xticks(xs)
         ax.xaxis.set_major_formatter(_PLAIN)
     else:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if len(xs) == 1:  # one point per curve: room for its labels on the right
+        ax.set_xlim(xs[0] / 1.5 if log_x else xs[0] - 1, xs[0] * 2.5 if log_x else xs[0] + 2)
     _log_seconds(ax, "y")
     ax.set_ylabel("median TTFT, s (95% interval)")
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
 from rich.table import Table as RichTable
 
 from kvshare.bench.records import BenchRun, RequestRecord
@@ -34,7 +35,8 @@ class Table:
     def rich(self) -> RichTable:
         table = RichTable(title=self.title)
         for i, header in enumerate(self.headers):
-            table.add_column(header, justify="left" if i < 2 else "right")
+            # fold: a narrow terminal wraps a cell over lines rather than cutting it short.
+            table.add_column(header, justify="left" if i < 2 else "right", overflow="fold")
         for row in self.rows:
             table.add_row(*row)
         return table
@@ -44,6 +46,14 @@ class Table:
                  "|" + "|".join("---" if i < 2 else "---:" for i in range(len(self.headers))) + "|"]
         lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in self.rows]
         return "\n".join(lines)
+
+
+def print_table(console: Console, table: Table) -> None:
+    """A rich table in a terminal; Markdown, every cell whole, when piped or redirected."""
+    if console.is_terminal:
+        console.print(table.rich())
+    else:
+        console.print(table.markdown() + "\n", markup=False, highlight=False, soft_wrap=True)
 
 
 def seconds(value: float | None) -> str:

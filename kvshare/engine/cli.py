@@ -15,12 +15,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights-seed", type=int, default=0, help="seed of shape:NAME random weights")
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096,
                         help="token budget of one engine step (prefill chunk size)")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one engine step")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + output in tokens (default: the model's context length)")
     parser.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB")
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.9,
                         help="share of the GPU this replica may use (weights + cache)")
-    parser.add_argument("--attention-backend", default="auto", choices=("auto", "sdpa", "varlen"))
+    parser.add_argument("--attention-backend", default="auto", choices=("auto", "sdpa", "varlen"),
+                        help="attention kernel (auto: varlen on CUDA in bfloat16/float16, else sdpa)")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:
@@ -39,21 +41,29 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def check_engine_fits(args: argparse.Namespace) -> None:
+    """The device exists and the model fits in it (ValueError: one sentence saying why not)."""
+    from kvshare.preflight import check_model_fits
+
+    check_model_fits(args.model, args.device, args.dtype, engine_options(args)["kv_cache_memory"])  # type: ignore[arg-type]
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("generate", help="generate text for one prompt")
     add_model_arguments(parser)
     parser.add_argument("prompt", help="the prompt text")
     parser.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest token set of this probability")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     parser.add_argument("--kv-pool", default=None, help="unix:/path/to/pool.sock")
     parser.set_defaults(func=_generate)
 
 
 def _generate(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     from kvshare import LLM, SamplingParams
 
@@ -61,6 +71,7 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, seed=args.seed)
+        check_engine_fits(args)
         start = time.monotonic()
         llm = LLM(args.model, kv_pool=args.kv_pool, **engine_options(args))  # type: ignore[arg-type]
         console.print(f"[dim]loaded {llm.loaded.name} in {time.monotonic() - start:.1f} s[/dim]")
@@ -70,7 +81,7 @@ def _generate(args: argparse.Namespace) -> int:
         else:
             out = llm.generate([args.prompt], params)[0]
     except (ValueError, FileNotFoundError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
         return 2
     print(out.text)
     console.print(

@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pool.add_argument("--slab-size", default="1GiB", help="slab size (default: 1GiB)")
     pool.add_argument("--preallocate", action="store_true",
                       help="allocate the whole arena at start (reserves the memory; faster CUDA registration)")
-    pool.add_argument("--log-level", default="INFO", choices=_LOG_LEVELS)
+    pool.add_argument("--log-level", default="INFO", choices=_LOG_LEVELS, help="daemon log verbosity")
     pool.set_defaults(func=run_pool)
 
     stats = subparsers.add_parser("pool-stats", help="show the pool daemon's counters")

@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from kvshare.engine.cli import add_model_arguments, engine_options
+from kvshare.engine.cli import add_model_arguments, check_engine_fits, engine_options
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="serve one model over an OpenAI-compatible HTTP API")
     add_model_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     pool = serve.add_mutually_exclusive_group()
     pool.add_argument("--kv-pool", metavar="unix:PATH",
                       help="the shared pool's socket (default: the per-user default socket)")
@@ -43,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="refuse (400) /v1 requests without a cache_salt: tenants share no prefix cache")
     serve.add_argument("--served-model-name", help="the model name clients send (default: --model)")
     serve.add_argument("--max-body-bytes", default="8MiB", help="largest request body (default: 8MiB)")
-    serve.add_argument("--log-level", default="INFO", choices=_LOG_LEVELS)
+    serve.add_argument("--log-level", default="INFO", choices=_LOG_LEVELS, help="log verbosity")
     # Test-only: break the pool's load ordering so `kvshare validate regression` can show
     # it catches the wrong answers that follow (never use in production).
     serve.add_argument("--unsafe-break-stream-order", choices=("store", "load"), default="",
@@ -55,9 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router = subparsers.add_parser("router", help="route the OpenAI API over several replicas")
     router.add_argument("--replica", action="append", required=True, metavar="URL",
                         help="a replica's base URL (repeat; the order gives replica indexes)")
-    router.add_argument("--policy", default="cache-aware", choices=POLICIES)
-    router.add_argument("--host", default="127.0.0.1")
-    router.add_argument("--port", type=int, default=8080)
+    router.add_argument("--policy", default="cache-aware", choices=POLICIES, help="how a request picks its replica")
+    router.add_argument("--host", default="127.0.0.1", help="address to bind")
+    router.add_argument("--port", type=int, default=8080, help="port to listen on")
     router.add_argument("--model", help="the served model, for its tokenizer and chat template "
                         "(routing keys); without one, keys hash the raw prompt text")
     router.add_argument("--block-tokens", type=int, default=16, help="routing-key block size")
@@ -68,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="cache-aware: score cost of one request in flight, in tokens")
     router.add_argument("--health-interval", type=float, default=1.0, help="seconds between checks")
     add_key_arguments(router)
-    router.add_argument("--log-level", default="INFO", choices=_LOG_LEVELS)
+    router.add_argument("--log-level", default="INFO", choices=_LOG_LEVELS, help="log verbosity")
     router.set_defaults(func=run_router)
 
     up = subparsers.add_parser("up", help="start pool + replicas + router on this host",
@@ -83,16 +83,16 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
 
     add_model_arguments(up)
     up.set_defaults(gpu_memory_fraction=None)  # per replica; default 0.9 / replicas on CUDA
-    up.add_argument("--replicas", type=int, default=2)
-    up.add_argument("--pool-size", default="2GiB")
+    up.add_argument("--replicas", type=int, default=2, help="replicas (engine processes) to start")
+    up.add_argument("--pool-size", default="2GiB", help="shared pool arena size")
     up.add_argument("--pool-preallocate", action="store_true",
                     help="allocate the pool arena at start (reserves the memory; faster CUDA registration)")
     up.add_argument("--no-kv-pool", action="store_true", help="replicas without the shared pool")
-    up.add_argument("--chunk-tokens", type=int, default=256)
-    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--chunk-tokens", type=int, default=256, help="tokens per pool page")
+    up.add_argument("--host", default="127.0.0.1", help="address the router and replicas bind")
     up.add_argument("--port", type=int, default=8080,
                     help="router port; replicas take the next ones (0: any free ports)")
-    up.add_argument("--policy", default="cache-aware", choices=POLICIES)
+    up.add_argument("--policy", default="cache-aware", choices=POLICIES, help="the router's replica choice")
     up.add_argument("--replica-restarts", type=int, default=5, metavar="N",
                     help="restart a replica that exits, with backoff; after N exits in a row each "
                     "within 60 s of its start it stays down (0: never restart; default: 5)")
@@ -140,6 +140,7 @@ def run_serve(args: argparse.Namespace) -> int:
                              cache_salt_required=args.cache_salt_required)
         unsafe = {"break_order": args.unsafe_break_stream_order, "load_delay": args.unsafe_load_delay,
                   "verify": not args.unsafe_skip_checksums}
+        check_engine_fits(args)
         llm = LLM(args.model, kv_pool=pool, chunk_tokens=args.chunk_tokens, kv_pool_options=unsafe,
                   **engine_options(args))  # type: ignore[arg-type]
     except (ValueError, FileNotFoundError) as exc:
@@ -225,10 +226,12 @@ def up_config(args: argparse.Namespace) -> UpConfig:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    from kvshare.preflight import check_up
     from kvshare.serve.launcher import Cluster
 
     try:
         config = up_config(args)
+        check_up(config)
     except ValueError as exc:
         print(f"kvshare up: {exc}", file=sys.stderr)
         return 2

@@ -30,6 +30,7 @@ import torch
 
 from kvshare.kvpool.connector import ConnectorOptions
 from kvshare.models.loader import parse_dtype
+from kvshare.validate.capacity import PoolNeed, kv_page_bytes
 from kvshare.validate.harness import ConnectorHarness
 
 _POISON_STORE = 3.0  # what a stored block holds before the producer writes it
@@ -77,6 +78,11 @@ class TrialResult:
     @property
     def passed(self) -> bool:
         return self.load_ok and self.mismatched_bytes == 0 and self.compared_bytes > 0
+
+
+def pool_needs(config: BytesCheckConfig) -> list[PoolNeed]:
+    """A trial's chunks stay resident from its store to its restore (earlier trials may go)."""
+    return [PoolNeed(kv_page_bytes(config.shape, config.torch_dtype, config.chunk_tokens), config.num_chunks)]
 
 
 def _harness(config: BytesCheckConfig, role: str) -> ConnectorHarness:

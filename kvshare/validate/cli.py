@@ -13,12 +13,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import shlex
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from rich.console import Console
+
+    from kvshare.validate.bytes_check import BytesCheckConfig
+    from kvshare.validate.capacity import PoolNeed
+    from kvshare.validate.result import CheckResult
 
 # Regression runs before faults: the daemon restart in faults disturbs a serving cluster.
 CHECKS = ("bytes", "pool-fill", "corruption", "regression", "faults")
@@ -28,13 +36,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("validate", help="prove shared KV is byte-exact and answers are unchanged")
     parser.add_argument("checks", nargs="*", default=["all"], help=f"any of {', '.join(CHECKS)}, or all")
     parser.add_argument("--pool", default=None, help="unix:PATH of a running pool (default: start one)")
-    parser.add_argument("--pool-size", default="2GiB")
+    parser.add_argument("--pool-size", default="2GiB",
+                        help="least size of a pool started here (grown to what the checks keep)")
     parser.add_argument("--target", default=None, help="router URL for the regression check")
     parser.add_argument("--up", default=None, help='start `kvshare up` with these args, e.g. "--replicas 2"')
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the checks' KV caches live")
     parser.add_argument("--shape", default=None, help="page layout of bytes/corruption (a shape preset)")
-    parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--num-chunks", type=int, default=6)
+    parser.add_argument("--trials", type=int, default=20, help="store/restore trials of the bytes check")
+    parser.add_argument("--num-chunks", type=int, default=6, help="pool pages per bytes-check trial")
     parser.add_argument("--json", default=None, help="write every check's counts here")
     # Test-only: remove one stream dependency / ignore checksums, to prove the checks catch it.
     parser.add_argument("--unsafe-break-stream-order", choices=("store", "load"), default="",
@@ -52,49 +61,103 @@ class _Pool:
 
 @contextlib.contextmanager
 def _environment(args: argparse.Namespace, wanted: list[str]) -> Iterator[tuple[_Pool | None, str | None]]:
-    """The pool and the router URL the checks run against, started here when not given."""
+    """The pool and the router URL the checks run against, started here when not given.
+
+    A pool started here is sized to hold what the largest check keeps at once (at least
+    --pool-size), so that no check finds its own pages evicted.
+    """
     from kvshare.kvpool.launch import PoolProcess, PoolProcessConfig
     from kvshare.kvpool.paths import SHM_DIR
     from kvshare.sizes import parse_size
+    from kvshare.validate.capacity import pool_geometry
 
     with contextlib.ExitStack() as stack:
         target = args.target
         pool: _Pool | None = _Pool(args.pool) if args.pool else None
         if args.up is not None or ("regression" in wanted and target is None):
-            from kvshare.serve.launcher import Cluster, UpConfig
+            from kvshare.bench.cluster import up_config
+            from kvshare.preflight import check_up
+            from kvshare.serve.launcher import Cluster
 
-            cluster = stack.enter_context(Cluster(UpConfig.from_args(shlex.split(args.up or ""))))
+            # Free ports unless ARGS names --port: a fixed port may be taken on this host.
+            config = up_config(args.up or "")
+            check_up(config)
+            cluster = stack.enter_context(Cluster(config))
             target = cluster.url
             pool = pool or _Pool(cluster.pool_address, cluster.stop_pool, cluster.start_pool)
         if pool is None and any(c != "regression" for c in wanted):
+            needs = [need for name in wanted for need in _pool_needs(name, args)]
+            size, slab = pool_geometry(needs, parse_size(args.pool_size))
             folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvs-validate-"))
             process = PoolProcess(PoolProcessConfig(
-                size_bytes=parse_size(args.pool_size), socket_path=f"{folder}/pool.sock",
-                arena_path=f"{SHM_DIR}/kvshare-validate-{uuid.uuid4().hex[:12]}.arena",
-                slab_bytes=min(parse_size(args.pool_size), 256 << 20)))
+                size_bytes=size, socket_path=f"{folder}/pool.sock",
+                arena_path=f"{SHM_DIR}/kvshare-validate-{uuid.uuid4().hex[:12]}.arena", slab_bytes=slab))
             stack.enter_context(process)
             pool = _Pool(process.address, process.stop, process.start)
         yield pool, target
 
 
-def _run_check(name: str, args: argparse.Namespace, pool: _Pool | None, target: str | None) -> list:
+def _shape_and_dtype(args: argparse.Namespace) -> tuple[str, torch.dtype]:
     import torch
 
-    from kvshare.validate.bytes_check import BytesCheckConfig, run_bytes_check, summarize
+    cuda = args.device.startswith("cuda")
+    return args.shape or ("gemma3-27b" if cuda else "tiny-gemma3"), torch.bfloat16 if cuda else torch.float32
+
+
+def _bytes_config(args: argparse.Namespace, pool: str) -> BytesCheckConfig:
+    from kvshare.validate.bytes_check import BytesCheckConfig
+
+    return BytesCheckConfig(pool=pool, shape=_shape_and_dtype(args)[0], device=args.device,
+                            trials=args.trials, num_chunks=args.num_chunks,
+                            break_order=args.unsafe_break_stream_order)
+
+
+def _pool_needs(name: str, args: argparse.Namespace) -> list[PoolNeed]:
+    from kvshare.validate import bytes_check, corruption, faults, pool_fill
+
+    shape, dtype = _shape_and_dtype(args)
+    if name == "bytes":
+        return bytes_check.pool_needs(_bytes_config(args, ""))
+    if name == "corruption":
+        return corruption.pool_needs(shape, dtype)
+    if name == "pool-fill":
+        return pool_fill.pool_needs()
+    if name == "faults":
+        return faults.pool_needs(dtype)
+    return []
+
+
+def _refusal(name: str, args: argparse.Namespace, pool: _Pool | None) -> str | None:
+    """Why the pool cannot hold what check `name` keeps at once (None: it can)."""
+    from kvshare.kvpool.client import PoolClient
+    from kvshare.validate.capacity import shortfall
+
+    needs = _pool_needs(name, args)
+    if pool is None or not needs:
+        return None
+    client = PoolClient(pool.address)
+    try:
+        stats = client.stats()
+    finally:
+        client.close()
+    return next((why for need in needs if (why := shortfall(need, stats))), None)
+
+
+def _run_check(name: str, args: argparse.Namespace, pool: _Pool | None, target: str | None) -> list:
+    from kvshare.validate.bytes_check import run_bytes_check, summarize
     from kvshare.validate.corruption import run_corruption_check
     from kvshare.validate.faults import run_killed_writer_check, run_restart_check
     from kvshare.validate.pool_fill import run_pool_fill_check
     from kvshare.validate.regression import run_regression_check
     from kvshare.validate.result import CheckResult
 
-    cuda = args.device.startswith("cuda")
-    shape = args.shape or ("gemma3-27b" if cuda else "tiny-gemma3")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    assert pool is not None or name == "regression"
+    shape, dtype = _shape_and_dtype(args)
+    if name == "regression":
+        return [run_regression_check(target)] if target else [CheckResult("regression", skipped="no router")]
+    if pool is None:
+        raise ValueError(f"the {name} check needs a pool")
     if name == "bytes":
-        config = BytesCheckConfig(pool=pool.address, shape=shape, device=args.device, trials=args.trials,
-                                  num_chunks=args.num_chunks, break_order=args.unsafe_break_stream_order)
-        summary = summarize(run_bytes_check(config))
+        summary = summarize(run_bytes_check(_bytes_config(args, pool.address)))
         result = CheckResult("bytes", counts=summary)
         result.expect(summary["failed_trials"] == 0, f"{summary['failed_trials']} of {summary['trials']} trials failed")
         return [result]
@@ -103,59 +166,84 @@ def _run_check(name: str, args: argparse.Namespace, pool: _Pool | None, target: 
                                      verify=not args.unsafe_skip_checksums)]
     if name == "pool-fill":
         return [run_pool_fill_check(pool.address)]
-    if name == "faults":
-        results = [run_killed_writer_check(pool.address)]
-        if pool.stop is None or pool.start is None:
-            results.append(CheckResult("faults.daemon_restart", skipped="the pool was not started by this run"))
-        else:
-            results.append(run_restart_check(pool.address, pool.stop, pool.start, device=args.device,
-                                             dtype=dtype))
-        return results
-    return [run_regression_check(target)] if target else [CheckResult("regression", skipped="no router")]
+    results = [run_killed_writer_check(pool.address)]
+    if pool.stop is None or pool.start is None:
+        results.append(CheckResult("faults.daemon_restart", skipped="the pool was not started by this run"))
+    else:
+        results.append(run_restart_check(pool.address, pool.stop, pool.start, device=args.device,
+                                         dtype=dtype))
+    return results
+
+
+def _checked(name: str, args: argparse.Namespace, pool: _Pool | None, target: str | None,
+             refused: set[str]) -> list[CheckResult]:
+    """Check `name`'s results; a check that cannot run is a failed check, not a crash."""
+    from kvshare.validate.result import CheckResult
+
+    try:
+        if why := _refusal(name, args, pool):
+            refused.add(name)
+            return [CheckResult(name, skipped=f"not run: {why}")]
+        return _run_check(name, args, pool, target)
+    except Exception as exc:
+        failed = CheckResult(name)
+        failed.fail(f"{type(exc).__name__}: {exc}")
+        return [failed]
 
 
 def _validate(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
 
-    from kvshare.validate.result import CheckResult
+    from kvshare.preflight import check_device
 
     wanted = list(CHECKS) if "all" in args.checks else [c for c in CHECKS if c in args.checks]
     wanted += [c for c in args.checks if c not in CHECKS and c != "all"]
     unknown = [c for c in wanted if c not in CHECKS]
-    console = Console()
+    console = Console(soft_wrap=True)  # whole lines when piped, where the width is a guess
     if unknown:
         console.print(f"[red]unknown check(s): {', '.join(unknown)}[/red]; choose from {', '.join(CHECKS)}")
         return 2
-    results, seconds = [], {}
+    try:
+        check_device(args.device)
+        return _run_checks(args, wanted, console)
+    except ValueError as exc:  # a device, or a cluster (--up), this machine does not have
+        console.print(f"kvshare validate: {exc}", markup=False, highlight=False)
+        return 2
+
+
+def _run_checks(args: argparse.Namespace, wanted: list[str], console: Console) -> int:
+    from kvshare.bench.report import Table, print_table
+
+    # Piped or logged, a spinner shows nothing: one line per check start and end instead.
+    lines = not console.is_terminal
+    results, seconds, refused = [], {}, set()
     with _environment(args, wanted) as (pool, target):
         for name in wanted:
             start = time.monotonic()
-            with console.status(f"validate {name} ..."):
-                try:
-                    outcome = _run_check(name, args, pool, target)
-                except Exception as exc:  # a check that cannot run is a failed check, not a crash
-                    failed = CheckResult(name)
-                    failed.fail(f"{type(exc).__name__}: {exc}")
-                    outcome = [failed]
-                for result in outcome:
-                    results.append(result)
-                    seconds[result.name] = time.monotonic() - start
-    table = Table(title="kvshare validate")
-    for column in ("check", "status", "counts", "seconds"):
-        table.add_column(column)
-    for r in results:
-        status = r.as_dict()["status"]
-        color = {"passed": "green", "failed": "red", "skipped": "yellow"}[status]
-        counts = ", ".join(f"{k}={v}" for k, v in r.counts.items())
-        table.add_row(r.name, f"[{color}]{status}[/{color}]", counts or r.skipped, f"{seconds[r.name]:.1f}")
-    console.print(table)
+            if lines:
+                console.print(f"validate {name}: started", highlight=False)
+            with console.status(f"validate {name} ...") if not lines else contextlib.nullcontext():
+                outcome = _checked(name, args, pool, target, refused)
+            for result in outcome:
+                results.append(result)
+                seconds[result.name] = time.monotonic() - start
+                if lines:
+                    console.print(f"validate {result.name}: {result.as_dict()['status']} "
+                                  f"({seconds[result.name]:.1f} s)", highlight=False)
+    rows = tuple((r.name, r.as_dict()["status"],
+                  ", ".join(f"{k}={v}" for k, v in r.counts.items()) or r.skipped,
+                  f"{seconds[r.name]:.1f}") for r in results)
+    print_table(console, Table("kvshare validate", ("check", "status", "counts", "seconds"), rows))
     for r in results:
         for failure in r.failures:
-            console.print(f"[red]{r.name}:[/red] {failure}")
+            console.print(f"[red]{r.name}:[/red] {failure}", highlight=False)
+        if r.name in refused:
+            console.print(f"[yellow]{r.name}:[/yellow] {r.skipped}", highlight=False)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": args.device, "checks": [r.as_dict() for r in results],
                        "seconds": seconds}, f, indent=1)
-    failed = [r for r in results if not r.passed]
-    return 1 if failed else 0
+    if any(not r.passed for r in results):
+        return 1
+    # A check refused for want of pool space proved nothing: not a pass.
+    return 2 if refused else 0

@@ -18,7 +18,15 @@ import numpy as np
 
 from kvshare.kvpool.client import PageRef, PoolClient
 from kvshare.kvpool.page import HEADER_BYTES, PageHeader, slot_bytes_for
+from kvshare.validate.capacity import PoolNeed
 from kvshare.validate.result import CheckResult
+
+PAGE_BYTES = 1 << 20
+
+
+def pool_needs(payload_bytes: int = PAGE_BYTES) -> list[PoolNeed]:
+    """It fills whatever pool it is given; one page is the least that shows anything."""
+    return [PoolNeed(payload_bytes, 1)]
 
 
 def _pattern(key: bytes, nbytes: int) -> np.ndarray:
@@ -73,7 +81,7 @@ def _verify(client: PoolClient, pages: list[PageRef], payload: int, result: Chec
     return found
 
 
-def run_pool_fill_check(pool: str, *, payload_bytes: int = 1 << 20, cycles: int = 4) -> CheckResult:
+def run_pool_fill_check(pool: str, *, payload_bytes: int = PAGE_BYTES, cycles: int = 4) -> CheckResult:
     result = CheckResult("pool-fill")
     client = PoolClient(pool)
     client.connect()

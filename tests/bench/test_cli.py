@@ -94,3 +94,78 @@ def test_stores_that_never_commit_in_time_are_flagged(fake: RunningFake, tmp_pat
     text = md.read_text()
     assert "warning: 1 requests were sent after waiting the whole settle timeout (0.05 s)" in text
     assert "| 0.0%/0.0% |" in text  # and indeed the ON follow-up found nothing in the pool
+
+
+def _fake_up(url: str | None, logs: list[Path]) -> object:
+    """A cluster_target that writes to its log and yields `url`, or fails to start (url None)."""
+    from collections.abc import Iterator
+    from contextlib import contextmanager
+
+    from kvshare.bench.cluster import Target
+
+    @contextmanager
+    def cluster_target(target: str | None, up_args: str | None, log: Path) -> Iterator[Target]:
+        logs.append(log)
+        log.write_text("replica output\n")
+        if url is None:
+            raise RuntimeError("replica 0 exited with status 1")
+        yield Target(url, None)
+
+    return cluster_target
+
+
+def test_the_cluster_log_is_removed_after_a_good_run(fake: RunningFake, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from kvshare.bench import cluster
+
+    logs: list[Path] = []
+    monkeypatch.setattr(cluster, "cluster_target", _fake_up(fake.url, logs))
+    assert main(["bench", "cross-replica", "--up", "", "--lengths", "16", "--requests-per-block", "1",
+                 "--design", "OFF-ON", "--resamples", "50"]) == 0
+    assert len(logs) == 1 and not logs[0].exists() and not logs[0].parent.exists()
+
+
+def test_the_cluster_log_is_kept_and_named_when_the_run_fails(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvshare.bench import cluster
+
+    logs: list[Path] = []
+    monkeypatch.setattr(cluster, "cluster_target", _fake_up(None, logs))
+    assert main(["bench", "cross-replica", "--up", "", "--lengths", "16"]) == 1
+    out = capsys.readouterr().out.replace("\n", "")
+    try:
+        assert logs[0].read_text() == "replica output\n"
+        assert str(logs[0]) in out
+    finally:
+        logs[0].unlink()
+        logs[0].parent.rmdir()
+
+
+def test_a_plot_of_one_length_labels_values_counts_and_the_ratio(
+    fake: RunningFake, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    from kvshare.bench import driver, plots
+
+    plotted: list[tuple] = []
+    monkeypatch.setattr(driver, "plot_run", lambda run, comparisons, path: plotted.append((run, comparisons)))
+    assert main(["bench", "cross-replica", "--target", fake.url, "--lengths", "16", "--requests-per-block",
+                 "2", "--resamples", "50", "--plot", str(tmp_path / "p.png")]) == 0
+    run, comparisons = plotted[0]
+    (point,) = comparisons
+    texts = [t.get_text() for t in plots.plot_figure(run, comparisons).axes[0].texts]
+    assert f"{point.off.value:.3g} s (n={point.counts[0]})" in texts
+    assert f"{point.on.value:.3g} s (n={point.counts[1]})" in texts
+    r = point.ratio
+    assert f"ON/OFF {r.value:.3g} [{r.low:.3g}, {r.high:.3g}]" in texts
+
+
+def test_piped_output_is_markdown_with_whole_cells(fake: RunningFake, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "cross-replica", "--target", fake.url, "--lengths", "16", "--requests-per-block",
+                 "1", "--design", "OFF-ON", "--resamples", "50"]) == 0
+    out = capsys.readouterr().out
+    header = ("| metric | series | context tokens | OFF median [95%] | ON median [95%] | ON/OFF [95%] "
+              "| block medians | n OFF/ON | pool hit OFF/ON |")
+    assert header in out.splitlines()
+    row = next(line for line in out.splitlines() if line.startswith("| ttft_s |"))
+    assert len(row.split("|")) == 11 and "…" not in out
