@@ -155,6 +155,15 @@ class EngineThread:
         self._commands.put(_Add(request_id, prompt_token_ids, params))
         return stream
 
+    def submit_group(self, requests: list[tuple[str, tuple[int, ...], SamplingParams]]) -> RequestStream:
+        """Several requests whose outputs share one stream (the choices of one API request);
+        each output names its request. The stream's first failure is the group's."""
+        stream = RequestStream()
+        for request_id, prompt_token_ids, params in requests:
+            self._streams[request_id] = stream
+            self._commands.put(_Add(request_id, prompt_token_ids, params))
+        return stream
+
     def abort(self, request_id: str) -> None:
         """Stop a request (client gone) and free its blocks; later outputs are dropped."""
         if self._streams.pop(request_id, None) is not None:
