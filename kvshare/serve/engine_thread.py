@@ -149,12 +149,6 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
-               params: SamplingParams) -> RequestStream:
-        stream = self._streams[request_id] = RequestStream()
-        self._commands.put(_Add(request_id, prompt_token_ids, params))
-        return stream
-
     def submit_group(self, requests: list[tuple[str, tuple[int, ...], SamplingParams]]) -> RequestStream:
         """Several requests whose outputs share one stream (the choices of one API request);
         each output names its request. The stream's first failure is the group's."""
