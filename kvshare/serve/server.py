@@ -101,10 +101,14 @@ class _Choices:
         self._index = {request_id: i for i, request_id in enumerate(ids)}
         self._progress = [_Progress(metrics, received) for _ in ids]
         self._metrics = metrics
-        self.latest: list[RequestOutput] = []  # each choice's last output, once all have one
         self._outputs: list[RequestOutput | None] = [None] * req.n
         self._stream = thread.submit_group(
             [(rid, req.prompt_token_ids, req.choice_params(i)) for i, rid in enumerate(ids)])
+
+    @property
+    def latest(self) -> list[RequestOutput]:
+        """Each choice's last output; complete once every choice has produced one."""
+        return [out for out in self._outputs if out is not None]
 
     @property
     def all_finished(self) -> bool:
@@ -120,8 +124,6 @@ class _Choices:
         index = self._index[out.request_id]
         self._progress[index].observe(out)
         self._outputs[index] = out
-        if all(o is not None for o in self._outputs):
-            self.latest = [o for o in self._outputs if o is not None]
         return index, out
 
     def abort_unfinished(self) -> None:
