@@ -4,10 +4,15 @@
 (admission may start pool restores), run it, sample, verify the restores (dropping the
 results of any that failed), append tokens, hand newly full chunks to the connector, and
 report what changed. Callers (the offline `LLM`, the server's engine thread) drive it.
+
+A failure that belongs to one request (its row of logits cannot be sampled, its token
+cannot be appended) ends that request alone, with finish reason "error" and `error` set;
+the other requests of the batch go on.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -23,6 +28,11 @@ from kvshare.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from kvshare.engine.sequence import Sequence
 from kvshare.models.loader import LoadedModel
 from kvshare.models.tokenizer import IncrementalDetokenizer
+
+_log = logging.getLogger(__name__)
+
+# (token id, log-probability) of the most likely tokens at one step, most likely first.
+TopLogprobs = tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,8 @@ class RequestOutput:
     arrival_time: float
     first_token_time: float | None
     logprobs: tuple[float, ...] = ()  # of token_ids, when the request asked for them
+    top_logprobs: tuple[TopLogprobs, ...] = ()  # one per token_ids, when asked for
+    error: str | None = None  # why the request failed (finish_reason "error")
 
     @property
     def cached_tokens(self) -> int:
@@ -58,6 +70,8 @@ class _Request:
     stop_ids: frozenset[int]
     emitted_text: int = 0  # characters of seq.text already reported
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    error: str | None = None
 
 
 class LLMEngine:
@@ -152,21 +166,49 @@ class LLMEngine:
             if chunk.seq.request_id in failed:
                 continue
             req = self.requests[chunk.seq.request_id]
+            if token is None:
+                outputs.append(self._fail(req, "the model's next-token distribution for this "
+                                               "request holds NaN or inf: it cannot be sampled"))
+                continue
             if logprob is not None:
-                req.logprobs.append(logprob)
-            outputs.append(self._append_token(req, token, now))
+                req.logprobs.append(logprob[0])
+                req.top_logprobs.append(logprob[1])
+            outputs.append(self._append_or_fail(req, token, now))
         return outputs
+
+    def _append_or_fail(self, req: _Request, token: int, now: float) -> RequestOutput:
+        try:
+            return self._append_token(req, token, now)
+        except Exception as exc:  # a bug met by one request's token or text: that request ends
+            _log.exception("request %s failed while appending token %d", req.seq.request_id, token)
+            return self._fail(req, f"{type(exc).__name__}: {exc}")
+
+    def _fail(self, req: _Request, error: str) -> RequestOutput:
+        """End one request with finish reason "error"; its blocks are freed."""
+        _log.warning("request %s failed: %s", req.seq.request_id, error)
+        req.error = error
+        if req.seq.request_id in self.requests:  # not yet finished by the step that failed
+            self._finish(req, "error", emit=False)
+        req.seq.finish_reason = "error"
+        return self._output(req, ())
 
     @staticmethod
     def _logprobs(logits: torch.Tensor | None, sampling: list[ScheduledChunk],
-                  tokens: list[int]) -> list[float | None]:
-        wanted = [i for i, c in enumerate(sampling) if c.seq.params.logprobs]
-        out: list[float | None] = [None] * len(sampling)
-        if wanted and logits is not None:
-            rows = torch.log_softmax(logits[wanted], dim=-1)
-            chosen = torch.tensor([tokens[i] for i in wanted], device=rows.device)
-            for i, value in zip(wanted, rows.gather(1, chosen[:, None])[:, 0].tolist()):
-                out[i] = value
+                  tokens: list[int | None]) -> list[tuple[float, TopLogprobs] | None]:
+        """Per sampled row that asked: the chosen token's log-probability and the top ones,
+        from the raw model distribution (before temperature, top-k and top-p)."""
+        wanted = [i for i, c in enumerate(sampling) if c.seq.params.logprobs and tokens[i] is not None]
+        out: list[tuple[float, TopLogprobs] | None] = [None] * len(sampling)
+        if not wanted or logits is None:
+            return out
+        rows = torch.log_softmax(logits[wanted].float(), dim=-1)
+        chosen = torch.tensor([tokens[i] for i in wanted], device=rows.device)
+        values = rows.gather(1, chosen[:, None])[:, 0].tolist()
+        k = max(sampling[i].seq.params.top_logprobs for i in wanted)
+        top_values, top_ids = rows.topk(k, dim=-1) if k else (rows[:, :0], rows[:, :0].long())
+        for j, (i, value) in enumerate(zip(wanted, values)):
+            n = sampling[i].seq.params.top_logprobs
+            out[i] = (value, tuple(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist())))
         return out
 
     def _register_and_store(self, chunks: list[ScheduledChunk]) -> None:
@@ -261,4 +303,6 @@ class LLMEngine:
             arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time,
             logprobs=tuple(req.logprobs),
+            top_logprobs=tuple(req.top_logprobs),
+            error=req.error,
         )

@@ -67,6 +67,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router.add_argument("--load-penalty-tokens", type=float, default=64.0,
                         help="cache-aware: score cost of one request in flight, in tokens")
     router.add_argument("--health-interval", type=float, default=1.0, help="seconds between checks")
+    router.add_argument("--max-body-bytes", default="64MiB",
+                        help="largest request body; larger ones get 413 (default: 64MiB)")
+    router.add_argument("--max-buffered-bytes", default="512MiB",
+                        help="request bodies held at once; a request waits up to 10 s for room, "
+                             "then gets 503 (default: 512MiB)")
     add_key_arguments(router)
     router.add_argument("--log-level", default="INFO", choices=_LOG_LEVELS, help="log verbosity")
     router.set_defaults(func=run_router)
@@ -162,6 +167,7 @@ def run_router(args: argparse.Namespace) -> int:
     from kvshare.serve.policies import PolicyConfig
     from kvshare.serve.router import RouterConfig, build_router_app
     from kvshare.serve.routing_keys import RoutingKeys
+    from kvshare.sizes import parse_size
 
     logging.basicConfig(level=args.log_level, format=_LOG_FORMAT)
     try:
@@ -172,7 +178,9 @@ def run_router(args: argparse.Namespace) -> int:
             PolicyConfig(pool_credit=args.pool_credit, load_penalty_tokens=args.load_penalty_tokens,
                          chunk_tokens=args.chunk_tokens),
             block_tokens=args.block_tokens, health_interval=args.health_interval,
-            api_key=access.api_key, admin_key=access.admin_key)
+            api_key=access.api_key, admin_key=access.admin_key,
+            max_body_bytes=parse_size(args.max_body_bytes),
+            max_buffered_bytes=parse_size(args.max_buffered_bytes))
         keys = RoutingKeys(tokenizer, config.block_tokens)
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvshare router: {exc}", file=sys.stderr)

@@ -8,8 +8,11 @@ Thread confinement is the whole synchronization story:
   outputs over with one `loop.call_soon_threadsafe`, and the loop fans them out.
 - The loop steps while any request is unfinished and blocks on the queue otherwise, so an
   idle server uses no CPU and a busy one never waits for the HTTP side.
-- An exception from a step fails every unfinished request (which of them the step broke
-  is unknown), frees their blocks, and the thread keeps serving.
+- A request the engine ends with an error (its logits cannot be sampled, its token cannot
+  be appended) fails alone; the others go on.
+- An exception out of a step (the batch's forward pass itself) fails every unfinished
+  request (which of them the step broke is unknown), frees their blocks, and the thread
+  keeps serving.
 """
 
 from __future__ import annotations
@@ -147,10 +150,15 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
-               params: SamplingParams, cache_salt: str | None = None) -> RequestStream:
-        stream = self._streams[request_id] = RequestStream()
-        self._commands.put(_Add(request_id, prompt_token_ids, params, cache_salt))
+    def submit_group(self, requests: list[tuple[str, tuple[int, ...], SamplingParams]],
+                     cache_salt: str | None = None) -> RequestStream:
+        """Several requests whose outputs share one stream (the choices of one API request);
+        each output names its request. The stream's first failure is the group's.
+        `cache_salt` isolates their prefix cache (kvshare.engine.block_manager)."""
+        stream = RequestStream()
+        for request_id, prompt_token_ids, params in requests:
+            self._streams[request_id] = stream
+            self._commands.put(_Add(request_id, prompt_token_ids, params, cache_salt))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -175,7 +183,7 @@ class EngineThread:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put(out)
+                stream.put(out if out.error is None else EngineFailure(f"engine error: {out.error}"))
                 if out.finished:
                     del self._streams[out.request_id]
         for request_id, failure in failures:

@@ -1,5 +1,8 @@
 """Prometheus metrics of a replica and of the router, each in its own CollectorRegistry
-(one per app: two apps in one process never share or clash)."""
+(one per app: two apps in one process never share or clash).
+
+A replica also exports, beside its own `kvshare_` series, the `vllm:` series that vLLM
+dashboards read (labelled `model_name` as vLLM labels them), with vLLM's meanings."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from kvshare.serve.engine_thread import EngineSnapshot
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 # Connector counter -> (metric name without _total, help).
@@ -31,11 +35,13 @@ POOL_COUNTERS: dict[str, tuple[str, str]] = {
 class _EngineCollector(Collector):
     """Reads the engine thread's latest snapshot at scrape time (never blocks the engine)."""
 
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str) -> None:
         self._snapshot = snapshot
+        self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
+        yield from self._vllm(snap)
         yield GaugeMetricFamily("kvshare_requests_running", "Requests admitted to the engine",
                                 value=snap.running)
         yield GaugeMetricFamily("kvshare_requests_waiting", "Requests queued for admission",
@@ -49,9 +55,45 @@ class _EngineCollector(Collector):
         for key, (name, doc) in POOL_COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=snap.kv_pool.get(key, 0))
 
+    def _vllm(self, snap: EngineSnapshot) -> Iterator[Metric]:
+        for name, doc, value in (
+                ("vllm:num_requests_running", "Number of requests in model execution batches",
+                 snap.running),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed", snap.waiting),
+                ("vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage",
+                 snap.gpu_cache_usage),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage",
+                 snap.gpu_cache_usage)):
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge.add_metric([self._model_name], value)
+            yield gauge
+
+
+class VllmMetrics:
+    """The request-level `vllm:` series, children bound to this replica's model name."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name"]
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=registry).labels(model_name)
+
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token "
+                              "in seconds", labels, buckets=TTFT_BUCKETS, registry=registry).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of end to end request "
+                             "latency in seconds", labels, buckets=E2E_BUCKETS,
+                             registry=registry).labels(model_name)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prefix cache queries, in terms of number of queried tokens")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
+                                         "Prefix cache hits, in terms of number of cached tokens "
+                                         "(GPU cache and shared pool)")
+
 
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("kvshare_time_to_first_token_seconds",
@@ -67,7 +109,8 @@ class ServerMetrics:
         self.prompt_tokens = Counter("kvshare_prompt_tokens",
                                      "Prompt tokens by where their KV came from",
                                      ["source"], registry=r)
-        r.register(_EngineCollector(snapshot))
+        self.vllm = VllmMetrics(r, model_name)
+        r.register(_EngineCollector(snapshot, model_name))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,11 +17,15 @@
 - A /v1 path with a dot segment or an encoded separator is refused: the client side of
   the proxy would resolve `/v1/..%2Fadmin` into a replica's /admin.
 - Keys and the loopback rule for /admin without one: kvshare.serve.auth.
+- Bodies are held in memory (a failed send is retried with them): one is at most
+  `max_body_bytes` (413 above), and all held together at most `max_buffered_bytes`; a
+  request that finds no room waits up to `body_wait_timeout` seconds, then gets a 503.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -30,9 +34,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+import kvshare
 from kvshare.serve.auth import AccessKeys, access_middleware
 from kvshare.serve.errors import APIError, bad_request
-from kvshare.serve.http import error_middleware, sse_event
+from kvshare.serve.http import error_middleware, parse_json_object, sse_event
 from kvshare.serve.metrics import CONTENT_TYPE, RouterMetrics
 from kvshare.serve.policies import POLICIES, PolicyConfig, RouteRequest, make_policy
 from kvshare.serve.routing_keys import Prefix, RoutingKeys
@@ -64,6 +69,8 @@ class RouterConfig:
     max_body_bytes: int = 64 << 20
     api_key: str | None = None
     admin_key: str | None = None
+    max_buffered_bytes: int = 512 << 20
+    body_wait_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         AccessKeys(self.api_key, self.admin_key)  # checks both keys
@@ -79,6 +86,36 @@ class RouterConfig:
             raise ValueError("health_interval, health_timeout and connect_timeout must be > 0")
         if self.block_tokens < 1 or self.max_body_bytes < 1024:
             raise ValueError("block_tokens must be >= 1 and max_body_bytes >= 1024")
+        if self.max_buffered_bytes < self.max_body_bytes:
+            raise ValueError(f"max_buffered_bytes ({self.max_buffered_bytes}) must be >= "
+                             f"max_body_bytes ({self.max_body_bytes})")
+        if self.body_wait_timeout < 0:
+            raise ValueError("body_wait_timeout must be >= 0")
+
+
+class BodyBudget:
+    """Bytes of request bodies held at once; touched on the event loop only."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._freed = asyncio.Condition()
+
+    async def acquire(self, size: int, timeout: float) -> bool:
+        """Reserve `size` bytes (<= limit), waiting up to `timeout` s; False if no room came."""
+        async with self._freed:
+            try:
+                await asyncio.wait_for(self._freed.wait_for(lambda: self.held + size <= self.limit),
+                                       timeout)
+            except asyncio.TimeoutError:
+                return False
+            self.held += size
+            return True
+
+    async def release(self, size: int) -> None:
+        async with self._freed:
+            self.held -= size
+            self._freed.notify_all()
 
 
 @dataclass
@@ -105,6 +142,7 @@ class Router:
         self.metrics = RouterMetrics()
         # What the fan-out sends replicas: in `kvshare up` they hold the router's keys.
         self.admin_credential = AccessKeys(config.api_key, config.admin_key).admin_credential
+        self.bodies = BodyBudget(config.max_buffered_bytes)
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
 
@@ -165,6 +203,25 @@ class Router:
 
     async def proxy(self, request: web.Request) -> web.StreamResponse:
         _check_path(request)
+        size = self._body_size(request)
+        if not await self.bodies.acquire(size, self.config.body_wait_timeout):
+            raise APIError(503, f"the router holds {self.bodies.held} bytes of request bodies "
+                                f"(limit {self.config.max_buffered_bytes}, --max-buffered-bytes); "
+                                f"retry later")
+        try:
+            return await self._proxy(request)
+        finally:
+            await self.bodies.release(size)
+
+    def _body_size(self, request: web.Request) -> int:
+        """The bytes a body will hold: its Content-Length, or the most a chunked one may."""
+        length, limit = request.content_length, self.config.max_body_bytes
+        if length is not None and length > limit:
+            raise APIError(413, f"request body too large: {length} bytes; this router accepts "
+                                f"at most {limit} (--max-body-bytes)")
+        return limit if length is None else length
+
+    async def _proxy(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         pinned = self._pinned(request)
         # Parsing and hashing a 130k-token prompt take ~20 ms. A pinned request needs its
@@ -228,8 +285,8 @@ class Router:
 
     def _prefix_of(self, path: str, body: bytes) -> Prefix:
         try:
-            parsed = json.loads(body)
-        except ValueError:
+            parsed = parse_json_object(body)
+        except APIError:
             return Prefix()  # the replica answers the 400
         return self.keys.prefix_of(path, parsed)
 
@@ -263,6 +320,7 @@ class Router:
     async def _relay(self, request: web.Request, replica: Replica, upstream: aiohttp.ClientResponse,
                      prefix: Prefix) -> web.StreamResponse:
         complete = False
+        outcome = str(upstream.status)
         try:
             resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for name, value in upstream.headers.items():
@@ -281,10 +339,14 @@ class Router:
                     complete = True
                     break
                 await resp.write(chunk)  # a client that left raises here: upstream closes below
-            await resp.write_eof()
-            self.metrics.requests.labels(str(replica.index), str(upstream.status)).inc()
+            with contextlib.suppress(ConnectionResetError):
+                await resp.write_eof()  # a client that closed after the last byte has it all
             return resp
+        except (asyncio.CancelledError, ConnectionResetError):
+            outcome = "499"  # the client went away before the end
+            raise
         finally:
+            self.metrics.requests.labels(str(replica.index), outcome).inc()
             if complete:
                 upstream.release()
             else:  # closing the connection makes the replica abort the request
@@ -307,6 +369,9 @@ class Router:
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": kvshare.__version__})
 
     async def list_replicas(self, request: web.Request) -> web.Response:
         return web.json_response([r.describe() for r in self.replicas])
@@ -374,6 +439,7 @@ def build_router_app(config: RouterConfig, keys: RoutingKeys) -> web.Application
     app.on_cleanup.append(router.stop)
     app.router.add_get("/health", router.health)
     app.router.add_get("/metrics", router.metrics_text)
+    app.router.add_get("/version", router.version)
     app.router.add_get("/admin/replicas", router.list_replicas)
     app.router.add_route("*", "/admin/all/{call:.+}", router.admin_all)
     app.router.add_route("*", "/v1/{path:.*}", router.proxy)

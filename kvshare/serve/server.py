@@ -1,7 +1,7 @@
 """`kvshare serve`: one engine behind an OpenAI-compatible HTTP API (aiohttp).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream with SSE),
-GET /v1/models, GET /health, GET /metrics, and the admin calls the benchmark drives:
+GET /v1/models, GET /health, GET /version, GET /metrics, and the admin calls the benchmark drives:
 POST /admin/reset_prefix_cache, POST /admin/kv_pool {"enabled": bool},
 POST /admin/clear_pool, GET /admin/stats. Who may call which: kvshare.serve.auth.
 
@@ -13,6 +13,9 @@ The handlers never touch the engine: they send commands to the engine thread. A 
 whose client goes away (the handler is cancelled, or a streamed write fails) is aborted,
 which frees its blocks. Run the app with `handler_cancellation=True` so that a
 disconnect during a non-streamed request cancels its handler.
+
+Parsing a body and tokenizing its prompt run on a worker thread: an 8 MiB prompt takes
+seconds to tokenize, and the event loop must keep answering /health meanwhile.
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ from typing import Any
 
 from aiohttp import web
 
+import kvshare
 from kvshare.engine.llm_engine import LLMEngine, RequestOutput
 from kvshare.kvpool.client import PoolError, PoolUnavailable
 from kvshare.kvpool.connector import PoolConnector
 from kvshare.serve.auth import AccessKeys, access_middleware
-from kvshare.serve.engine_thread import EngineFailure, EngineThread, RequestStream, snapshot_of
+from kvshare.serve.engine_thread import EngineFailure, EngineThread, snapshot_of
 from kvshare.serve.errors import APIError, bad_request
 from kvshare.serve.http import (
     SSE_HEADERS,
@@ -65,21 +69,73 @@ class _Progress:
 
     def __init__(self, metrics: ServerMetrics, received: float) -> None:
         self.metrics = metrics
+        self.received = received
         self.last = received
         self.first_token = True
         self.finished = False
 
     def observe(self, out: RequestOutput) -> None:
         now = time.monotonic()
+        vllm = self.metrics.vllm
         if out.new_token_ids:
             (self.metrics.ttft if self.first_token else self.metrics.itl).observe(now - self.last)
+            if self.first_token:  # the prompt is computed (or found): vLLM counts it here
+                vllm.ttft.observe(now - self.received)
+                vllm.prompt_tokens.inc(len(out.prompt_token_ids))
+                vllm.prefix_cache_queries.inc(len(out.prompt_token_ids))
+                vllm.prefix_cache_hits.inc(out.cached_tokens)
+            vllm.generation_tokens.inc(len(out.new_token_ids))
             self.first_token, self.last = False, now
         if out.finished:
+            vllm.e2e.observe(now - self.received)
             self.finished = True
             self.metrics.finished.labels(out.finish_reason or "unknown").inc()
             for source, n in (("gpu_hit", out.gpu_hit_tokens), ("pool_hit", out.pool_hit_tokens),
                               ("computed", out.computed_tokens)):
                 self.metrics.prompt_tokens.labels(source).inc(n)
+
+
+class _Choices:
+    """The n engine requests of one API request (its choices), read as one stream of
+    (choice index, output); the first failure of any choice fails the request."""
+
+    def __init__(self, thread: EngineThread, metrics: ServerMetrics, request_id: str,
+                 req: GenerateRequest, received: float) -> None:
+        self._thread = thread
+        ids = [request_id] if req.n == 1 else [f"{request_id}-{i}" for i in range(req.n)]
+        self._index = {request_id: i for i, request_id in enumerate(ids)}
+        self._progress = [_Progress(metrics, received) for _ in ids]
+        self._metrics = metrics
+        self._outputs: list[RequestOutput | None] = [None] * req.n
+        self._stream = thread.submit_group(
+            [(rid, req.prompt_token_ids, req.choice_params(i)) for i, rid in enumerate(ids)],
+            req.cache_salt)
+
+    @property
+    def latest(self) -> list[RequestOutput]:
+        """Each choice's last output; complete once every choice has produced one."""
+        return [out for out in self._outputs if out is not None]
+
+    @property
+    def all_finished(self) -> bool:
+        return all(p.finished for p in self._progress)
+
+    async def next(self) -> tuple[int, RequestOutput]:
+        try:
+            out = await self._stream.get()
+        except EngineFailure as exc:
+            if not exc.user_error:
+                self._metrics.finished.labels("error").inc()
+            raise APIError(400 if exc.user_error else 500, str(exc)) from None
+        index = self._index[out.request_id]
+        self._progress[index].observe(out)
+        self._outputs[index] = out
+        return index, out
+
+    def abort_unfinished(self) -> None:
+        for request_id, index in self._index.items():
+            if not self._progress[index].finished:
+                self._thread.abort(request_id)
 
 
 class ReplicaServer:
@@ -89,7 +145,7 @@ class ReplicaServer:
         self.model = ModelInfo(config.served_model_name, engine.tokenizer, engine.max_model_len,
                                engine.loaded.config.vocab_size, engine.config.resolved_dtype)
         self.thread = EngineThread(engine)
-        self.metrics = ServerMetrics(lambda: self.thread.snapshot)
+        self.metrics = ServerMetrics(lambda: self.thread.snapshot, config.served_model_name)
         self.instance = uuid.uuid4().hex  # changes on restart: the router drops its cache index
         self.created = int(time.time())
 
@@ -120,6 +176,9 @@ class ReplicaServer:
              "model": self.model.name, "instance": self.instance},
             status=200 if alive else 503)
 
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": kvshare.__version__})
+
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
@@ -139,58 +198,53 @@ class ReplicaServer:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        progress = _Progress(self.metrics, time.monotonic())
+        received = time.monotonic()
         body = await read_json_object(request)
         if self.config.cache_salt_required and body.get("cache_salt") is None:
             raise bad_request("this server requires a cache_salt on every request: a non-empty "
                               "string, secret to your tenant, that isolates its prefix cache",
                               "cache_salt")
-        req = parse_generate(body, chat, self.model)
+        req = await asyncio.to_thread(parse_generate, body, chat, self.model)
         if not self.thread.alive:
             raise APIError(503, "the engine thread is not running")
         fmt = ResponseFormat(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                             self.model.name, int(time.time()))
-        stream = self.thread.submit(fmt.request_id, req.prompt_token_ids, req.params, req.cache_salt)
+                             self.model.name, int(time.time()), self.model.tokenizer, req.logprobs)
+        choices = _Choices(self.thread, self.metrics, fmt.request_id, req, received)
         try:
             # The first output comes before any byte is sent: an engine failure is a 500.
-            out = await self._next(stream, progress)
+            first = await choices.next()
             if req.stream:
-                return await self._stream(request, req, fmt, stream, out, progress)
-            while not out.finished:
-                out = await self._next(stream, progress)
-            return web.json_response(fmt.full(out))
+                return await self._stream(request, req, fmt, choices, first)
+            while not choices.all_finished:
+                await choices.next()
+            return web.json_response(fmt.full(choices.latest))
         finally:
-            if not progress.finished:  # cancelled (client gone), write failed, or failed
-                self.thread.abort(fmt.request_id)
-
-    async def _next(self, stream: RequestStream, progress: _Progress) -> RequestOutput:
-        try:
-            out = await stream.get()
-        except EngineFailure as exc:
-            raise APIError(400 if exc.user_error else 500, str(exc)) from None
-        progress.observe(out)
-        return out
+            choices.abort_unfinished()  # cancelled (client gone), write failed, or failed
 
     async def _stream(self, request: web.Request, req: GenerateRequest, fmt: ResponseFormat,
-                      stream: RequestStream, out: RequestOutput, progress: _Progress) -> web.StreamResponse:
+                      choices: _Choices, first: tuple[int, RequestOutput]) -> web.StreamResponse:
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
         if fmt.chat:
-            await resp.write(sse_event(fmt.chunk("", (), None, req.include_usage, role=True)))
+            for index in range(req.n):
+                await resp.write(sse_event(fmt.role_chunk(index, req.include_usage)))
+        streamed_text = [0] * req.n  # characters per choice: completions' text_offset
+        index, out = first
         while True:
             if out.new_text or out.new_token_ids or out.finished:
-                chunk = fmt.chunk(out.new_text, out.new_token_ids, out.finish_reason, req.include_usage)
+                chunk = fmt.chunk(index, out, streamed_text[index], req.include_usage)
+                streamed_text[index] += len(out.new_text)
                 await resp.write(sse_event(chunk))
-            if out.finished:
+            if choices.all_finished:
                 break
             try:
-                out = await self._next(stream, progress)
+                index, out = await choices.next()
             except APIError as exc:  # headers are sent: the error goes into the stream
                 await resp.write(sse_event(exc.body()))
                 await resp.write_eof()
                 return resp
         if req.include_usage:
-            await resp.write(sse_event(fmt.usage_chunk(out)))
+            await resp.write(sse_event(fmt.usage_chunk(choices.latest)))
         await resp.write(sse_event("[DONE]"))
         await resp.write_eof()
         return resp
@@ -266,6 +320,7 @@ def build_app(engine: LLMEngine, config: ServeConfig) -> web.Application:
     app.on_startup.append(server.start)
     app.on_cleanup.append(server.stop)
     app.router.add_get("/health", server.health)
+    app.router.add_get("/version", server.version)
     app.router.add_get("/metrics", server.metrics_text)
     app.router.add_get("/v1/models", server.models)
     app.router.add_post("/v1/completions", server.completions)

@@ -41,6 +41,26 @@ def test_tiny_top_p_is_greedy(logits: torch.Tensor, temperature: float) -> None:
         assert set(draw(row, SamplingParams(temperature=temperature, top_p=1e-6), 20)) == {int(row.argmax())}
 
 
+def test_rows_that_cannot_be_sampled_are_none_and_the_others_are_drawn(logits: torch.Tensor) -> None:
+    broken = logits.clone()
+    broken[1] = float("nan")
+    broken[3, 7] = float("inf")
+    broken[5] = float("-inf")
+    params = [SamplingParams(seed=1), SamplingParams(), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0), SamplingParams(top_p=1e-30), SamplingParams(top_k=3)]
+    gens = [torch.Generator().manual_seed(i) for i in range(6)]
+    out = sample(broken[:6], params, gens, torch.Generator().manual_seed(0))
+    assert out[1] is None and out[3] is None and out[5] is None
+    assert out[2] == int(logits[2].argmax()) and out[4] == int(logits[4].argmax())
+    assert out[0] is not None
+
+
+def test_smallest_top_p_keeps_the_top_token_at_the_lowest_temperature(logits: torch.Tensor) -> None:
+    for row in logits:
+        params = SamplingParams(temperature=1e-5, top_p=1.2e-38)
+        assert set(draw(row, params, 5)) == {int(row.argmax())}
+
+
 def test_top_k_keeps_exactly_the_k_largest() -> None:
     # Nearly flat, so every kept id is drawn often and a leak would show.
     row = torch.linspace(0.0, 0.5, 50)[torch.randperm(50, generator=torch.Generator().manual_seed(2))]
@@ -136,6 +156,10 @@ def test_unseeded_requests_draw_from_the_engine_generator(engine: LLMEngine) -> 
     ({"temperature": float("nan")}, "temperature must be in"),
     ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
     ({"top_p": 1.01}, r"top_p must be in \(0, 1\]"),
+    ({"temperature": 1e-300}, r"temperature must be 0 \(greedy\) or at least 1e-05"),
+    ({"temperature": 1e-6}, r"temperature must be 0 \(greedy\) or at least 1e-05"),
+    ({"top_p": 1e-46}, "top_p must be at least 1.18e-38"),
+    ({"top_logprobs": 21}, r"top_logprobs must be in \[0, 20\]"),
     ({"top_k": -2}, "top_k must be"),
     ({"stop": ""}, "stop strings must be non-empty"),
     ({"stop": ["ok", ""]}, "stop strings must be non-empty"),

@@ -104,6 +104,78 @@ def test_max_completion_tokens_and_seeded_sampling(client: openai.OpenAI) -> Non
     assert len(answers) == 1
 
 
+def test_completion_logprobs_whole_and_streamed(client: openai.OpenAI) -> None:
+    prompt = "The three primary colors are"
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=3)
+    lp = whole.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert "".join(lp.tokens) == whole.choices[0].text
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and value <= 0
+        assert top[token] == value  # greedy: the chosen token is the most likely one
+        assert value == max(top.values())
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    chunks = [c for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
+                                                   logprobs=3, stream=True) if c.choices]
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-3)  # cached KV: float noise
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_chat_logprobs_whole_and_streamed(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Name a color."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob == item.logprob
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert bytes(item.bytes).decode() == item.token
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                            logprobs=True, top_logprobs=2, stream=True)
+    streamed = [item.logprob for c in stream if c.choices and c.choices[0].logprobs
+                for item in c.choices[0].logprobs.content]
+    # Equal up to float noise: the repeat may reuse cached KV, or run on the other replica.
+    assert streamed == pytest.approx([item.logprob for item in content], abs=1e-3)
+    only_chosen = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                                 temperature=0, logprobs=True)
+    assert all(item.top_logprobs == [] for item in only_chosen.choices[0].logprobs.content)
+
+
+def test_n_choices_whole_and_streamed(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Invent a name for a dog."}]
+    args: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 1.0,
+                            "seed": 77, "n": 3, "extra_body": {"ignore_eos": True}}
+    whole = client.chat.completions.create(**args)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    texts = [c.message.content for c in whole.choices]
+    assert len(set(texts)) > 1  # each choice is its own sequence
+    one = client.chat.completions.create(**{**args, "n": 1})
+    assert one.choices[0].message.content == texts[0]  # choice 0 uses the request's seed
+    assert whole.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
+    assert whole.usage.completion_tokens == 18
+    chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)]
+    assert streamed == texts
+    assert chunks[-1].usage.completion_tokens == 18
+    finals = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert finals == [0, 1, 2]
+    completions = client.completions.create(model=MODEL, prompt="A dog named", max_tokens=4, n=2,
+                                            temperature=1.0, seed=5, logprobs=1)
+    assert [c.index for c in completions.choices] == [0, 1]
+    assert all(len(c.logprobs.tokens) == 4 for c in completions.choices)
+    streamed_completions = [c for c in client.completions.create(
+        model=MODEL, prompt="A dog named", max_tokens=4, n=2, temperature=1.0, seed=5, stream=True) if c.choices]
+    for i in range(2):
+        assert "".join(c.choices[0].text for c in streamed_completions
+                       if c.choices[0].index == i) == completions.choices[i].text
+
+
 def test_long_prompt_moves_to_the_other_replica_through_the_pool(client: openai.OpenAI, cluster: Cluster) -> None:
     prompt = unique_text(520)  # ~600 tokens: 2 whole pool chunks
     first = client.completions.with_raw_response.create(

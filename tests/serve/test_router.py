@@ -6,16 +6,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import pytest
 from aiohttp import web
 
+import kvshare
 from kvshare.engine.block_manager import block_hashes
 from kvshare.serve.policies import CacheAware, RouteRequest
 from kvshare.serve.router import ROUTER_KEY, Router, RouterConfig, build_router_app
@@ -40,6 +43,12 @@ def fake_replica(state: FakeState) -> web.Application:
         body = await request.json()
         if not body.get("stream"):
             return web.json_response({"served_by": state.name, "prompt": body.get("prompt")})
+        if body.get("linger_after_done"):  # [DONE], then the end of the response a while later
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b"data: [DONE]\n\n")
+            await asyncio.sleep(body["linger_after_done"])
+            return resp
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         try:
@@ -89,10 +98,11 @@ def fakes() -> Iterator[Fakes]:
 
 
 @contextlib.contextmanager
-def routed(urls: list[str], policy: str = "round-robin",
-           health_interval: float = 0.2) -> Iterator[tuple[httpx.Client, Router]]:
+def routed(urls: list[str], policy: str = "round-robin", health_interval: float = 0.2,
+           **limits: Any) -> Iterator[tuple[httpx.Client, Router]]:
     """A router over `urls` and a client of it."""
-    config = RouterConfig(tuple(urls), policy, health_interval=health_interval, health_timeout=1.0)
+    config = RouterConfig(tuple(urls), policy, health_interval=health_interval, health_timeout=1.0,
+                          **limits)
     app = build_router_app(config, RoutingKeys(None, 16))
     server = BackgroundServer(app)
     try:
@@ -225,3 +235,52 @@ def test_a_pinned_request_is_forwarded_while_its_prompt_is_hashed() -> None:
     route = RouteRequest(prefix=tuple(block_hashes(ids, 16)))
     policy = app[ROUTER_KEY].policy
     assert isinstance(policy, CacheAware) and policy.gpu_tokens(route, 0) == 64
+
+
+def test_an_oversized_body_is_a_413_naming_the_limit(fakes: Fakes) -> None:
+    with routed(fakes.urls[:1], max_body_bytes=4096, max_buffered_bytes=8192) as (client, _):
+        resp = post(client, prompt="x" * 5000)
+        assert resp.status_code == 413
+        assert "at most 4096 (--max-body-bytes)" in resp.json()["error"]["message"]
+        chunked = client.post("/v1/completions", content=iter([b'{"prompt": "', b"x" * 5000, b'"}']),
+                              headers={"content-type": "application/json"})
+        assert chunked.status_code == 413 and "too large" in chunked.json()["error"]["message"]
+        assert post(client).status_code == 200
+        assert client.get("/version").json() == {"version": kvshare.__version__}
+
+
+def test_bodies_held_at_once_are_capped(fakes: Fakes) -> None:
+    limits = {"max_body_bytes": 1024, "max_buffered_bytes": 1024, "body_wait_timeout": 0.2}
+    with routed(fakes.urls[:1], **limits) as (client, router):
+        body = {"model": "m", "prompt": "x" * 800, "stream": True, "chunks": 4}
+        with client.stream("POST", "/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()  # referenced: a collected generator closes the stream
+            next(lines)  # the first body is held while its answer streams
+            refused = post(client, prompt="y" * 300)
+            assert refused.status_code == 503
+            assert "--max-buffered-bytes" in refused.json()["error"]["message"]
+        deadline = time.monotonic() + 5
+        while router.bodies.held:
+            assert time.monotonic() < deadline, "the body was never released"
+            time.sleep(0.05)
+        assert post(client, prompt="y" * 300).status_code == 200
+
+
+def test_a_client_that_closes_after_done_is_counted_without_an_error(
+        fakes: Fakes, caplog: pytest.LogCaptureFixture) -> None:
+    with routed(fakes.urls[:1]) as (client, router):
+        host, port = client.base_url.host, client.base_url.port
+        body = json.dumps({"model": "m", "prompt": "x", "stream": True, "linger_after_done": 0.3})
+        request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
+                   f"\r\nContent-Length: {len(body)}\r\n\r\n{body}")
+        with socket.create_connection((host, port)) as sock:
+            sock.sendall(request.encode())
+            received = b""
+            while b"[DONE]" not in received:
+                received += sock.recv(4096)
+        deadline = time.monotonic() + 5
+        while "kvshare_router_requests_total{" not in client.get("/metrics").text:
+            assert time.monotonic() < deadline, "the request was never counted"
+            time.sleep(0.05)
+        assert router.replicas[0].in_flight == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -3,8 +3,10 @@ engine thread, disconnects, engine failures, auth, admin and metrics."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -12,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+import kvshare
 from kvshare import LLM
 from kvshare.engine.llm_engine import LLMEngine
 from kvshare.serve.router import ADMIN_CALLS
@@ -222,3 +225,134 @@ def test_metrics_expose_latencies_gauges_and_finish_reasons(client: httpx.Client
                       if line.startswith("kvshare_time_to_first_token_seconds_count"))
     assert float(ttft_count.split()[-1]) >= 1
     assert "kvshare_kv_pool_hit_tokens" not in text  # no pool, no pool series
+
+
+def test_unsampleable_temperature_and_top_p_are_400_and_a_concurrent_request_completes(
+        client: httpx.Client, served: tuple[BackgroundServer, LLMEngine]) -> None:
+    wait_idle(client)
+    results: dict[str, httpx.Response] = {}
+
+    def long_request() -> None:
+        with httpx.Client(base_url=served[0].url, headers=AUTH, timeout=30) as other:
+            results["other"] = completion(other, prompt=list(range(60, 100)), max_tokens=60,
+                                          ignore_eos=True, temperature=0.8, seed=3)
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    wait_running(client)
+    for field, value, says in (("temperature", 1e-300, "temperature must be 0 (greedy) or at least"),
+                               ("temperature", 1e-39, "temperature must be 0 (greedy) or at least"),
+                               ("top_p", 1e-46, "top_p must be at least")):
+        resp = completion(client, **{"temperature": 1.0, field: value})
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == field and says in resp.json()["error"]["message"]
+    thread.join(30)
+    other = results["other"]
+    assert other.status_code == 200, other.text
+    assert other.json()["choices"][0]["finish_reason"] == "length"
+    assert len(other.json()["choices"][0]["token_ids"]) == 60
+
+
+def test_a_request_whose_sampling_fails_ends_alone(
+        client: httpx.Client, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NaN logits for one request's row (what an extreme temperature used to give): that
+    request gets a 500, the one batched with it finishes."""
+    wait_idle(client)
+    victim_prompt = list(range(400, 430))
+    real = engine.runner.execute
+
+    def execute(chunks: list[Any]) -> Any:
+        logits = real(chunks).clone()
+        for row, chunk in enumerate(c for c in chunks if c.samples):
+            if chunk.seq.token_ids[:30] == victim_prompt and chunk.seq.num_output_tokens >= 3:
+                logits[row] = float("nan")
+        return logits
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    results: dict[str, httpx.Response] = {}
+
+    def other() -> None:
+        with httpx.Client(base_url=served_url(client), headers=AUTH, timeout=30) as c:
+            results["other"] = completion(c, prompt=list(range(60, 100)), max_tokens=40, ignore_eos=True)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    wait_running(client)
+    victim = completion(client, prompt=victim_prompt, max_tokens=20, ignore_eos=True, stream=True)
+    thread.join(30)
+    assert "cannot be sampled" in sse_chunks(victim.text)[-1]["error"]["message"]
+    assert results["other"].status_code == 200
+    assert len(results["other"].json()["choices"][0]["token_ids"]) == 40
+    assert 'kvshare_requests_finished_total{finish_reason="error"}' in client.get("/metrics").text
+
+
+def served_url(client: httpx.Client) -> str:
+    return str(client.base_url).rstrip("/")
+
+
+def test_version_and_vllm_metric_names(client: httpx.Client) -> None:
+    assert client.get("/version").json() == {"version": kvshare.__version__}
+    assert completion(client, max_tokens=3).status_code == 200
+    text = client.get("/metrics").text
+    for series in ('vllm:time_to_first_token_seconds_count{model_name="tiny"}',
+                   'vllm:e2e_request_latency_seconds_count{model_name="tiny"}',
+                   'vllm:prompt_tokens_total{model_name="tiny"}',
+                   'vllm:generation_tokens_total{model_name="tiny"}',
+                   'vllm:num_requests_running{model_name="tiny"}',
+                   'vllm:num_requests_waiting{model_name="tiny"}',
+                   'vllm:gpu_cache_usage_perc{model_name="tiny"}',
+                   'vllm:prefix_cache_queries_total{model_name="tiny"}',
+                   'vllm:prefix_cache_hits_total{model_name="tiny"}'):
+        assert series in text, series
+    generated = next(line for line in text.splitlines() if line.startswith("vllm:generation_tokens_total"))
+    assert float(generated.split()[-1]) >= 3
+
+
+@pytest.mark.parametrize("body", [b"[" * 100_000, b'{"model": "tiny", "prompt": ' + b"[" * 100_000,
+                                  b'{"model": "tiny", "prompt": "a\\ud800b"}',
+                                  b'{"model": "tiny", "prompt": [1], "stop": ["\\udfff"]}'],
+                         ids=["nested", "nested prompt", "surrogate prompt", "surrogate stop"])
+def test_nested_json_and_lone_surrogates_are_400(client: httpx.Client, body: bytes) -> None:
+    resp = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["type"] == "invalid_request_error"
+    # A surrogate pair is one valid character.
+    pair = b'{"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 2, "stop": ["\\ud83d\\ude00"]}'
+    ok = client.post("/v1/completions", content=pair, headers={"content-type": "application/json"})
+    assert ok.status_code == 200, ok.text
+
+
+class SlowTokenizer:
+    """Stands in for a tokenizer that takes seconds over a huge prompt (it sleeps)."""
+
+    chat_template = None
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        time.sleep(TOKENIZE_S)
+        return [5, 6, 7]
+
+
+TOKENIZE_S = 3.0
+
+
+def test_health_answers_while_a_huge_prompt_is_tokenized(
+        client: httpx.Client, served: tuple[BackgroundServer, LLMEngine],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    server = served[0]._app[SERVER_KEY]
+    monkeypatch.setattr(server, "model", dataclasses.replace(server.model, tokenizer=SlowTokenizer()))
+    results: dict[str, httpx.Response] = {}
+
+    def tokenized() -> None:
+        with httpx.Client(base_url=served[0].url, headers=AUTH, timeout=30) as c:
+            results["slow"] = c.post("/v1/completions", json={"model": "tiny", "prompt": "x" * (1 << 20),
+                                                              "max_tokens": 1})
+
+    thread = threading.Thread(target=tokenized)
+    thread.start()
+    time.sleep(0.5)  # the body is read and the tokenizer is asleep
+    started = time.monotonic()
+    assert client.get("/health").status_code == 200
+    assert time.monotonic() - started < TOKENIZE_S / 2
+    thread.join(30)
+    assert results["slow"].status_code == 200, results["slow"].text
