@@ -16,7 +16,8 @@ binds where it lies)
 modulo 2**64, fmix64 being MurmurHash3's finalizer. Why this shape:
 - fmix64 is a bijection: changing any one word (any flipped bit) always changes both lanes;
 - it is nonlinear, so rewrites that keep linear sums (+d, -2d, +d on three neighbours,
-  two words swapped) change the checksum except with probability ~2**-128;
+  pairs of words swapped) change it: without the constants, a multi-word change keeps
+  both 64-bit lanes only by chance;
 - the same bytes under another key (a page copied to the wrong slot, a stale slot)
   checksum differently;
 - sums modulo 2**64 do not depend on the order of the words, so the GPU reduces them in
