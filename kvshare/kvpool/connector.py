@@ -278,7 +278,7 @@ class PoolConnector(KVConnector):
             nbytes = layout.payload_bytes if j >= full_from else layout.global_bytes
             blocks = tuple(block_table[j * layout.blocks_per_page:(j + 1) * layout.blocks_per_page])
             first = max(0, (match.local_tokens - j * self.chunk_tokens) // bs)
-            copies.append(PageCopy(page.offset + HEADER_BYTES, nbytes, blocks, first))
+            copies.append(PageCopy(page.offset + HEADER_BYTES, nbytes, blocks, page.key, first))
             pages.append(page)
             segments.append(len(layout.segments(nbytes)))
             held += blocks[first:]
@@ -295,7 +295,8 @@ class PoolConnector(KVConnector):
                 pending.state_page = match.state
                 pending.nbytes += match.state.payload_bytes
                 pending.state_job = self.transfer.load_raw(match.state.offset + HEADER_BYTES,
-                                                           self.cache.states.rows[state_slot])
+                                                           self.cache.states.rows[state_slot],
+                                                           match.state.key)
         except Exception:  # a broken copy is a miss, never an engine crash
             _log.exception("pool load failed to start")
             pending.wait()
@@ -389,7 +390,7 @@ class PoolConnector(KVConnector):
             if page is None:
                 continue
             blocks = tuple(block_table[j * bpp:(j + 1) * bpp])
-            copies.append(PageCopy(page.offset + HEADER_BYTES, self.layout.payload_bytes, blocks))
+            copies.append(PageCopy(page.offset + HEADER_BYTES, self.layout.payload_bytes, blocks, page.key))
             pages.append(page)
             parents.append(keys[j - 1] if j else chain_seed(self.namespace, cache_salt))
             held += blocks
@@ -425,7 +426,7 @@ class PoolConnector(KVConnector):
         page = reservation.pages[0]
         self.cache.states.pin(snapshot_slot)  # immutable until the copy completed
         try:
-            job = self.transfer.store_raw(page.offset + HEADER_BYTES, row)
+            job = self.transfer.store_raw(page.offset + HEADER_BYTES, row, page.key)
         except Exception:  # a failed store is skipped, never an engine crash
             _log.exception("pool state store failed to start")
             self.cache.states.unpin(snapshot_slot)

@@ -6,14 +6,30 @@ layers first, then sliding-window layers). So the global layers are one contiguo
 prefix of the page: a restore outside the sliding window copies just that prefix.
 
 Each part (global, sliding) has its own 16-byte checksum so that a partial restore can
-be verified. The checksum is exact integer arithmetic over the bytes viewed as int64
-words (sum, and position-weighted sum, modulo 2**64): the same function gives the same
-bits on the CPU and on CUDA, is cheap on the GPU (no host pass over MiBs), and any
-single flipped bit changes the plain sum.
+be verified. The checksum is keyed by the page's key: four 64-bit constants k0..k3 come
+from a keyed hash of the key, and over the payload viewed as little-endian 64-bit words
+w at word index i (counted from the start of the payload, so a part's checksum also
+binds where it lies)
+
+    lane a = sum of fmix64((w ^ k0) + i * k1),  lane b = sum of fmix64((w ^ k2) + i * k3)
+
+modulo 2**64, fmix64 being MurmurHash3's finalizer. Why this shape:
+- fmix64 is a bijection: changing any one word (any flipped bit) always changes both lanes;
+- it is nonlinear, so rewrites that keep linear sums (+d, -2d, +d on three neighbours,
+  pairs of words swapped) change it: without the constants, a multi-word change keeps
+  both 64-bit lanes only by chance;
+- the same bytes under another key (a page copied to the wrong slot, a stale slot)
+  checksum differently;
+- sums modulo 2**64 do not depend on the order of the words, so the GPU reduces them in
+  parallel (checksum_kernel.py) to the same bits as payload_checksum here.
+It is not a MAC: someone who can read a page's key can compute its constants and forge
+a collision (fmix64 is invertible). It guards against bugs and corruption, not a hostile
+writer of the arena.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,8 +38,13 @@ import torch
 from kvshare.engine.connector import KVCacheLayout
 
 # Bump when the byte layout of pages changes: it is part of the pool namespace.
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 CHECKSUM_BYTES = 16
+
+FMIX64_M1 = 0xFF51AFD7ED558CCD
+FMIX64_M2 = 0xC4CEB9FE1A85EC53
+_CONSTANTS_PERSON = b"kvshare.page.v2"
+_CPU_CHUNK_WORDS = 1 << 16  # bounds the temporaries of a CPU checksum (512 KiB each)
 
 
 @dataclass(frozen=True)
@@ -79,25 +100,47 @@ class PageLayout:
         return [(a, b) for a, b in bounds[: self.num_segments] if b <= nbytes]
 
 
-def word_weights(num_words: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(1, num_words + 1, dtype=torch.int64, device=device)
+def checksum_constants(key: bytes) -> np.ndarray:
+    """The page checksum's constants k0..k3 (uint64 [4]) for a page key; k1 and k3, the
+    position multipliers, are odd so that distinct word indices give distinct offsets."""
+    digest = hashlib.blake2b(key, digest_size=32, person=_CONSTANTS_PERSON).digest()
+    constants = np.frombuffer(digest, dtype="<u8").astype(np.uint64)
+    constants[[1, 3]] |= np.uint64(1)
+    return constants
 
 
-def checksum_rows_into(rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
-    """Write [sum, weighted sum] of each row's int64 words into out (int64 [rows, 2], same
-    device). Sums wrap modulo 2**64, so a row's checksum is the same however rows are batched.
-
-    Enqueued on the current stream; nothing waits for it on the host.
-    """
-    words = rows.view(torch.int64)
-    out.copy_(torch.stack((words.sum(1), (words * weights[: words.shape[1]]).sum(1)), 1))
-
-
-def checksum_into(data: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
-    """checksum_rows_into for one contiguous byte range; out is int64 [2]."""
-    checksum_rows_into(data.view(1, -1), weights, out.view(1, 2))
+def _fmix64(x: np.ndarray, scratch: np.ndarray) -> None:
+    """MurmurHash3's 64-bit finalizer, in place (uint64 arithmetic wraps)."""
+    for multiplier in (FMIX64_M1, FMIX64_M2):
+        np.right_shift(x, 33, out=scratch)
+        x ^= scratch
+        x *= np.uint64(multiplier)
+    np.right_shift(x, 33, out=scratch)
+    x ^= scratch
 
 
-def checksum_to_bytes(values: np.ndarray) -> bytes:
-    """int64 [2] -> 16 bytes (little-endian), the form stored in headers and the index."""
-    return np.asarray(values, dtype="<i8").tobytes()
+def payload_checksum(words: np.ndarray, constants: np.ndarray, first_word: int = 0) -> np.ndarray:
+    """[lane a, lane b] (uint64 [2]) of `words` (uint64 [n], word `first_word` of its page
+    onwards) under `constants` (checksum_constants). The GPU computes the same bits."""
+    lanes, chunk_lanes = np.zeros(2, dtype=np.uint64), np.empty(2, dtype=np.uint64)
+    n = min(len(words), _CPU_CHUNK_WORDS)
+    index, mixed, scratch = (np.empty(n, dtype=np.uint64) for _ in range(3))
+    for start in range(0, len(words), _CPU_CHUNK_WORDS):
+        chunk = words[start:start + _CPU_CHUNK_WORDS]
+        m = len(chunk)
+        index[:m] = np.arange(first_word + start, first_word + start + m, dtype=np.uint64)
+        for lane, (k_xor, k_mul) in enumerate(((constants[0], constants[1]), (constants[2], constants[3]))):
+            np.bitwise_xor(chunk, k_xor, out=mixed[:m])
+            np.multiply(index[:m], k_mul, out=scratch[:m])
+            mixed[:m] += scratch[:m]
+            _fmix64(mixed[:m], scratch[:m])
+            chunk_lanes[lane] = mixed[:m].sum(dtype=np.uint64)
+        lanes += chunk_lanes  # array arithmetic: wraps without an overflow warning
+    return lanes
+
+
+def payload_words(data: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU byte tensor (a multiple of 8 bytes) as little-endian uint64 words,
+    without a copy."""
+    return data.numpy().view("<u8")
+

@@ -5,24 +5,30 @@ A slot is `[header: HEADER_BYTES][payload, padded to a multiple of PAGE_ALIGN]`,
 slots start at PAGE_ALIGN-aligned arena offsets, so the payload of every page is
 page-aligned for host registration and DMA.
 
-Header encoding (big-endian), zero-padded to HEADER_BYTES:
+Header encoding (big-endian), zero-padded, then a CRC-32 of everything before it in its
+last 4 bytes (HEADER_BYTES in all):
     magic 8s | layout_version u32 | key 16s | parent_key 16s | payload_bytes u64 |
-    checksum_len u16 | checksum (checksum_len bytes)
+    checksum_len u16 | checksum (checksum_len bytes) | zeros | crc32 u32
+The CRC sits at a fixed place and covers every other byte of the header, padding
+included, so any single flipped bit anywhere in a header fails `unpack`.
 """
 
 from __future__ import annotations
 
 import struct
+import zlib
 from dataclasses import dataclass
 
 from kvshare.kvpool.keys import KEY_BYTES
 
 HEADER_BYTES = 4096
 PAGE_ALIGN = 4096
-PAGE_MAGIC = b"KVSPAGE1"
+PAGE_MAGIC = b"KVSPAGE2"
 MAX_CHECKSUM_BYTES = 1024
 
 _FIXED = struct.Struct(">8sI16s16sQH")
+_CRC = struct.Struct(">I")
+_CRC_AT = HEADER_BYTES - _CRC.size
 
 
 class PageFormatError(ValueError):
@@ -69,7 +75,7 @@ class PageHeader:
             )
 
     def pack(self) -> bytes:
-        """Return exactly HEADER_BYTES bytes: the encoding, zero-padded."""
+        """Return exactly HEADER_BYTES bytes: the encoding, zero-padded, and its CRC."""
         fixed = _FIXED.pack(
             self.magic,
             self.layout_version,
@@ -79,21 +85,25 @@ class PageHeader:
             len(self.checksum),
         )
         encoded = fixed + self.checksum
-        return encoded + bytes(HEADER_BYTES - len(encoded))
+        covered = encoded + bytes(_CRC_AT - len(encoded))
+        return covered + _CRC.pack(zlib.crc32(covered))
 
     @classmethod
     def unpack(cls, buffer: bytes | bytearray | memoryview) -> PageHeader:
         """Decode a header from the start of `buffer`; raise PageFormatError if invalid."""
         view = memoryview(buffer).cast("B")
-        if len(view) < _FIXED.size:
+        if len(view) < HEADER_BYTES:
             raise PageFormatError(f"buffer of {len(view)} bytes is shorter than a page header")
         magic, layout_version, key, parent_key, payload_bytes, checksum_len = _FIXED.unpack_from(
             view
         )
         if magic != PAGE_MAGIC:
             raise PageFormatError(f"bad page magic {magic!r}, expected {PAGE_MAGIC!r}")
+        (crc,) = _CRC.unpack_from(view, _CRC_AT)
+        if crc != zlib.crc32(view[:_CRC_AT]):
+            raise PageFormatError("page header CRC mismatch: the header is corrupt")
         end = _FIXED.size + checksum_len
-        if checksum_len > MAX_CHECKSUM_BYTES or end > len(view):
+        if checksum_len > MAX_CHECKSUM_BYTES or end > _CRC_AT:
             raise PageFormatError(f"checksum length {checksum_len} does not fit the header")
         return cls(
             layout_version=layout_version,

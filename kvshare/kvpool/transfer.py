@@ -5,11 +5,12 @@ the registered arena and a GPU staging buffer, and scatters/gathers between the 
 buffer and the scattered blocks on the GPU. Two staging buffers per direction and two
 streams per direction (copy engine, SMs) let group i+1's copies overlap group i's scatter.
 A group is a run of pages of one size checksummed and scattered/gathered together: at 16
-MiB pages, issuing the checksum kernels page by page took the host longer than the copy
-took the PCIe link, and index_copy_ over a cache of more than 2**31 elements is split into
+MiB pages, issuing checksum kernels page by page took the host longer than the copy took
+the PCIe link, and index_copy_ over a cache of more than 2**31 elements is split into
 32 launches per page, which block the host once the stream's queue fills. The scatter and
 gather are one Triton launch per group with 64-bit offsets (block_copy.py), driven by a
-table of (page, block) pairs uploaded once per load or store.
+table of (page, block) pairs uploaded once per load or store; so is the checksum
+(checksum_kernel.py), keyed per page by constants uploaded with the pairs.
 
 `ThreadTransfer` (CPU) does the same work on a worker thread, straight from/into the
 arena.
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import torch
 
-from kvshare.kvpool.layout import PageLayout, checksum_into, checksum_rows_into, word_weights
+from kvshare.kvpool.layout import PageLayout, checksum_constants, payload_checksum, payload_words
 
 if TYPE_CHECKING:
     from kvshare.kvpool.block_copy import BlockCopy
@@ -47,12 +48,14 @@ _log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PageCopy:
     """One page <-> one chunk's blocks. The first `nbytes` of the payload (at arena byte
-    `offset`) cover the first nbytes / slot_bytes cache slots. A load leaves the blocks
-    before `first_block` untouched (the engine already has them)."""
+    `offset`) cover the first nbytes / slot_bytes cache slots. `key` is the page's key,
+    which keys its checksum. A load leaves the blocks before `first_block` untouched (the
+    engine already has them)."""
 
     offset: int
     nbytes: int
     blocks: tuple[int, ...]
+    key: bytes
     first_block: int = 0
 
 
@@ -90,7 +93,6 @@ class Transfer(ABC):
         self.layout = layout
         self.break_order = break_order
         self.arena: torch.Tensor | None = None
-        self._raw_weights: torch.Tensor | None = None
 
     def set_arena(self, arena: torch.Tensor) -> None:
         self.arena = arena
@@ -102,20 +104,15 @@ class Transfer(ABC):
     def store(self, copies: Sequence[PageCopy], ready: threading.Event | None = None) -> TransferJob: ...
 
     @abstractmethod
-    def load_raw(self, offset: int, row: torch.Tensor) -> TransferJob:
-        """Copy the page payload at arena byte `offset` into a contiguous uint8 row
-        (a recurrent-state slot), one checksummed segment."""
+    def load_raw(self, offset: int, row: torch.Tensor, key: bytes) -> TransferJob:
+        """Copy the payload of page `key` at arena byte `offset` into a contiguous uint8
+        row (a recurrent-state slot), one checksummed segment."""
 
     @abstractmethod
-    def store_raw(self, offset: int, row: torch.Tensor, ready: threading.Event | None = None) -> TransferJob:
-        """Copy a contiguous uint8 row into the page payload at `offset`, after the
-        compute work already issued (or `ready`), one checksummed segment."""
-
-    def raw_weights(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        """Checksum weights for a raw payload (cached: one tensor per size)."""
-        if self._raw_weights is None or self._raw_weights.numel() < nbytes // 8:
-            self._raw_weights = word_weights(nbytes // 8, device)
-        return self._raw_weights
+    def store_raw(self, offset: int, row: torch.Tensor, key: bytes,
+                  ready: threading.Event | None = None) -> TransferJob:
+        """Copy a contiguous uint8 row into the payload of page `key` at `offset`, after
+        the compute work already issued (or `ready`), one checksummed segment."""
 
     @abstractmethod
     def consume(self, job: TransferJob) -> None:
@@ -179,10 +176,11 @@ class CudaTransfer(Transfer):
         # filled[d][b]: staging buffer b holds data; free[d][b]: its consumer is done with it.
         self.filled = {d: [torch.cuda.Event() for _ in range(2)] for d in ("load", "store")}
         self.free = {d: [torch.cuda.Event() for _ in range(2)] for d in ("load", "store")}
-        self.weights = word_weights(layout.payload_bytes // 8, self.device)
         from kvshare.kvpool.block_copy import BlockCopy  # triton: only where CUDA is
+        from kvshare.kvpool.checksum_kernel import checksum_rows
 
         self.blocks: BlockCopy = BlockCopy(kv, layout.blocks_per_page)
+        self.checksum_rows = checksum_rows
 
     def _pipeline(self, direction: str, copies: Sequence[PageCopy],
                   first: torch.cuda.Stream, fill: Callable[[torch.Tensor, range], None],
@@ -203,23 +201,31 @@ class CudaTransfer(Transfer):
                 drain(rows, group)
                 self.free[direction][b].record(second)
 
-    def _checksum_group(self, rows: torch.Tensor, sums: torch.Tensor) -> None:
-        for s, (lo, hi) in enumerate(self.layout.segments(rows.shape[1])):
-            checksum_rows_into(rows[:, lo:hi], self.weights, sums[:, s])
+    def _upload(self, table: np.ndarray, stream: torch.cuda.Stream) -> torch.Tensor:
+        """A host table on the device, through one pinned, asynchronous copy on `stream`."""
+        with torch.cuda.stream(stream):
+            return torch.from_numpy(table).pin_memory().to(self.device, non_blocking=True)
+
+    def _constants(self, keys: Sequence[bytes], stream: torch.cuda.Stream) -> torch.Tensor:
+        """Each key's checksum constants (int64 [len(keys), 4]) on the device."""
+        return self._upload(np.stack([checksum_constants(k) for k in keys]).view(np.int64), stream)
+
+    def _checksum_group(self, rows: torch.Tensor, constants: torch.Tensor, sums: torch.Tensor) -> None:
+        self.checksum_rows(rows, constants, sums, min(self.layout.global_bytes, rows.shape[1]))
 
     def _pairs(self, copies: Sequence[PageCopy],
                stream: torch.cuda.Stream) -> Callable[[range], torch.Tensor]:
-        """The (page, j, block) pairs of every copy, uploaded in one pinned, asynchronous
-        copy on `stream`; returns the device pairs of a group (a slice: no GPU work)."""
+        """The (page, j, block) pairs of every copy, uploaded once on `stream`; returns the
+        device pairs of a group (a slice: no GPU work)."""
         table, offsets = self.blocks.pairs([c.blocks for c in copies], [c.first_block for c in copies])
-        with torch.cuda.stream(stream):
-            pairs = torch.from_numpy(table).pin_memory().to(self.device, non_blocking=True)
+        pairs = self._upload(table, stream)
         return lambda group: pairs[offsets[group.start]:offsets[group.stop]]
 
     def load(self, copies: Sequence[PageCopy]) -> TransferJob:
         assert self.arena is not None
         copy_s, scatter_s = self.streams["load_copy"], self.streams["load_scatter"]
         pairs = self._pairs(copies, scatter_s)
+        constants = self._constants([c.key for c in copies], scatter_s)
         with torch.cuda.stream(scatter_s):
             sums = torch.zeros((len(copies), 2, 2), dtype=torch.int64, device=self.device)
         if self.load_delay_cycles:
@@ -232,7 +238,7 @@ class CudaTransfer(Transfer):
                 row.copy_(self.arena[c.offset:c.offset + c.nbytes], non_blocking=True)
 
         def drain(rows: torch.Tensor, group: range) -> None:
-            self._checksum_group(rows, sums[group.start:group.stop])
+            self._checksum_group(rows, constants[group.start:group.stop], sums[group.start:group.stop])
             self.blocks(rows, pairs(group), group.start, to_cache=True)
 
         self._pipeline("load", copies, copy_s, fill, scatter_s, drain)
@@ -246,12 +252,13 @@ class CudaTransfer(Transfer):
         if self.break_order != "store":
             gather_s.wait_event(produced)
         pairs = self._pairs(copies, gather_s)
+        constants = self._constants([c.key for c in copies], gather_s)
         with torch.cuda.stream(gather_s):
             sums = torch.zeros((len(copies), 2, 2), dtype=torch.int64, device=self.device)
 
         def fill(rows: torch.Tensor, group: range) -> None:
             self.blocks(rows, pairs(group), group.start, to_cache=False)
-            self._checksum_group(rows, sums[group.start:group.stop])
+            self._checksum_group(rows, constants[group.start:group.stop], sums[group.start:group.stop])
 
         def drain(rows: torch.Tensor, group: range) -> None:
             for row, i in zip(rows, group):
@@ -262,27 +269,32 @@ class CudaTransfer(Transfer):
         copy_s.wait_stream(gather_s)
         return self._finish(copies, sums, copy_s, always_done=False)
 
-    def load_raw(self, offset: int, row: torch.Tensor) -> TransferJob:
-        assert self.arena is not None
-        stream = self.streams["load_copy"]
-        weights = self.raw_weights(row.numel(), self.device)
+    def _raw_checksum(self, row: torch.Tensor, key: bytes, stream: torch.cuda.Stream) -> torch.Tensor:
+        """Enqueue a row's checksum, one segment, on `stream`; returns its sums."""
+        constants = self._constants([key], stream)
         with torch.cuda.stream(stream):
             sums = torch.zeros((1, 2, 2), dtype=torch.int64, device=self.device)
+            self.checksum_rows(row.view(1, -1), constants, sums, row.numel())
+        return sums
+
+    def load_raw(self, offset: int, row: torch.Tensor, key: bytes) -> TransferJob:
+        assert self.arena is not None
+        stream = self.streams["load_copy"]
+        with torch.cuda.stream(stream):
             row.copy_(self.arena[offset:offset + row.numel()], non_blocking=True)
-            checksum_into(row, weights, sums[0, 0])
+        sums = self._raw_checksum(row, key, stream)
         return self._job(sums, stream, 1, 1, always_done=self.break_order == "load")
 
-    def store_raw(self, offset: int, row: torch.Tensor, ready: threading.Event | None = None) -> TransferJob:
+    def store_raw(self, offset: int, row: torch.Tensor, key: bytes,
+                  ready: threading.Event | None = None) -> TransferJob:
         assert self.arena is not None
         stream = self.streams["store_copy"]
         produced = torch.cuda.Event()
         produced.record(torch.cuda.current_stream(self.device))
         if self.break_order != "store":
             stream.wait_event(produced)
-        weights = self.raw_weights(row.numel(), self.device)
+        sums = self._raw_checksum(row, key, stream)
         with torch.cuda.stream(stream):
-            sums = torch.zeros((1, 2, 2), dtype=torch.int64, device=self.device)
-            checksum_into(row, weights, sums[0, 0])
             self.arena[offset:offset + row.numel()].copy_(row, non_blocking=True)
         return self._job(sums, stream, 1, 1, always_done=False)
 
@@ -335,7 +347,6 @@ class ThreadTransfer(Transfer):
                  load_delay_seconds: float = 0.0) -> None:
         super().__init__(kv, layout, break_order)
         self.load_delay_seconds = load_delay_seconds
-        self.weights = word_weights(layout.payload_bytes // 8, kv.device)
         self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.worker = threading.Thread(target=self._run, name="kvshare-transfer", daemon=True)
         self.worker.start()
@@ -354,11 +365,10 @@ class ThreadTransfer(Transfer):
         assert self.arena is not None
         return self.arena[c.offset:c.offset + c.nbytes]
 
-    def _checksums(self, job: _ThreadJob, i: int, data: torch.Tensor) -> None:
-        out = torch.zeros(2, dtype=torch.int64)
+    def _checksums(self, job: _ThreadJob, i: int, data: torch.Tensor, key: bytes) -> None:
+        constants, words = checksum_constants(key), payload_words(data)
         for s, (lo, hi) in enumerate(self.layout.segments(data.numel())):
-            checksum_into(data[lo:hi], self.weights, out)
-            job.sums[i, s] = out.numpy()
+            job.sums[i, s] = payload_checksum(words[lo // 8:hi // 8], constants, lo // 8).view(np.int64)
 
     def _submit(self, job: _ThreadJob, work: Callable[[], None], ready: threading.Event | None = None) -> None:
         """Run work() on the worker after `ready` (unless store ordering is broken); a
@@ -385,7 +395,7 @@ class ThreadTransfer(Transfer):
                 time.sleep(self.load_delay_seconds)
             for i, c in enumerate(copies):
                 data = self._page(c)
-                self._checksums(job, i, data)
+                self._checksums(job, i, data, c.key)
                 view = self.page_view(data, c.nbytes)
                 idx = torch.tensor(c.blocks[c.first_block:], dtype=torch.int64)
                 self.kv[:view.shape[0]].index_copy_(2, idx, view[:, :, c.first_block:])
@@ -403,32 +413,31 @@ class ThreadTransfer(Transfer):
                 view = self.page_view(data, c.nbytes)
                 torch.index_select(self.kv[:view.shape[0]], 2, torch.tensor(c.blocks, dtype=torch.int64),
                                    out=view)
-                self._checksums(job, i, data)
+                self._checksums(job, i, data, c.key)
 
         self._submit(job, work, ready)
         return job
 
-    def _raw_checksum(self, job: _ThreadJob, data: torch.Tensor) -> None:
-        out = torch.zeros(2, dtype=torch.int64)
-        checksum_into(data, self.raw_weights(data.numel(), data.device), out)
-        job.sums[0, 0] = out.numpy()
+    def _raw_checksum(self, job: _ThreadJob, data: torch.Tensor, key: bytes) -> None:
+        job.sums[0, 0] = payload_checksum(payload_words(data), checksum_constants(key)).view(np.int64)
 
-    def load_raw(self, offset: int, row: torch.Tensor) -> TransferJob:
+    def load_raw(self, offset: int, row: torch.Tensor, key: bytes) -> TransferJob:
         job = _ThreadJob(1, 1, self.break_order == "load")
-        page = self._page(PageCopy(offset, row.numel(), ()))
+        page = self._page(PageCopy(offset, row.numel(), (), key))
 
         def work() -> None:
             if self.load_delay_seconds:
                 time.sleep(self.load_delay_seconds)
-            self._raw_checksum(job, row.copy_(page))
+            self._raw_checksum(job, row.copy_(page), key)
 
         self._submit(job, work)
         return job
 
-    def store_raw(self, offset: int, row: torch.Tensor, ready: threading.Event | None = None) -> TransferJob:
+    def store_raw(self, offset: int, row: torch.Tensor, key: bytes,
+                  ready: threading.Event | None = None) -> TransferJob:
         job = _ThreadJob(1, 1, False)
-        page = self._page(PageCopy(offset, row.numel(), ()))
-        self._submit(job, lambda: self._raw_checksum(job, page.copy_(row)), ready)
+        page = self._page(PageCopy(offset, row.numel(), (), key))
+        self._submit(job, lambda: self._raw_checksum(job, page.copy_(row), key), ready)
         return job
 
     def consume(self, job: TransferJob) -> None:

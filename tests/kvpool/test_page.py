@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import zlib
+
 import pytest
 
 from kvshare.kvpool.page import (
@@ -70,10 +72,30 @@ def test_unpack_rejects_bad_magic_and_short_buffers() -> None:
         PageHeader.unpack(make_header().pack()[:20])
 
 
-def test_unpack_rejects_checksum_length_past_the_buffer() -> None:
-    packed = make_header(checksum=b"x" * 100).pack()
+def test_unpack_rejects_a_checksum_length_past_the_header() -> None:
+    packed = bytearray(make_header(checksum=b"x" * 100).pack())
     with pytest.raises(PageFormatError):
         PageHeader.unpack(packed[:80])
+    packed[52:54] = (MAX_CHECKSUM_BYTES + 1).to_bytes(2, "big")
+    packed[-4:] = zlib.crc32(packed[:-4]).to_bytes(4, "big")  # a well-formed CRC of a bad length
+    with pytest.raises(PageFormatError, match="checksum length"):
+        PageHeader.unpack(packed)
+
+
+def test_every_single_flipped_bit_of_a_header_fails_unpack() -> None:
+    """Every bit of all HEADER_BYTES, the zero padding and the CRC itself included."""
+    packed = bytearray(make_header().pack())
+    missed = []
+    for bit in range(8 * HEADER_BYTES):
+        packed[bit // 8] ^= 1 << bit % 8
+        try:
+            PageHeader.unpack(packed)
+            missed.append(bit)
+        except PageFormatError:
+            pass
+        packed[bit // 8] ^= 1 << bit % 8
+    assert missed == []
+    assert PageHeader.unpack(packed) == make_header()
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Checksums computed a group of pages at a time equal those of one page at a time, and the
+"""The CPU transfer checksums each segment of a page where it lies in the page, and the
 grouping of a load or store covers every copy once, in order, one page size per group."""
 
 from __future__ import annotations
@@ -9,13 +9,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvshare.kvpool.layout import checksum_into, checksum_rows_into, word_weights
-from kvshare.kvpool.transfer import PageCopy, page_groups
+from kvshare.engine.connector import KVCacheLayout
+from kvshare.kvpool.layout import PageLayout, checksum_constants, payload_checksum, payload_words
+from kvshare.kvpool.transfer import PageCopy, ThreadTransfer, page_groups
+from kvshare.models.presets import shape_preset
 
 
 @given(st.lists(st.sampled_from([64, 128, 4096]), max_size=40), st.integers(4096, 40000), st.integers(1, 9))
 def test_page_groups_cover_every_copy_in_order(sizes: list[int], staging: int, max_pages: int) -> None:
-    copies = [PageCopy(offset=i * 8192, nbytes=n, blocks=(i,)) for i, n in enumerate(sizes)]
+    copies = [PageCopy(offset=i * 8192, nbytes=n, blocks=(i,), key=bytes(16)) for i, n in enumerate(sizes)]
     groups = page_groups(copies, staging, max_pages)
     assert [i for g in groups for i in g] == list(range(len(copies)))
     for g in groups:
@@ -28,38 +30,33 @@ def test_page_groups_cover_every_copy_in_order(sizes: list[int], staging: int, m
         assert len(g) == max_pages or (len(g) + 1) * size > staging or copies[nxt.start].nbytes != size
 
 
-def test_row_checksums_equal_single_checksums_and_wrap() -> None:
-    gen = torch.Generator().manual_seed(3)
-    rows = torch.randint(0, 256, (5, 4096), dtype=torch.uint8, generator=gen)
-    rows[2] = 255  # every word -1: weighted sums reach past 2**63 and must wrap alike
-    weights = word_weights(4096 // 8, torch.device("cpu"))
-    grouped = torch.zeros(5, 2, 2, dtype=torch.int64)
-    checksum_rows_into(rows[:, 1024:], weights, grouped[:, 1])  # a segment, as a strided view
-    for i in range(5):
-        single = torch.zeros(2, dtype=torch.int64)
-        checksum_into(rows[i, 1024:].clone(), weights, single)
-        assert torch.equal(grouped[i, 1], single)
-        words = rows[i, 1024:].view(torch.int64).tolist()
-        wrap = (1 << 64)
-        expect = [sum(words) % wrap, sum(w * (j + 1) for j, w in enumerate(words)) % wrap]
-        assert [v % wrap for v in single.tolist()] == expect
-    assert torch.count_nonzero(grouped[:, 0]) == 0
-    flipped = rows.clone()
-    flipped[3, 2000] ^= 1
-    again = torch.zeros(5, 2, dtype=torch.int64)
-    checksum_rows_into(flipped[:, 1024:], weights, again)
-    assert torch.equal(again[[0, 1, 2, 4]], grouped[[0, 1, 2, 4], 1])
-    assert not torch.equal(again[3], grouped[3, 1])
+def test_cpu_transfer_checksums_each_segment_at_its_place_in_the_page() -> None:
+    """A store checksums both segments of a page under its key, each word at its index in
+    the page; a load of the whole page, or of its global prefix, gives the same bits."""
+    cache = KVCacheLayout.allocate(shape_preset("tiny-gemma3"), 8, 16, torch.float32, torch.device("cpu"))
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(2)))
+    layout = PageLayout.of(cache, 32)
+    transfer = ThreadTransfer(cache.kv, layout)
+    transfer.set_arena(torch.zeros(layout.payload_bytes, dtype=torch.uint8))
+    key = bytes(range(16))
+    stored = transfer.store([PageCopy(0, layout.payload_bytes, (5, 2), key)])
+    stored.wait()
+    words, constants, split = payload_words(transfer.arena), checksum_constants(key), layout.global_bytes // 8
+    expected = [payload_checksum(words[:split], constants).tobytes(),
+                payload_checksum(words[split:], constants, split).tobytes()]
+    assert stored.checksums() == [expected]
+    whole = transfer.load([PageCopy(0, layout.payload_bytes, (1, 3), key)])
+    prefix = transfer.load([PageCopy(0, layout.global_bytes, (4, 6), key)])
+    other_key = transfer.load([PageCopy(0, layout.payload_bytes, (1, 3), bytes(16))])
+    transfer.synchronize()
+    assert whole.checksums() == [expected]
+    assert prefix.checksums() == [expected[:1]]
+    assert other_key.checksums()[0][0] != expected[0] and other_key.checksums()[0][1] != expected[1]
 
 
 def test_cpu_store_of_a_global_only_page_writes_only_that_page() -> None:
     """A page that holds the first slots only gets exactly those bytes; the arena bytes
     after it (the next page) stay as they were."""
-    from kvshare.engine.connector import KVCacheLayout
-    from kvshare.kvpool.layout import PageLayout
-    from kvshare.kvpool.transfer import ThreadTransfer
-    from kvshare.models.presets import shape_preset
-
     cache = KVCacheLayout.allocate(shape_preset("tiny-gemma3"), 8, 16, torch.float32, torch.device("cpu"))
     cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(1)))
     layout = PageLayout.of(cache, 32)
@@ -67,7 +64,7 @@ def test_cpu_store_of_a_global_only_page_writes_only_that_page() -> None:
     nbytes = layout.global_bytes
     arena = torch.full((2 * layout.payload_bytes,), 0x5A, dtype=torch.uint8)
     transfer.set_arena(arena)
-    transfer.store([PageCopy(offset=0, nbytes=nbytes, blocks=(5, 2))]).wait()
+    transfer.store([PageCopy(offset=0, nbytes=nbytes, blocks=(5, 2), key=bytes(16))]).wait()
     assert 0 < nbytes < layout.payload_bytes
     assert bool((arena[nbytes:] == 0x5A).all())
     expected = cache.kv[:layout.num_global_slots][:, :, [5, 2]]
