@@ -32,8 +32,8 @@ PROMPT = [_rng.randrange(3, 512) for _ in range(4 * CHUNK + 20)]
 BRANCH = PROMPT[:150] + [_rng.randrange(3, 512) for _ in range(40)]
 # Shares 3 chunks with PROMPT: restored from the pool, chunk 2 with every layer.
 FOLLOW_UP = PROMPT[:3 * CHUNK] + [_rng.randrange(3, 512) for _ in range(40)]
-SEEDED = SamplingParams(max_tokens=8, temperature=1.0, seed=99, ignore_eos=True)
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=4, temperature=1.0, seed=99, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture
