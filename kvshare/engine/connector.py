@@ -108,7 +108,8 @@ class KVConnector(ABC):
     @abstractmethod
     def finish_load(self, request_id: str) -> bool:
         """Wait for the request's load, verify it and let go of its pool pages. True: the
-        restored range is exact; False: it is not, and what was computed from it is void."""
+        restored range is exact and the pages were held until now; False: either is not
+        (e.g. the pool lost the pin meanwhile), and what was computed from it is void."""
 
     @abstractmethod
     def cancel(self, request_id: str) -> None:

@@ -1,8 +1,8 @@
 """The engine loop: admit requests, schedule, run the model, sample, detokenize, stop.
 
 `LLMEngine.step()` is the one loop body: commit finished pool stores, schedule a batch
-(admission may start pool restores), run it, sample, verify the restores (dropping the
-results of any that failed), append tokens, hand newly full chunks to the connector, and
+(admission may start pool restores), run it, verify the restores (dropping the results of
+any that failed), sample, append tokens, hand newly full chunks to the connector, and
 report what changed. Callers (the offline `LLM`, the server's engine thread) drive it.
 
 A failure that belongs to one request (its row of logits cannot be sampled, its token
@@ -149,22 +149,25 @@ class LLMEngine:
             return outputs
         logits = self.runner.execute(chunks)
         sampling = [c for c in chunks if c.samples]
+        # Nothing computed from a restore counts before the restore is verified, and a failed
+        # one draws no sample: a seeded request's tokens must not depend on the pool.
+        failed = self.scheduler.finish_restores()
+        if failed:
+            kept = [i for i, c in enumerate(sampling) if c.seq.request_id not in failed]
+            sampling = [sampling[i] for i in kept]
+            logits = logits[kept] if logits is not None else None
+            chunks = [c for c in chunks if c.seq.request_id not in failed]
         tokens = []
         if logits is not None:
             tokens = sample(logits, [c.seq.params for c in sampling],
                             [self.requests[c.seq.request_id].generator for c in sampling],
                             self.generator)
         logprobs = self._logprobs(logits, sampling, tokens)
-        # Nothing computed from a restore counts before the restore is verified.
-        failed = self.scheduler.finish_restores()
-        chunks = [c for c in chunks if c.seq.request_id not in failed]
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
         self._register_and_store(chunks)
         now = time.monotonic()
         for chunk, token, logprob in zip(sampling, tokens, logprobs):
-            if chunk.seq.request_id in failed:
-                continue
             req = self.requests[chunk.seq.request_id]
             if token is None:
                 outputs.append(self._fail(req, "the model's next-token distribution for this "

@@ -176,6 +176,16 @@ class PoolClient:
                 return False
             return True
 
+    def invalidate(self, lease: int, keys: Sequence[bytes]) -> int:
+        """Tell the daemon that the pages of `keys` read under `lease` are corrupt: they
+        leave its index (no reader is served them again). Returns how many it dropped;
+        0 without asking when the lease died with a dropped connection (the daemon that
+        granted it is gone, or already let the pages go)."""
+        with self._lock:
+            if lease not in self._leases:
+                return 0
+            return self._request_locked({"op": "invalidate", "lease": lease, "keys": list(keys)})["invalidated"]
+
     def reserve(self, keys: Sequence[bytes], payload_bytes: int) -> Reservation:
         response = self._request(
             {"op": "reserve", "keys": list(keys), "payload_bytes": payload_bytes}

@@ -7,7 +7,12 @@ Invariants:
 - Only committed pages are read, under a lease that lives until the copy completed and
   its checksums were compared; the daemon's checksum, the page header and the bytes copied
   must all agree, otherwise `finish_load` says False (the engine discards what it computed
-  from the restore and recomputes) and the failure is counted.
+  from the restore and recomputes) and the failure is counted. A page found corrupt is
+  invalidated at the daemon at once: no reader on any replica is served it again.
+- A restore whose lease was lost before its release (daemon crash or restart, broken
+  link) is a failed restore as well: the pages may have been reused meanwhile, and
+  blocks restored with only their global layers were never whole. `finish_load` gives
+  that final verdict; the lost lease is logged and counted.
 - A store reserves pages, copies after the compute work that wrote the blocks, writes
   each header, and commits only then; a failed copy aborts its reservations.
 - Blocks being copied hold an extra reference until the copy completed.
@@ -53,9 +58,10 @@ def state_key(chunk_key: bytes) -> bytes:
 
 @dataclass(frozen=True)
 class ConnectorOptions:
-    """`break_order`, `load_delay`, `verify=False` and `skip_state_restore` are test-only:
-    they exist so the checks can prove that a missing stream dependency, a skipped checksum
-    or KV restored without its recurrent state is caught (transfer.py, kvshare/validate)."""
+    """`break_order`, `load_delay`, `verify=False`, `skip_state_restore` and
+    `keep_lost_lease_restores` are test-only: they exist so the checks can prove that a
+    missing stream dependency, a skipped checksum, KV restored without its recurrent state
+    or a restore kept after its lease was lost is caught (transfer.py, kvshare/validate)."""
 
     chunk_tokens: int = 256
     register_host_memory: bool = True
@@ -63,6 +69,7 @@ class ConnectorOptions:
     load_delay: float = 0.0  # seconds (CPU); on CUDA converted to GPU sleep cycles
     verify: bool = True
     skip_state_restore: bool = False  # hybrid models: restore the KV but not the state
+    keep_lost_lease_restores: bool = False  # finish_load ignores a release that failed
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
@@ -88,9 +95,10 @@ class _Load:
     segments: list[int]  # checksummed segments copied per page
     nbytes: int
     resume_chunks: int  # the restored prefix ends after this many chunks
+    hit_tokens: int  # tokens restored past the GPU-local prefix
     held: list[int]
     incomplete: list[int]
-    headers_ok: bool = False
+    bad_headers: list[PageRef] = field(default_factory=list)
     state_job: TransferJob | None = None
     state_page: PageRef | None = None
 
@@ -252,7 +260,6 @@ class PoolConnector(KVConnector):
             self.counters["miss_tokens"] += wanted
             return PoolMatch(0)
         req.match = _Match(result.lease, pages, num_local_tokens, state)
-        self.counters["hit_tokens"] += hit_tokens - num_local_tokens
         self.counters["miss_tokens"] += wanted - (hit_tokens - num_local_tokens)
         return PoolMatch(hit_tokens - num_local_tokens)
 
@@ -286,8 +293,8 @@ class PoolConnector(KVConnector):
                 incomplete += blocks[first:]
         self.cache.blocks.acquire(held)
         self.cache.blocks.mark_incomplete(incomplete)
-        pending = _Load(request_id, None, match.lease, pages, segments,
-                        sum(c.nbytes for c in copies), len(match.pages), held, incomplete)
+        pending = _Load(request_id, None, match.lease, pages, segments, sum(c.nbytes for c in copies),
+                        len(match.pages), resume - match.local_tokens, held, incomplete)
         try:
             pending.job = self.transfer.load(copies)
             if match.state is not None and not self.options.skip_state_restore:
@@ -306,8 +313,10 @@ class PoolConnector(KVConnector):
             if job is not None:
                 self.transfer.consume(job)
         # Checked while the copies run: the lease keeps the slots from changing meanwhile.
-        pending.headers_ok = all(self._header_ok(p, layout.payload_bytes) for p in pages) and (
-            pending.state_page is None or self._header_ok(pending.state_page, pending.state_page.payload_bytes))
+        pending.bad_headers = [p for p in pages if not self._header_ok(p, layout.payload_bytes)]
+        if pending.state_page is not None and not self._header_ok(pending.state_page,
+                                                                 pending.state_page.payload_bytes):
+            pending.bad_headers.append(pending.state_page)
         self._loads[request_id] = pending
         return True
 
@@ -316,12 +325,15 @@ class PoolConnector(KVConnector):
         if load is None:
             return False
         load.wait()
-        verified = load.headers_ok and self._checksums_match(load)
-        if not load.headers_ok:
-            self.counters["header_failures"] += 1
-        ok = not load.failed and (verified or not self.options.verify)
-        self._end_load(load, ok)
-        return ok
+        self.counters["header_failures"] += len(load.bad_headers)
+        corrupt = {p.key for p in load.bad_headers}
+        if not load.failed:  # a failed copy's checksums say nothing about the pages
+            corrupt |= {p.key for p in self._checksum_mismatches(load)}
+        if corrupt and self.options.verify:
+            self._invalidate(load.lease, sorted(corrupt))
+        ok = not load.failed and (not corrupt or not self.options.verify)
+        final = self._end_load(load, ok)
+        return ok if self.options.keep_lost_lease_restores else final
 
     def _header_ok(self, page: PageRef, payload_bytes: int) -> bool:
         """The slot still holds the page the daemon says: key, size and checksum agree."""
@@ -332,11 +344,14 @@ class PoolConnector(KVConnector):
         return (header.key == page.key and header.payload_bytes == payload_bytes
                 and header.layout_version == LAYOUT_VERSION and header.checksum == page.checksum)
 
-    def _end_load(self, load: _Load, ok: bool) -> None:
+    def _end_load(self, load: _Load, ok: bool) -> bool:
+        """Release the load's lease and settle its blocks; returns the final verdict: True
+        only when the restore was good AND its lease held until now."""
         assert self.cache is not None
         released = self._release(load.lease)
         ok = ok and released
         if ok:
+            self.counters["hit_tokens"] += load.hit_tokens
             self.counters["loaded_pages"] += len(load.pages)
             self.counters["loaded_bytes"] += load.nbytes
             req = self._requests.get(load.request_id)
@@ -348,15 +363,29 @@ class PoolConnector(KVConnector):
             for b in load.incomplete:
                 self.cache.blocks.complete[b] = True
         self.cache.blocks.release(load.held)
+        return ok
 
     def _release(self, lease: int) -> bool:
+        """Unpin a lease; False (logged and counted) when it was lost before this call."""
         if not lease:
             return True
         try:
-            return self.client.release(lease)
+            released = self.client.release(lease)
         except _POOL_ERRORS as exc:
             self._count_error("release", exc)
             return False
+        if not released:
+            self.counters["lost_leases"] += 1
+            self._count_error("release", PoolUnavailable(
+                f"lease {lease} was lost before its release (daemon restarted or the link broke)"))
+        return released
+
+    def _invalidate(self, lease: int, keys: list[bytes]) -> None:
+        """Have the daemon drop pages found corrupt, so that no reader meets them again."""
+        try:
+            self.counters["invalidated_pages"] += self.client.invalidate(lease, keys)
+        except _POOL_ERRORS as exc:
+            self._count_error("invalidate", exc)
 
     # ------------------------------------------------------------------ store
 
@@ -468,8 +497,9 @@ class PoolConnector(KVConnector):
             self._stores.remove(store)
             self._finish_store(store)
 
-    def _checksums_match(self, load: _Load) -> bool:
-        ok = True
+    def _checksum_mismatches(self, load: _Load) -> list[PageRef]:
+        """The pages whose copied bytes disagree with the checksum the daemon holds."""
+        bad = []
         checks = list(zip(load.pages, load.job.checksums(), load.segments))
         if load.state_job is not None and load.state_page is not None:
             checks.append((load.state_page, load.state_job.checksums()[0], 1))
@@ -477,8 +507,8 @@ class PoolConnector(KVConnector):
             expected = [page.checksum[i * CHECKSUM_BYTES:(i + 1) * CHECKSUM_BYTES] for i in range(n)]
             if copied[:n] != expected:
                 self.counters["checksum_failures"] += 1
-                ok = False
-        return ok
+                bad.append(page)
+        return bad
 
     def forget(self, request_id: str) -> None:
         load = self._loads.pop(request_id, None)

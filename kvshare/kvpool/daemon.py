@@ -79,6 +79,7 @@ class PoolDaemon:
             "hello": self._hello,
             "lookup": self._lookup,
             "release": self._release,
+            "invalidate": self._invalidate,
             "reserve": self._reserve,
             "commit": self._commit,
             "abort": self._abort,
@@ -193,6 +194,10 @@ class PoolDaemon:
     def _release(self, conn: int, request: dict[str, Any]) -> dict[str, Any]:
         self.index.release(conn, _int(request, "lease"))
         return {}
+
+    def _invalidate(self, conn: int, request: dict[str, Any]) -> dict[str, Any]:
+        keys = _keys(request, "keys")
+        return {"invalidated": self.index.invalidate(conn, _int(request, "lease"), keys)}
 
     def _reserve(self, conn: int, request: dict[str, Any]) -> dict[str, Any]:
         keys = _keys(request, "keys")

@@ -20,6 +20,12 @@ a chain's first chunk ends most recent and eviction takes the tails of prefixes
 before their heads (a tail is useless without its head). Every per-key operation is
 O(1) (LESSONS #13).
 
+Invalidation. A reader that finds a page corrupt (its checksum or header disagrees)
+tells the index, under the lease it read the page with; the key leaves the index at
+once, so no later lookup returns it and a reserve of the key gets a fresh slot. The
+slot itself stays taken (INVALID) until its last pin goes, so a page another lease
+still reads is never reused under it.
+
 Full pool. `reserve` takes a slot from, in order: the class's free slots, a free
 slab, the class's least recently used evictable page. When none is left, the
 remaining keys are dropped and counted, never an error and never a wait (LESSONS #11).
@@ -50,6 +56,7 @@ COUNTERS = (
     "committed_keys",
     "aborted_keys",
     "cleared_keys",
+    "invalidated_keys",
 )
 
 
@@ -61,10 +68,12 @@ class PoolRequestError(ValueError):
 class PageState(enum.Enum):
     RESERVED = "reserved"
     COMMITTED = "committed"
+    INVALID = "invalid"  # out of the index, its slot freed at its last unpin
 
 
 _RESERVED = PageState.RESERVED
 _COMMITTED = PageState.COMMITTED
+_INVALID = PageState.INVALID
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,7 @@ class _PageClass:
 
     __slots__ = (
         "committed",
+        "invalid",
         "lru",
         "pinned",
         "reserved",
@@ -104,6 +114,7 @@ class _PageClass:
         self.lru: OrderedDict[bytes, _Page] = OrderedDict()
         self.reserved = 0
         self.committed = 0
+        self.invalid = 0
         self.pinned = 0
 
 
@@ -260,6 +271,25 @@ class PoolIndex:
         self._conn_leases[conn].discard(lease)
         self._unpin_all(held.pages)
 
+    def invalidate(self, conn: int, lease: int, keys: Sequence[bytes]) -> int:
+        """Drop from the index the pages of `lease` (which `conn` must hold) whose key is in
+        `keys`: their reader found them corrupt. Each slot is freed at its last unpin.
+        Returns how many pages were dropped (a key the lease does not hold is ignored)."""
+        held = self._leases.get(lease)
+        if held is None or held.conn != conn:
+            raise PoolRequestError(f"unknown lease {lease}")
+        wanted = set(keys)
+        dropped = 0
+        for page in held.pages:
+            if page.key in wanted and self._pages.get(page.key) is page:
+                del self._pages[page.key]
+                page.state = _INVALID
+                page.page_class.committed -= 1
+                page.page_class.invalid += 1
+                dropped += 1
+        self._counters["invalidated_keys"] += dropped
+        return dropped
+
     # -- stores ---------------------------------------------------------------------
 
     def reserve(
@@ -381,6 +411,7 @@ class PoolIndex:
     # -- introspection ----------------------------------------------------------------
 
     def pages(self) -> Iterator[PageEntry]:
+        """The pages in the index (INVALID pages have left it)."""
         for page in self._pages.values():
             yield PageEntry(
                 page.key,
@@ -393,11 +424,11 @@ class PoolIndex:
             )
 
     def stats(self) -> dict:
-        """Counters and occupancy; per class, free + reserved + committed == pages."""
+        """Counters and occupancy; per class, free + reserved + committed + invalid == pages."""
         classes = []
         for slot_bytes, page_class in sorted(self._classes.items()):
             total = len(page_class.slabs) * page_class.slots_per_slab
-            live = page_class.reserved + page_class.committed
+            live = page_class.reserved + page_class.committed + page_class.invalid
             classes.append(
                 {
                     "slot_bytes": slot_bytes,
@@ -407,6 +438,7 @@ class PoolIndex:
                     "free": total - live,
                     "reserved": page_class.reserved,
                     "committed": page_class.committed,
+                    "invalid": page_class.invalid,
                     "pinned": page_class.pinned,
                 }
             )
@@ -421,6 +453,7 @@ class PoolIndex:
             "free": sum(c["free"] for c in classes),
             "reserved": sum(c["reserved"] for c in classes),
             "committed": sum(c["committed"] for c in classes),
+            "invalid": sum(c["invalid"] for c in classes),
             "pinned": sum(c["pinned"] for c in classes),
             "leases": len(self._leases),
             **self._counters,
@@ -487,20 +520,26 @@ class PoolIndex:
         for page in reversed(pages):
             page.pins -= 1
             if page.pins == 0:
-                page.page_class.lru[page.key] = page
                 page.page_class.pinned -= 1
+                if page.state is _INVALID:
+                    page.page_class.invalid -= 1
+                    self._free_slot(page)
+                else:
+                    page.page_class.lru[page.key] = page
 
     def _free_reserved(self, page: _Page) -> None:
         page.page_class.reserved -= 1
+        del self._pages[page.key]
         self._free_slot(page)
 
     def _free_committed(self, page: _Page) -> None:
         """Free a COMMITTED page already removed from its class's LRU."""
         page.page_class.committed -= 1
+        del self._pages[page.key]
         self._free_slot(page)
 
     def _free_slot(self, page: _Page) -> None:
-        del self._pages[page.key]
+        """Give back the slot of a page already out of the index."""
         slab = page.slab
         slab.give(page.offset)
         if slab.live == 0:

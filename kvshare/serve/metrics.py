@@ -22,7 +22,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 
 # Connector counter -> (metric name without _total, help).
 POOL_COUNTERS: dict[str, tuple[str, str]] = {
-    "hit_tokens": ("kvshare_kv_pool_hit_tokens", "Prompt tokens found in the shared pool"),
+    "hit_tokens": ("kvshare_kv_pool_hit_tokens", "Prompt tokens restored from the shared pool (verified restores)"),
     "miss_tokens": ("kvshare_kv_pool_miss_tokens", "Prompt tokens looked up in the pool and not found"),
     "loaded_bytes": ("kvshare_kv_pool_loaded_bytes", "Bytes restored from the pool"),
     "stored_bytes": ("kvshare_kv_pool_stored_bytes", "Bytes stored into the pool"),

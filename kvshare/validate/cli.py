@@ -45,10 +45,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--trials", type=int, default=20, help="store/restore trials of the bytes check")
     parser.add_argument("--num-chunks", type=int, default=6, help="pool pages per bytes-check trial")
     parser.add_argument("--json", default=None, help="write every check's counts here")
-    # Test-only: remove one stream dependency / ignore checksums, to prove the checks catch it.
+    # Test-only: remove one stream dependency / ignore checksums / keep a restore whose lease
+    # was lost, to prove the checks catch it.
     parser.add_argument("--unsafe-break-stream-order", choices=("store", "load"), default="",
                         help=argparse.SUPPRESS)
     parser.add_argument("--unsafe-skip-checksums", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--unsafe-keep-lost-lease-restores", action="store_true", help=argparse.SUPPRESS)
     parser.set_defaults(func=_validate)
 
 
@@ -146,7 +148,11 @@ def _refusal(name: str, args: argparse.Namespace, pool: _Pool | None) -> str | N
 def _run_check(name: str, args: argparse.Namespace, pool: _Pool | None, target: str | None) -> list:
     from kvshare.validate.bytes_check import run_bytes_check, summarize
     from kvshare.validate.corruption import run_corruption_check
-    from kvshare.validate.faults import run_killed_writer_check, run_restart_check
+    from kvshare.validate.faults import (
+        run_killed_writer_check,
+        run_lease_loss_check,
+        run_restart_check,
+    )
     from kvshare.validate.pool_fill import run_pool_fill_check
     from kvshare.validate.regression import run_regression_check
     from kvshare.validate.result import CheckResult
@@ -168,10 +174,13 @@ def _run_check(name: str, args: argparse.Namespace, pool: _Pool | None, target: 
         return [run_pool_fill_check(pool.address)]
     results = [run_killed_writer_check(pool.address)]
     if pool.stop is None or pool.start is None:
-        results.append(CheckResult("faults.daemon_restart", skipped="the pool was not started by this run"))
+        for check in ("faults.daemon_restart", "faults.lease_loss"):
+            results.append(CheckResult(check, skipped="the pool was not started by this run"))
     else:
         results.append(run_restart_check(pool.address, pool.stop, pool.start, device=args.device,
                                          dtype=dtype))
+        results.append(run_lease_loss_check(pool.address, pool.stop, pool.start, device=args.device,
+                                            keep_lost_lease_restores=args.unsafe_keep_lost_lease_restores))
     return results
 
 

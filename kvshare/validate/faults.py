@@ -1,4 +1,5 @@
-"""Fault checks: a client killed mid-store leaves nothing visible; clients survive a daemon restart.
+"""Fault checks: a client killed mid-store leaves nothing visible; clients survive a daemon
+restart; a restore whose lease dies with the daemon is discarded.
 
 `run_killed_writer_check`: a child process reserves pages, writes half of each, and is
 SIGKILLed before it commits. None of its keys may be returned by a lookup afterwards, and
@@ -8,12 +9,22 @@ commits before writing: then the half-written pages are visible, and the check f
 `run_restart_check`: with a pool this process started, stop the daemon under a client,
 check that lookups and stores degrade to misses/skips without raising, start it again,
 and check that the client reconnects, remaps the new arena and stores/restores again.
+
+`run_lease_loss_check`: two replicas of tiny-gemma3 (sliding window 64) share the pool;
+the daemon is restarted while one of them restores a 4-chunk prefix, after its copies
+started and before they were verified. Its lease dies with the daemon, and the restore
+brought only the global layers of the chunks outside the window, so it must be discarded:
+the answer equals the pool-off one, and afterwards neither that replica's GPU prefix
+cache nor the new pool serves anything of it (a request branching inside the prefix, and
+the other replica restoring 3 chunks from the new pool, answer as with the pool off). The
+broken variant keeps the restore (`keep_lost_lease_restores`), and the check fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -23,8 +34,10 @@ from collections.abc import Callable
 
 import torch
 
+from kvshare.engine.llm import LLM
+from kvshare.engine.sampling_params import SamplingParams
 from kvshare.kvpool.client import PoolClient, PoolUnavailable
-from kvshare.kvpool.connector import ConnectorOptions
+from kvshare.kvpool.connector import ConnectorOptions, PoolConnector
 from kvshare.kvpool.page import HEADER_BYTES
 from kvshare.validate.capacity import PoolNeed, kv_page_bytes
 from kvshare.validate.harness import ConnectorHarness
@@ -110,6 +123,69 @@ def run_restart_check(address: str, stop: Callable[[], object], start: Callable[
     result.counts = {"errors_while_down": errors_while_down,
                      "restored_after_restart_tokens": hit}
     harness.connector.close()
+    return result
+
+
+def run_lease_loss_check(address: str, stop: Callable[[], object], start: Callable[[], object], *,
+                         device: str = "cpu", keep_lost_lease_restores: bool = False) -> CheckResult:
+    """`stop`/`start` stop and restart the daemon serving `address` (same paths)."""
+    result = CheckResult("faults.lease_loss")
+    chunk = 64  # tiny-gemma3's window: a 4-chunk restore brings chunks 0-2 with global layers only
+    rng = random.Random(os.urandom(8))  # prompts no earlier run stored
+    prompt = [rng.randrange(3, 512) for _ in range(4 * chunk + 20)]
+    requests = {  # a request branching inside the prefix (a GPU prefix hit on its blocks), and
+        # a follow-up that the other replica restores from the new pool, chunk 2 in full
+        "branch": prompt[:150] + [rng.randrange(3, 512) for _ in range(40)],
+        "follow_up": prompt[:3 * chunk] + [rng.randrange(3, 512) for _ in range(40)],
+    }
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    def replica(**options: object) -> tuple[LLM, PoolConnector]:
+        llm = LLM("shape:tiny-gemma3", device=device, dtype="float32", kv_pool=address, chunk_tokens=chunk,
+                  kv_cache_memory=8 << 20, cuda_graphs=False, kv_pool_options=options)
+        assert isinstance(llm.engine.connector, PoolConnector)
+        llm.engine.connector.client.retry_interval = 0.0  # reconnect at the first call after the restart
+        return llm, llm.engine.connector
+
+    def answer(llm: LLM, tokens: list[int]) -> tuple[int, ...]:
+        out = llm.generate([tokens], params)[0]
+        assert isinstance(llm.engine.connector, PoolConnector)
+        llm.engine.connector.wait_idle()
+        return out.token_ids
+
+    storer, storing = replica()
+    restorer, restoring = replica(keep_lost_lease_restores=keep_lost_lease_restores)
+    storing.set_enabled(False)
+    expected = {name: answer(storer, tokens) for name, tokens in [("prompt", prompt), *requests.items()]}
+    storer.engine.reset_prefix_cache()
+    storing.set_enabled(True)
+    answer(storer, prompt)  # its 4 chunks go to the pool
+    finish = restoring.finish_load
+
+    def restart_then_finish(request_id: str) -> bool:
+        restoring.finish_load = finish  # type: ignore[method-assign]
+        stop()
+        start()
+        return finish(request_id)
+
+    restoring.finish_load = restart_then_finish  # type: ignore[method-assign]
+    try:
+        result.expect(answer(restorer, prompt) == expected["prompt"], "the restoring replica answered wrong")
+        result.expect(restoring.counters["lost_leases"] == 1, "the restore's lease was not lost: no fault injected")
+        result.expect(answer(restorer, requests["branch"]) == expected["branch"],
+                      "the restoring replica served a GPU prefix hit of the discarded restore")
+        storer.engine.reset_prefix_cache()
+        storing.client.connect()
+        result.expect(answer(storer, requests["follow_up"]) == expected["follow_up"],
+                      "the other replica restored a page stored from the discarded restore")
+        result.expect(storing.counters["hit_tokens"] == 3 * chunk, "the other replica did not restore from the new pool")
+        result.counts = {"lost_leases": restoring.counters["lost_leases"],
+                         "load_failures": restoring.counters["load_failures"],
+                         "pool_errors": restoring.counters["pool_errors"],
+                         "restored_after_restart_tokens": storing.counters["hit_tokens"]}
+    finally:
+        storing.close()
+        restoring.close()
     return result
 
 

@@ -206,6 +206,33 @@ def test_disconnect_drops_leases_and_reservations() -> None:
     assert index.clear() == 2
 
 
+def test_an_invalidated_page_leaves_the_index_and_its_slot_waits_for_its_last_pin() -> None:
+    """A reader that found a page corrupt drops it at once for everyone; a lease that still
+    reads the slot keeps it from being reused until that lease goes."""
+    index = make_index(slabs=1)
+    offsets = store(index, keys(1, 2))
+    reader, _ = index.lookup(A, keys(1, 2))
+    index.lookup(B, keys(1, 2))  # a second reader pins the same pages
+    with pytest.raises(PoolRequestError):
+        index.invalidate(B, reader, keys(2))  # only the lease's own connection
+    assert index.invalidate(A, reader, keys(2, 9)) == 1  # a key the lease does not hold is ignored
+    assert index.invalidate(A, reader, keys(2)) == 0  # already gone
+    assert live_keys(index) == set(keys(1))
+    assert [page[0] for page in index.lookup(B, keys(1, 2))[1]] == keys(1)
+    reserved, _, _ = index.reserve(B, keys(2), PAYLOAD)
+    assert reserved[0][1] not in offsets  # the pinned slot is not handed out again
+    assert (index.stats()["invalid"], index.stats()["pinned"]) == (1, 2)
+    index.release(A, reader)
+    assert index.stats()["invalid"] == 1  # the other lease still pins it
+    index.disconnect(B)
+    stats = index.stats()
+    assert (stats["invalid"], stats["pinned"], stats["invalidated_keys"]) == (0, 0, 1)
+    assert stats["free"] == stats["pages"] - 1  # only key 1 is left
+    reserved, _, dropped = index.reserve(A, keys(3, 4, 5), PAYLOAD)  # the 3 other slots, no eviction
+    assert dropped == 0 and offsets[1] in {offset for _, offset in reserved}
+    assert live_keys(index) == set(keys(1, 3, 4, 5))
+
+
 def test_clear_keeps_pinned_and_reserved_pages() -> None:
     index = make_index()
     store(index, keys(1, 2, 3))

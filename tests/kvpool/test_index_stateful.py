@@ -3,7 +3,8 @@
 The model predicts every outcome exactly - which keys a reserve gets, skips, drops, and
 which page each eviction takes (per-class LRU) - so a wrong victim, a reused slot, a
 pinned page evicted, or a visible reservation all fail a step. Two page classes share
-two slabs, so slabs move between classes as they empty.
+two slabs, so slabs move between classes as they empty. Pages invalidated under a lease
+leave the index at once and keep their slot until their last pin goes.
 """
 
 from __future__ import annotations
@@ -51,15 +52,23 @@ class IndexMachine(RuleBasedStateMachine):
         # Evictable pages (committed, no pins) per slot size, least recent first.
         self.lru: dict[int, OrderedDict[bytes, None]] = {slot: OrderedDict() for slot in SLOTS}
         self.live_leases: dict[int, tuple[int, list[bytes], list[int]]] = {}
+        # Invalidated pages still pinned: slot offset -> [slot bytes, pins].
+        self.invalid: dict[int, list[int]] = {}
 
     # -- model helpers --------------------------------------------------------------
+
+    def taken(self) -> dict[int, int]:
+        """Every slot in use, live or invalidated: offset -> slot bytes."""
+        return {**{self.offset[k]: self.slot[k] for k in self.offset},
+                **{offset: slot for offset, (slot, _) in self.invalid.items()}}
 
     def has_room(self, slot: int) -> bool:
         """A class has a free slot in its slabs, or a free slab exists (empty slabs
         go back to the arena at once)."""
-        in_class = [k for k in self.offset if self.slot[k] == slot]
-        class_slabs = {self.offset[k] // SLAB for k in in_class}
-        used_slabs = {offset // SLAB for offset in self.offset.values()}
+        taken = self.taken()
+        in_class = [offset for offset, size in taken.items() if size == slot]
+        class_slabs = {offset // SLAB for offset in in_class}
+        used_slabs = {offset // SLAB for offset in taken}
         per_slab = SLAB // slot
         return len(in_class) < len(class_slabs) * per_slab or len(used_slabs) < GEOMETRY.slab_count
 
@@ -73,6 +82,15 @@ class IndexMachine(RuleBasedStateMachine):
             self.pins[key] -= 1
             if self.pins[key] == 0:
                 self.lru[self.slot[key]][key] = None
+
+    def unpin_lease(self, run: list[bytes], offsets: list[int]) -> None:
+        for key, offset in reversed(list(zip(run, offsets, strict=True))):
+            if offset in self.invalid:
+                self.invalid[offset][1] -= 1
+                if self.invalid[offset][1] == 0:
+                    del self.invalid[offset]  # the slot is free again
+            else:
+                self.unpin([key])
 
     def pin(self, run: list[bytes]) -> None:
         for key in run:
@@ -115,7 +133,7 @@ class IndexMachine(RuleBasedStateMachine):
                 break
             got_key, offset = next(placed)
             assert got_key == key
-            assert offset not in self.offset.values(), "slot handed out twice"
+            assert offset not in self.taken(), "slot handed out twice"
             self.offset[key], self.slot[key], self.payload[key] = offset, slot, payload
             self.owner[key] = conn
             count += 1
@@ -193,9 +211,9 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(lease=consumes(leases))
     def release(self, lease: int) -> None:
         if lease in self.live_leases:
-            conn, run, _ = self.live_leases.pop(lease)
+            conn, run, offsets = self.live_leases.pop(lease)
             self.index.release(conn, lease)
-            self.unpin(run)
+            self.unpin_lease(run, offsets)
         else:  # died with a disconnect
             with pytest.raises(PoolRequestError):
                 self.index.release(CONNS[0], lease)
@@ -208,11 +226,28 @@ class IndexMachine(RuleBasedStateMachine):
         with pytest.raises(PoolRequestError):
             self.index.release(conn, lease)
 
+    @rule(lease=leases, conn=st.sampled_from(CONNS), data=st.data())
+    def invalidate(self, lease: int, conn: int, data: st.DataObject) -> None:
+        """A reader drops pages it found corrupt; only its own lease's pages go."""
+        holder = self.live_leases[lease][0] if lease in self.live_leases else None
+        if conn != holder:
+            with pytest.raises(PoolRequestError):
+                self.index.invalidate(conn, lease, KEYS[:1])
+            return
+        _, run, offsets = self.live_leases[lease]
+        keys = data.draw(st.lists(st.sampled_from(run + self.candidates()), max_size=4))
+        doomed = {k: o for k, o in zip(run, offsets, strict=True) if k in keys and self.offset.get(k) == o}
+        assert self.index.invalidate(conn, lease, keys) == len(doomed)
+        for key, offset in doomed.items():
+            self.invalid[offset] = [self.slot[key], self.pins.pop(key)]
+            self.forget(key)
+
     @rule(conn=st.sampled_from(CONNS))
     def disconnect(self, conn: int) -> None:
         self.index.disconnect(conn)
         for lease in sorted(lease for lease, held in self.live_leases.items() if held[0] == conn):
-            self.unpin(self.live_leases.pop(lease)[1])
+            _, run, offsets = self.live_leases.pop(lease)
+            self.unpin_lease(run, offsets)
         for key in [k for k, owner in self.owner.items() if owner == conn]:
             self.forget(key)
 
@@ -242,7 +277,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     @invariant()
     def slots_are_disjoint_aligned_and_inside_one_slab_per_class(self) -> None:
-        spans = sorted((self.offset[k], self.slot[k]) for k in self.offset)
+        spans = sorted(self.taken().items())
         for (offset, slot), (next_offset, _) in itertools.pairwise(spans):
             assert offset + slot <= next_offset, "two live pages overlap"
         slab_class: dict[int, int] = {}
@@ -257,7 +292,7 @@ class IndexMachine(RuleBasedStateMachine):
         stats = self.index.stats()
         slabs = 0
         for klass in stats["classes"]:
-            assert klass["free"] + klass["reserved"] + klass["committed"] == klass["pages"]
+            assert klass["free"] + klass["reserved"] + klass["committed"] + klass["invalid"] == klass["pages"]
             assert klass["pages"] == klass["slabs"] * klass["slots_per_slab"]
             assert klass["free"] >= 0
             slabs += klass["slabs"]
@@ -266,15 +301,20 @@ class IndexMachine(RuleBasedStateMachine):
         assert slot_bytes <= GEOMETRY.slab_count * SLAB <= stats["arena_bytes"]
         assert stats["committed"] == len(self.committed)
         assert stats["reserved"] == len(self.owner)
-        assert stats["pinned"] == sum(1 for n in self.pins.values() if n > 0)
+        assert stats["invalid"] == len(self.invalid)
+        assert stats["pinned"] == sum(1 for n in self.pins.values() if n > 0) + len(self.invalid)
         assert stats["leases"] == len(self.live_leases)
 
     @invariant()
     def leased_pages_stay_put(self) -> None:
-        """A page under a live lease is committed at the offset the lookup returned."""
+        """A page under a live lease is committed at the offset the lookup returned (or
+        invalidated, out of the index, its slot still taken)."""
         entries = {entry.key: entry for entry in self.index.pages()}
         for _, run, offsets in self.live_leases.values():
             for key, offset in zip(run, offsets, strict=True):
+                if offset in self.invalid:
+                    assert key not in entries or entries[key].offset != offset
+                    continue
                 entry = entries[key]
                 assert (entry.state, entry.offset) == (PageState.COMMITTED, offset)
                 assert entry.pins > 0

@@ -5,7 +5,8 @@ the copies but before the host has compared checksums (scheduler.py). These test
 a committed page and check that the answer is still the recomputed one: the restore is
 thrown away with the step computed from it, nothing of it is registered or emitted, and
 no block is leaked. With verification switched off (the test-only `verify=False`) the same
-corruption changes the answer, which shows the page really was read.
+corruption changes the answer, which shows the page really was read. A page found corrupt
+leaves the pool at its first detection, so no other reader meets it again.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 
 from kvshare import LLM, SamplingParams
 from kvshare.engine.llm_engine import RequestOutput
+from kvshare.kvpool.client import PoolClient
 from kvshare.kvpool.connector import PoolConnector
 from kvshare.kvpool.keys import chunk_keys
 from kvshare.kvpool.launch import PoolProcess
@@ -25,6 +27,7 @@ from kvshare.kvpool.page import HEADER_BYTES
 from tests.kvpool.pool_fixture import PoolFactory
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
 PROMPT = [random.Random(11).randrange(3, 512) for _ in range(700)]  # 2 full chunks + a tail
 
 
@@ -46,21 +49,21 @@ def connector_of(llm: LLM) -> PoolConnector:
     return connector
 
 
-def answer(llm: LLM) -> RequestOutput:
-    """The prompt's greedy answer with an empty GPU-local cache: only the pool can help."""
+def answer(llm: LLM, params: SamplingParams = GREEDY) -> RequestOutput:
+    """The prompt's answer with an empty GPU-local cache: only the pool can help."""
     llm.engine.reset_prefix_cache()
-    out = llm.generate([PROMPT], GREEDY)[0]
+    out = llm.generate([PROMPT], params)[0]
     connector_of(llm).wait_idle()
     return out
 
 
-def corrupt_chunk(connector: PoolConnector, chunk: int) -> None:
-    """Overwrite 64 payload bytes of a committed page with 0x7f (large finite floats)."""
+def corrupt_chunk(connector: PoolConnector, chunk: int, fill: bytes = b"\x7f") -> None:
+    """Overwrite 64 payload bytes of a committed page with `fill` (0x7f: large finite floats)."""
     keys = chunk_keys(connector.namespace, PROMPT)
     found = connector.client.lookup(keys[:chunk + 1])
     assert len(found.pages) == chunk + 1, "the prompt's chunks are not all in the pool"
     page = found.pages[chunk]
-    connector.client.arena.view(page.offset + HEADER_BYTES + 4096, 64)[:] = b"\x7f" * 64
+    connector.client.arena.view(page.offset + HEADER_BYTES + 4096, 64)[:] = fill * 64
     connector.client.release(found.lease)
 
 
@@ -104,3 +107,39 @@ def test_unverified_the_corrupt_page_would_change_the_answer(llm: LLM, reference
         connector.options = options
     assert out.pool_hit_tokens == 512
     assert out.token_ids != reference.token_ids
+
+
+@pytest.mark.parametrize("fill", [b"\x00", b"\x7f"], ids=["zeros", "huge"])
+def test_a_failed_restore_draws_no_sample(llm: LLM, reference: RequestOutput, fill: bytes) -> None:
+    """A seeded request whose restore fails samples as if the pool had never been there.
+    Zeros give finite logits (a draw would be spent); huge values give NaN logits, which
+    the sampler must never see."""
+    connector = connector_of(llm)
+    connector.set_enabled(False)
+    expected = answer(llm, SEEDED)
+    connector.set_enabled(True)
+    failures = connector.counters["load_failures"]
+    corrupt_chunk(connector, 1, fill)
+    out = answer(llm, SEEDED)
+    assert connector.counters["load_failures"] == failures + 1
+    assert out.token_ids == expected.token_ids
+
+
+def test_a_corrupt_page_leaves_the_pool_at_its_first_detection(
+        llm: LLM, reference: RequestOutput, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    connector = connector_of(llm)
+    failures = connector.counters["checksum_failures"]
+    corrupt_chunk(connector, 1)
+    monkeypatch.setattr(connector, "store", lambda *args, **kwargs: None)  # the recompute stores nothing
+    assert answer(llm).pool_hit_tokens == 0
+    other = PoolClient(pool.address)  # another replica's client
+    found = other.lookup(chunk_keys(connector.namespace, PROMPT))
+    other.release(found.lease)
+    other.close()
+    assert len(found.pages) == 1, "the corrupt page is still served to other readers"
+    assert connector.counters["invalidated_pages"] >= 1
+    monkeypatch.undo()
+    assert answer(llm).pool_hit_tokens == 256  # chunk 0 restores; chunk 1 is computed and stored again
+    again = answer(llm)
+    assert again.pool_hit_tokens == 512 and again.token_ids == reference.token_ids
+    assert connector.counters["checksum_failures"] == failures + 1

@@ -12,7 +12,7 @@ from kvshare.kvpool import index as pool_index
 from kvshare.kvpool.daemon import PoolConfig, PoolDaemon
 from kvshare.kvpool.launch import PoolProcess
 from kvshare.validate.corruption import run_corruption_check
-from kvshare.validate.faults import run_killed_writer_check, run_restart_check
+from kvshare.validate.faults import run_killed_writer_check, run_lease_loss_check, run_restart_check
 from kvshare.validate.pool_fill import run_pool_fill_check
 from tests.kvpool.pool_fixture import MIB, PoolFactory
 
@@ -106,3 +106,13 @@ def test_pool_fill_catches_a_slot_handed_out_twice(monkeypatch: pytest.MonkeyPat
     assert any("pattern" in f or "twice" in f for f in result.failures), result.failures
 
 
+
+
+def test_a_restore_whose_lease_died_with_the_daemon_is_caught_when_kept(pools: PoolFactory) -> None:
+    pool = small_pool(pools)
+    result = run_lease_loss_check(pool.address, pool.stop, pool.start)
+    assert result.passed, result.failures
+    assert result.counts["lost_leases"] == 1 and result.counts["load_failures"] == 1
+    broken = run_lease_loss_check(pool.address, pool.stop, pool.start, keep_lost_lease_restores=True)
+    assert not broken.passed
+    assert any("discarded restore" in failure for failure in broken.failures), broken.failures
