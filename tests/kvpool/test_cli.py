@@ -228,16 +228,16 @@ def test_a_second_daemon_on_a_live_arena_refuses_and_the_first_keeps_serving(
     client.close()
 
 
-def test_a_socket_in_a_folder_others_can_write_is_refused(
-    pools: PoolFactory, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_socket_in_a_folder_others_can_write_is_refused(pools: PoolFactory) -> None:
     shared = os.path.join(pools.folder, "shared")
     os.mkdir(shared)
     os.chmod(shared, 0o777)
     socket_path = os.path.join(shared, "pool.sock")
     argv = _pool_argv(socket_path, os.path.join(pools.folder, "x.arena"), "--no-runtime-dir")
-    assert main(argv) == 1
-    assert "writable by group or others" in capsys.readouterr().err
+    result = subprocess.run([sys.executable, "-m", "kvshare.kvpool.cli", *argv],
+                            env=child_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "writable by group or others" in result.stderr
     assert os.listdir(shared) == []
 
 
