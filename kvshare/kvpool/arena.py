@@ -1,8 +1,9 @@
 """The arena: one shared-memory file of exactly the configured size, mapped by the
 daemon and by every replica, and its geometry (how it is cut into slabs).
 
-The daemon creates the file (owner-only, 0600) and unlinks it at shutdown; clients
-open the existing file by path. The file is sized with ftruncate to exactly the
+The daemon creates the file (owner-only, 0600), holds an exclusive flock on it while
+it lives (so a second daemon given the same path can tell it is in use), and unlinks it
+at shutdown; clients open the existing file by path and check who owns it. The file is sized with ftruncate to exactly the
 configured bytes, never rounded (LESSONS #9). Slabs of `slab_bytes` are cut from the
 start; a last partial slab is unused and accounted for as `unused_bytes`.
 """
@@ -10,8 +11,11 @@ start; a last partial slab is unused and accounted for as `unused_bytes`.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
+import secrets
+import stat
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -67,10 +71,14 @@ class Arena:
     fault.
     """
 
-    def __init__(self, path: str, geometry: ArenaGeometry, mapping: mmap.mmap) -> None:
+    def __init__(
+        self, path: str, geometry: ArenaGeometry, mapping: mmap.mmap, lock_fd: int | None = None
+    ) -> None:
         self.path = path
         self.geometry = geometry
         self._mapping: mmap.mmap | None = mapping
+        # The creator's descriptor holding the file's flock; closed by `close`.
+        self._lock_fd = lock_fd
 
     @property
     def size_bytes(self) -> int:
@@ -79,7 +87,8 @@ class Arena:
     @classmethod
     def create(cls, path: str, size_bytes: int, slab_bytes: int = DEFAULT_SLAB_BYTES,
                preallocate: bool = False) -> Arena:
-        """Create the file (must not exist) with mode 0600 and exactly `size_bytes`, map it.
+        """Create the file (FileExistsError if it exists) with mode 0600 and exactly
+        `size_bytes`, map it, and hold its flock until `close`.
 
         `preallocate` allocates every page now (fallocate): the memory is reserved, no
         writer can die of SIGBUS on a full tmpfs later, and registering the mapping with
@@ -87,8 +96,7 @@ class Arena:
         """
         geometry = ArenaGeometry(size_bytes, slab_bytes)
         _check_free_space(path, size_bytes)
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(path, flags, 0o600)
+        fd = _create_locked(path)
         try:
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, size_bytes)
@@ -97,17 +105,26 @@ class Arena:
             mapping = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.unlink(path)
-            raise
-        finally:
             os.close(fd)
-        return cls(path, geometry, mapping)
+            raise
+        return cls(path, geometry, mapping, lock_fd=fd)
 
     @classmethod
-    def open(cls, path: str, slab_bytes: int) -> Arena:
-        """Map an existing arena file; its size is read from the file."""
+    def open(cls, path: str, slab_bytes: int, owner_uids: frozenset[int] | None = None) -> Arena:
+        """Map an existing arena file; its size is read from the file. With `owner_uids`,
+        the file must be a regular file owned by one of them (else PermissionError):
+        memory someone else controls is never mapped."""
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            size_bytes = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            if owner_uids is not None and (
+                not stat.S_ISREG(info.st_mode) or info.st_uid not in owner_uids
+            ):
+                raise PermissionError(
+                    f"arena {path} is owned by uid {info.st_uid}, not by this user or root: "
+                    "refusing to map it"
+                )
+            size_bytes = info.st_size
             geometry = ArenaGeometry(size_bytes, slab_bytes)
             mapping = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
@@ -135,6 +152,9 @@ class Arena:
     def close(self) -> None:
         """Drop this object's mapping; unmapped now, or when the last view/tensor dies."""
         mapping, self._mapping = self._mapping, None
+        lock_fd, self._lock_fd = self._lock_fd, None
+        if lock_fd is not None:
+            os.close(lock_fd)
         if mapping is None:
             return
         # If views or tensors still alias the mapping, close() refuses, and the mmap
@@ -143,7 +163,8 @@ class Arena:
             mapping.close()
 
     def unlink(self) -> None:
-        """Remove the arena file; existing mappings stay valid."""
+        """Remove the arena file; existing mappings stay valid. The creator calls it before
+        `close`: a path is unlinked only while its flock is held (see kvpool.ownership)."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
@@ -151,6 +172,25 @@ class Arena:
         if self._mapping is None:
             raise ValueError(f"arena {self.path} is closed")
         return self._mapping
+
+
+def _create_locked(path: str) -> int:
+    """Create `path` (FileExistsError if it exists) already flocked by the returned
+    descriptor: the file is made under a random name, locked, then hard-linked to
+    `path`, so no other process ever sees it at `path` unlocked and takes it for a
+    dead daemon's."""
+    temporary = f"{path}.{secrets.token_hex(8)}.tmp"
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(temporary, flags, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.link(temporary, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        os.unlink(temporary)
+    return fd
 
 
 def _check_free_space(path: str, size_bytes: int) -> None:

@@ -25,35 +25,58 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "pool",
         help="run the shared KV pool daemon",
         description="Create the shared arena and serve the pool index on a Unix socket "
-        "until SIGINT/SIGTERM; both are removed at exit.",
+        "until SIGINT/SIGTERM; both are removed at exit. The address is printed and "
+        "published in the per-user runtime folder, where clients given none find it.",
     )
-    pool.add_argument("--size", required=True, help="arena size, e.g. 4GiB, 512MiB, 10GB")
+    pool.add_argument("--size", help="arena size, e.g. 4GiB, 512MiB, 10GB (required to serve)")
     pool.add_argument("--socket", help="socket path (default: per-user runtime folder)")
-    pool.add_argument("--arena", help="arena file (default: /dev/shm/kvshare-<uid>-pool.arena)")
+    pool.add_argument("--arena",
+                      help="arena file (default: /dev/shm/kvshare-<uid>-<random>.arena)")
     pool.add_argument("--slab-size", default="1GiB", help="slab size (default: 1GiB)")
     pool.add_argument("--preallocate", action="store_true",
                       help="allocate the whole arena at start (reserves the memory; faster CUDA registration)")
+    pool.add_argument("--max-client-fraction", type=float, default=0.5,
+                      help="share of the pool one client may hold reserved or pinned (default: 0.5)")
+    pool.add_argument("--max-clients", type=int, default=64,
+                      help="connections served at once; more are refused (default: 64)")
+    pool.add_argument("--runtime-dir",
+                      help="per-user folder for the published address and dead daemons' "
+                      "leftovers (default: $XDG_RUNTIME_DIR/kvshare or /tmp/kvshare-<uid>)")
+    pool.add_argument("--no-runtime-dir", action="store_true",
+                      help="neither publish the address nor clean the runtime folder")
+    pool.add_argument("--cleanup", action="store_true",
+                      help="remove the socket, arena and lock file of dead daemons (in the "
+                      "runtime folder, or --socket's) and exit; live daemons are left alone")
     pool.add_argument("--log-level", default="INFO", choices=_LOG_LEVELS, help="daemon log verbosity")
     pool.set_defaults(func=run_pool)
 
     stats = subparsers.add_parser("pool-stats", help="show the pool daemon's counters")
-    stats.add_argument("--socket", help="socket path (default: per-user runtime folder)")
+    stats.add_argument("--socket", help="socket path (default: the address the running daemon "
+                       "published in the per-user runtime folder)")
     stats.add_argument("--json", action="store_true", help="print JSON instead of tables")
     stats.set_defaults(func=show_stats)
 
 
 def run_pool(args: argparse.Namespace) -> int:
     from kvshare.kvpool.daemon import PoolConfig, PoolDaemon
-    from kvshare.kvpool.paths import default_pool_paths, ensure_private_dir
+    from kvshare.kvpool.paths import default_pool_paths
 
     defaults = default_pool_paths()
+    runtime_dir = None if args.no_runtime_dir else args.runtime_dir or defaults.runtime_dir
+    if args.cleanup:
+        return _cleanup(args.socket, runtime_dir)
     try:
+        if args.size is None:
+            raise ValueError("--size is required to serve")
         config = PoolConfig(
             size_bytes=parse_size(args.size),
             slab_bytes=parse_size(args.slab_size),
             preallocate=args.preallocate,
-            socket_path=args.socket or defaults.socket_path,
+            socket_path=args.socket or os.path.join(runtime_dir or defaults.runtime_dir, "pool.sock"),
             arena_path=args.arena or defaults.arena_path,
+            max_client_fraction=args.max_client_fraction,
+            max_clients=args.max_clients,
+            runtime_dir=runtime_dir,
         )
     except ValueError as error:
         print(f"kvshare pool: {error}", file=sys.stderr)
@@ -66,16 +89,14 @@ def run_pool(args: argparse.Namespace) -> int:
     def announce() -> None:
         geometry = daemon.index.geometry
         print(
-            f"{READY_PREFIX} socket={config.socket_path} arena={config.arena_path} "
+            f"{READY_PREFIX} address=unix:{config.socket_path} "
+            f"socket={config.socket_path} arena={config.arena_path} "
             f"size={format_size(config.size_bytes)} slabs={geometry.slab_count}x"
             f"{format_size(config.slab_bytes)}",
             flush=True,
         )
 
-    arena_in_runtime_dir = os.path.dirname(config.arena_path) == defaults.runtime_dir
     try:
-        if config.socket_path == defaults.socket_path or arena_in_runtime_dir:
-            ensure_private_dir(defaults.runtime_dir)
         asyncio.run(daemon.serve(on_ready=announce))
     except (ValueError, OSError) as error:
         print(f"kvshare pool: {error}", file=sys.stderr)
@@ -83,11 +104,34 @@ def run_pool(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cleanup(socket_path: str | None, runtime_dir: str | None) -> int:
+    """`kvshare pool --cleanup`: remove dead daemons' files; 1 if `socket_path` is live."""
+    from kvshare.kvpool.ownership import clean_folder
+
+    folders = [os.path.dirname(os.path.abspath(socket_path))] if socket_path else []
+    folders += [runtime_dir] if runtime_dir and runtime_dir not in folders else []
+    status = 0
+    for folder in folders:
+        report = clean_folder(folder)
+        for path in report.removed:
+            print(f"kvshare pool: removed {path}")
+        for record in report.live:
+            print(f"kvshare pool: left alone the live daemon (pid {record.pid}) at "
+                  f"{record.socket_path}, arena {record.arena_path}")
+            if record.socket_path == socket_path:
+                print(f"kvshare pool: {socket_path} belongs to a live daemon (pid "
+                      f"{record.pid}): refusing to clean it", file=sys.stderr)
+                status = 1
+        if not report.removed:
+            print(f"kvshare pool: nothing to clean in {folder}")
+    return status
+
+
 def show_stats(args: argparse.Namespace) -> int:
     from kvshare.kvpool.client import PoolClient, PoolUnavailable
-    from kvshare.kvpool.paths import default_pool_paths
+    from kvshare.kvpool.paths import default_pool_address
 
-    client = PoolClient(args.socket or default_pool_paths().socket_path)
+    client = PoolClient(args.socket or default_pool_address())
     try:
         stats = client.stats()
     except PoolUnavailable as error:
@@ -116,7 +160,8 @@ def _print_stats_tables(stats: dict[str, Any]) -> None:
         "slabs free / total",
         f"{stats['free_slabs']} / {stats['slab_count']} x {format_size(stats['slab_bytes'])}",
     )
-    occupancy = ("pages", "free", "reserved", "committed", "pinned", "leases", "connections")
+    occupancy = ("pages", "free", "reserved", "committed", "pinned", "leases", "connections",
+                 "refused_connections")
     for name in (*occupancy, *COUNTERS):
         summary.add_row(name.replace("_", " "), f"{stats[name]:,}")
 

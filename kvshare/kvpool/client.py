@@ -10,6 +10,11 @@ Leases and reservations belong to the connection: when it drops, the daemon drop
 them. `release` of a lease from a dropped connection therefore returns False, and
 whatever was read under that lease must be discarded (its pages may have been reused).
 
+Trust: the client maps memory the daemon names, so it talks only to a daemon of this
+user (or root): the socket file must be owned by one of them, and so must the arena
+file it is told to map. Anything else is refused (logged as an error) and, like a
+daemon that refuses the connection because it has too many clients, is PoolUnavailable.
+
 Thread-safe: one lock around each request/response exchange.
 """
 
@@ -17,7 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import os
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +42,8 @@ from kvshare.kvpool.protocol import (
     encode_frame,
     frame_length,
 )
+
+log = logging.getLogger(__name__)
 
 
 class PoolUnavailable(Exception):
@@ -93,6 +103,8 @@ class PoolClient:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._arena: Arena | None = None
+        # Owners whose socket and arena this client trusts: this user and root.
+        self._trusted_uids = frozenset({os.getuid(), 0})
         self._generation = b""
         self._next_id = 1
         self._last_attempt = float("-inf")
@@ -274,6 +286,7 @@ class PoolClient:
     def _connect_locked(self, deadline: float) -> None:
         self._disconnect_locked()
         self._last_attempt = time.monotonic()
+        self._check_socket_owner()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(_time_left(deadline, self.timeout))
@@ -285,14 +298,35 @@ class PoolClient:
             ) from error
         self._sock = sock
         hello = self._exchange_locked({"op": "hello"}, deadline)
+        if not hello.get("ok"):
+            self._disconnect_locked()
+            raise PoolUnavailable(f"pool at {self.socket_path} refused: {hello.get('error')}")
         try:
             remapped = self._adopt_daemon_locked(hello)
+        except _UntrustedPool as error:
+            self._disconnect_locked()
+            log.error("refusing the pool at %s: %s", self.socket_path, error)
+            raise PoolUnavailable(f"pool at {self.socket_path} is untrusted: {error}") from error
         except (OSError, ValueError, KeyError, TypeError) as error:
             self._disconnect_locked()
             raise PoolUnavailable(f"pool at {self.socket_path} is unusable: {error}") from error
         if remapped:
             for callback in self._remap_callbacks:
                 callback(self.arena)
+
+    def _check_socket_owner(self) -> None:
+        """PoolUnavailable unless the socket file is a socket owned by this user or root;
+        a missing one is left for connect() to report."""
+        try:
+            info = os.stat(self.socket_path)
+        except OSError:
+            return
+        if stat.S_ISSOCK(info.st_mode) and info.st_uid in self._trusted_uids:
+            return
+        message = (f"{self.socket_path} is not a socket of this user (uid {os.getuid()}) or "
+                   f"root (owner uid {info.st_uid}): refusing to talk to it")
+        log.error("refusing the pool at %s: %s", self.socket_path, message)
+        raise PoolUnavailable(message)
 
     def _adopt_daemon_locked(self, hello: dict[str, Any]) -> bool:
         """Check the daemon's hello and map its arena if this is a new daemon run.
@@ -306,7 +340,10 @@ class PoolClient:
         generation = hello["generation"]
         if generation == self._generation and self._arena is not None:
             return False
-        arena = Arena.open(hello["arena_path"], hello["slab_bytes"])
+        try:
+            arena = Arena.open(hello["arena_path"], hello["slab_bytes"], self._trusted_uids)
+        except PermissionError as error:
+            raise _UntrustedPool(str(error)) from error
         if arena.size_bytes != hello["arena_bytes"]:
             arena.close()
             raise ValueError(
@@ -325,6 +362,10 @@ class PoolClient:
             with contextlib.suppress(OSError):
                 self._sock.close()
             self._sock = None
+
+
+class _UntrustedPool(ValueError):
+    """The daemon named an arena that this user or root does not own."""
 
 
 def _time_left(deadline: float, timeout: float) -> float:

@@ -10,6 +10,13 @@ Robustness rules:
   connection only.
 - A connection that closes, for any reason, loses its leases and reservations.
 - No request can kill the daemon: unexpected exceptions are logged and answered.
+- No client can take the pool from the others: each connection holds at most
+  `max_client_fraction` of it (see PoolIndex), and connections past `max_clients`
+  get an error answer and are closed (their clients recompute).
+
+Files: the daemon owns its socket, its arena and `<socket>.lock` (kvpool.ownership)
+and removes all three at shutdown. A second daemon on the same socket or arena path
+refuses to start; files left by a daemon that died are removed by the next one.
 """
 
 from __future__ import annotations
@@ -28,7 +35,17 @@ from typing import Any
 from kvshare.kvpool.arena import DEFAULT_SLAB_BYTES, Arena, ArenaGeometry
 from kvshare.kvpool.index import PoolIndex, PoolRequestError
 from kvshare.kvpool.keys import KEY_BYTES
+from kvshare.kvpool.ownership import (
+    PoolInUseError,
+    claim_socket,
+    clean_folder,
+    publish_address,
+    release_socket,
+    remove_if_unlocked,
+    unpublish_address,
+)
 from kvshare.kvpool.page import HEADER_BYTES
+from kvshare.kvpool.paths import check_private_dir, ensure_private_dir
 from kvshare.kvpool.protocol import (
     LENGTH,
     PROTOCOL_VERSION,
@@ -42,26 +59,50 @@ log = logging.getLogger(__name__)
 
 # sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
 _MAX_SOCKET_PATH_BYTES = 107
+# How long a refused connection may take to send its first request (to be answered).
+_REFUSAL_READ_S = 5.0
 
 Handler = Callable[[int, dict[str, Any]], dict[str, Any]]
 
 
 @dataclass(frozen=True)
 class PoolConfig:
+    """`max_client_fraction`: the share of the arena's slabs one connection may hold
+    reserved or pinned. `max_clients`: connections served at once. `runtime_dir`: the
+    per-user folder where the daemon publishes its address and removes what dead
+    daemons left there at start (None: neither)."""
+
     size_bytes: int
     socket_path: str
     arena_path: str
     slab_bytes: int = DEFAULT_SLAB_BYTES
     preallocate: bool = False
+    max_client_fraction: float = 0.5
+    max_clients: int = 64
+    runtime_dir: str | None = None
 
     def __post_init__(self) -> None:
         ArenaGeometry(self.size_bytes, self.slab_bytes)
+        if not 0.0 < self.max_client_fraction <= 1.0:
+            raise ValueError(
+                f"max_client_fraction must be in (0, 1], got {self.max_client_fraction}"
+            )
+        if self.max_clients < 1:
+            raise ValueError(f"max_clients must be >= 1, got {self.max_clients}")
         if not self.socket_path or len(os.fsencode(self.socket_path)) > _MAX_SOCKET_PATH_BYTES:
             raise ValueError(
                 f"socket path must be 1..{_MAX_SOCKET_PATH_BYTES} bytes, got {self.socket_path!r}"
             )
         if not self.arena_path:
             raise ValueError("arena path must not be empty")
+        if self.runtime_dir is not None and not os.path.isabs(self.runtime_dir):
+            raise ValueError(f"runtime_dir must be an absolute path, got {self.runtime_dir!r}")
+
+    @property
+    def max_client_bytes(self) -> int:
+        geometry = ArenaGeometry(self.size_bytes, self.slab_bytes)
+        usable = geometry.slab_count * geometry.slab_bytes
+        return max(1, int(usable * self.max_client_fraction))
 
 
 class PoolDaemon:
@@ -70,7 +111,10 @@ class PoolDaemon:
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
         self.generation = os.urandom(16)
-        self.index = PoolIndex(ArenaGeometry(config.size_bytes, config.slab_bytes))
+        self.index = PoolIndex(
+            ArenaGeometry(config.size_bytes, config.slab_bytes), config.max_client_bytes
+        )
+        self.refused_connections = 0
         self._next_conn = 1
         self._writers: dict[int, asyncio.StreamWriter] = {}
         self._connection_tasks: set[asyncio.Task[None]] = set()
@@ -91,12 +135,36 @@ class PoolDaemon:
         self, on_ready: Callable[[], None] | None = None, handle_signals: bool = True
     ) -> None:
         """Create the arena and socket, serve until `stop()` (or SIGINT/SIGTERM when
-        `handle_signals`), then close every connection and remove both."""
+        `handle_signals`), then close every connection and remove both.
+
+        PoolInUseError (a ValueError) if a live daemon owns the socket or arena path."""
         self._stopping = asyncio.Event()
+        config = self.config
+        if config.runtime_dir is not None:
+            ensure_private_dir(config.runtime_dir)
+            for path in clean_folder(config.runtime_dir).removed:
+                log.warning("removed %s, left by a pool daemon that died", path)
+        socket_dir = os.path.dirname(os.path.abspath(config.socket_path))
+        os.makedirs(socket_dir, mode=0o700, exist_ok=True)
+        check_private_dir(socket_dir)
+        lock_fd = claim_socket(config.socket_path, config.arena_path)
+        try:
+            await self._serve_claimed(on_ready, handle_signals)
+        finally:
+            release_socket(lock_fd, config.socket_path)
+            if config.runtime_dir is not None:
+                unpublish_address(config.runtime_dir, config.socket_path)
+
+    async def _serve_claimed(
+        self, on_ready: Callable[[], None] | None, handle_signals: bool
+    ) -> None:
+        assert self._stopping is not None
         listener = _bind_private_socket(self.config.socket_path)
         arena: Arena | None = None
         try:
             arena = _create_arena(self.config)
+            if self.config.runtime_dir is not None:
+                publish_address(self.config.runtime_dir, self.config.socket_path)
             server = await asyncio.start_unix_server(self._serve_connection, sock=listener)
             loop = asyncio.get_running_loop()
             if handle_signals:
@@ -118,8 +186,8 @@ class PoolDaemon:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.socket_path)
             if arena is not None:
-                arena.close()
                 arena.unlink()
+                arena.close()
 
     def stop(self) -> None:
         """Ask `serve` to shut down; safe to call from a signal handler on the loop."""
@@ -129,6 +197,9 @@ class PoolDaemon:
     async def _serve_connection(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        if len(self._writers) >= self.config.max_clients:
+            await self._refuse(reader, writer)
+            return
         conn = self._next_conn
         self._next_conn += 1
         self._writers[conn] = writer
@@ -149,6 +220,26 @@ class PoolDaemon:
             self.index.disconnect(conn)
             del self._writers[conn]
             self._connection_tasks.discard(task)
+            writer.close()
+
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Answer the first request of a connection over `max_clients` with an error
+        (the client takes the pool as down: recompute), then close it."""
+        self.refused_connections += 1
+        log.warning("refusing a connection: %d clients connected, the limit",
+                    self.config.max_clients)
+        error = (f"pool daemon refuses the connection: it serves at most "
+                 f"{self.config.max_clients} clients")
+        try:
+            header = await asyncio.wait_for(reader.readexactly(LENGTH.size), _REFUSAL_READ_S)
+            body = await asyncio.wait_for(reader.readexactly(frame_length(header)), _REFUSAL_READ_S)
+            request = decode_body(body)
+            request_id = request.get("id") if isinstance(request, dict) else None
+            writer.write(encode_frame({"id": request_id, "ok": False, "error": error}))
+            await asyncio.wait_for(writer.drain(), _REFUSAL_READ_S)
+        except (ProtocolError, asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+            pass
+        finally:
             writer.close()
 
     def _respond(self, conn: int, request: Any) -> dict[str, Any]:
@@ -222,6 +313,8 @@ class PoolDaemon:
         stats["generation"] = self.generation.hex()
         stats["arena_path"] = self.config.arena_path
         stats["connections"] = len(self._writers)
+        stats["max_clients"] = self.config.max_clients
+        stats["refused_connections"] = self.refused_connections
         return {"stats": stats}
 
 
@@ -252,7 +345,6 @@ def _bind_private_socket(path: str) -> socket.socket:
 
     Refuses if a daemon already answers there; removes a stale socket file.
     """
-    os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
     if os.path.lexists(path):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise ValueError(f"{path} exists and is not a socket")
@@ -288,9 +380,26 @@ def _socket_answers(path: str) -> bool:
 
 
 def _create_arena(config: PoolConfig) -> Arena:
-    """Create the arena file. One left by a daemon that died (its socket no longer
-    answered, checked in `_bind_private_socket`) is replaced."""
-    if os.path.lexists(config.arena_path):
-        log.warning("replacing stale arena %s", config.arena_path)
-        os.unlink(config.arena_path)
-    return Arena.create(config.arena_path, config.size_bytes, config.slab_bytes, config.preallocate)
+    """Create the arena file. One left by a daemon that died (nobody holds its flock) is
+    replaced; one a live daemon holds means PoolInUseError, and it is left alone."""
+    def create() -> Arena:
+        return Arena.create(
+            config.arena_path, config.size_bytes, config.slab_bytes, config.preallocate
+        )
+
+    try:
+        return create()
+    except FileExistsError:
+        pass
+    removed = remove_if_unlocked(config.arena_path)
+    if removed is None:
+        raise PoolInUseError(
+            f"arena {config.arena_path} is in use by another live pool daemon: "
+            "give each daemon its own arena path"
+        )
+    if removed:
+        log.warning("replaced stale arena %s, left by a pool daemon that died", config.arena_path)
+    try:
+        return create()
+    except FileExistsError as error:
+        raise PoolInUseError(f"arena {config.arena_path} was just created by another daemon") from error

@@ -29,6 +29,12 @@ still reads is never reused under it.
 Full pool. `reserve` takes a slot from, in order: the class's free slots, a free
 slab, the class's least recently used evictable page. When none is left, the
 remaining keys are dropped and counted, never an error and never a wait (LESSONS #11).
+
+Per-connection quota. With `max_client_bytes`, the slots one connection holds -
+reserved by it, or pinned by its leases (a slot counts once per lease) - never exceed
+that many bytes, so no single client can reserve or pin the whole pool and leave the
+others nothing but evictions. Over the quota, `reserve` drops the remaining keys and
+`lookup` returns a shorter run; both are counted, neither is an error.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ COUNTERS = (
     "aborted_keys",
     "cleared_keys",
     "invalidated_keys",
+    "quota_dropped_keys",
+    "quota_cut_keys",
 )
 
 
@@ -190,22 +198,27 @@ class _Page:
 
 
 class _Lease:
-    __slots__ = ("conn", "pages")
+    __slots__ = ("conn", "nbytes", "pages")
 
     def __init__(self, conn: int, pages: list[_Page]) -> None:
         self.conn = conn
         self.pages = pages
+        self.nbytes = _slot_bytes_of(pages)
 
 
 class PoolIndex:
     """Key -> page metadata, slot allocation, LRU eviction and leases for one arena.
 
     Connections are opaque ints chosen by the caller. Not thread-safe: the daemon calls
-    it from one event loop thread only.
+    it from one event loop thread only. `max_client_bytes` (None: no limit) caps the
+    slot bytes each connection holds through reservations and leases.
     """
 
-    def __init__(self, geometry: ArenaGeometry) -> None:
+    def __init__(self, geometry: ArenaGeometry, max_client_bytes: int | None = None) -> None:
+        if max_client_bytes is not None and max_client_bytes <= 0:
+            raise ValueError(f"max_client_bytes must be > 0, got {max_client_bytes}")
         self.geometry = geometry
+        self.max_client_bytes = max_client_bytes
         # Popped from the end: slab 0 is handed out first.
         self._free_slabs: list[int] = list(range(geometry.slab_count - 1, -1, -1))
         self._classes: dict[int, _PageClass] = {}
@@ -213,6 +226,9 @@ class PoolIndex:
         self._leases: dict[int, _Lease] = {}
         self._conn_leases: dict[int, set[int]] = {}
         self._conn_reservations: dict[int, dict[bytes, _Page]] = {}
+        # Invariant: per connection, the slot bytes of its reservations plus those of
+        # its leases' pages (absent = 0).
+        self._conn_bytes: dict[int, int] = {}
         self._next_lease = 1
         self._counters = dict.fromkeys(COUNTERS, 0)
 
@@ -238,6 +254,11 @@ class PoolIndex:
             run.append(page)
         if states is not None:
             run = self._cut_at_state(run, states)
+        allowed = self._quota_left(conn)
+        if allowed is not None and _slot_bytes_of(run) > allowed:
+            fitted = self._fit_run(run, states, allowed)
+            self._counters["quota_cut_keys"] += len(run) - len(fitted)
+            run = fitted
         counters = self._counters
         counters["lookups"] += 1
         counters["hit_keys"] += len(run)
@@ -248,8 +269,9 @@ class PoolIndex:
             self._pin(page)
         lease = self._next_lease
         self._next_lease += 1
-        self._leases[lease] = _Lease(conn, run)
+        held = self._leases[lease] = _Lease(conn, run)
         self._conn_leases.setdefault(conn, set()).add(lease)
+        self._add_conn_bytes(conn, held.nbytes)
         return lease, [(p.key, p.offset, p.payload_bytes, p.checksum) for p in run]
 
     def _cut_at_state(self, run: list[_Page], states: Sequence[tuple[int, bytes]]) -> list[_Page]:
@@ -262,6 +284,25 @@ class PoolIndex:
                 return [*run[: index + 1], page]
         return []
 
+    def _fit_run(
+        self, run: list[_Page], states: Sequence[tuple[int, bytes]] | None, allowed: int
+    ) -> list[_Page]:
+        """The longest part of `run` within `allowed` bytes: a prefix, or with `states` a
+        shorter prefix that still ends after a chunk with a state page, plus that page."""
+        if states is None:
+            fitted: list[_Page] = []
+            total = 0
+            for page in run:
+                total += page.page_class.slot_bytes
+                if total > allowed:
+                    break
+                fitted.append(page)
+            return fitted
+        # run is run[:i + 1] + [state page]: retry with the chunks before i only.
+        while run and _slot_bytes_of(run) > allowed:
+            run = self._cut_at_state(run[: len(run) - 2], states)
+        return run
+
     def release(self, conn: int, lease: int) -> None:
         """Unpin the pages of `lease`, which `conn` must hold."""
         held = self._leases.get(lease)
@@ -269,6 +310,7 @@ class PoolIndex:
             raise PoolRequestError(f"unknown lease {lease}")
         del self._leases[lease]
         self._conn_leases[conn].discard(lease)
+        self._add_conn_bytes(conn, -held.nbytes)
         self._unpin_all(held.pages)
 
     def invalidate(self, conn: int, lease: int, keys: Sequence[bytes]) -> int:
@@ -319,7 +361,10 @@ class PoolIndex:
             self._pin(page)
         pending = self._conn_reservations.setdefault(conn, {})
         reserved: list[tuple[bytes, int]] = []
-        for key in missing:
+        allowed = self._quota_left(conn)
+        fit = len(missing) if allowed is None else min(len(missing), allowed // slot_bytes)
+        self._counters["quota_dropped_keys"] += len(missing) - fit
+        for key in missing[:fit]:
             slot = self._allocate(page_class)
             if slot is None:
                 break
@@ -330,6 +375,7 @@ class PoolIndex:
             page_class.reserved += 1
             reserved.append((key, offset))
         self._unpin_all(held)
+        self._add_conn_bytes(conn, len(reserved) * slot_bytes)
         dropped = len(missing) - len(reserved)
         self._counters["reserved_keys"] += len(reserved)
         self._counters["dropped_keys"] += dropped
@@ -373,6 +419,7 @@ class PoolIndex:
             page.page_class.reserved -= 1
             page.page_class.committed += 1
             page.page_class.lru[page.key] = page
+        self._add_conn_bytes(conn, -_slot_bytes_of(pages))
         self._counters["committed_keys"] += len(pages)
 
     def abort(self, conn: int, keys: Sequence[bytes]) -> int:
@@ -384,6 +431,7 @@ class PoolIndex:
         for key in keys:
             page = pending.pop(key, None)
             if page is not None:
+                self._add_conn_bytes(conn, -page.page_class.slot_bytes)
                 self._free_reserved(page)
                 aborted += 1
         self._counters["aborted_keys"] += aborted
@@ -396,6 +444,7 @@ class PoolIndex:
         pending = self._conn_reservations.pop(conn, {})
         for page in pending.values():
             self._free_reserved(page)
+        self._conn_bytes.pop(conn, None)
         self._counters["aborted_keys"] += len(pending)
 
     def clear(self) -> int:
@@ -409,6 +458,10 @@ class PoolIndex:
         return cleared
 
     # -- introspection ----------------------------------------------------------------
+
+    def held_bytes(self, conn: int) -> int:
+        """Slot bytes `conn` holds now: its reservations plus its leases' pages."""
+        return self._conn_bytes.get(conn, 0)
 
     def pages(self) -> Iterator[PageEntry]:
         """The pages in the index (INVALID pages have left it)."""
@@ -456,10 +509,24 @@ class PoolIndex:
             "invalid": sum(c["invalid"] for c in classes),
             "pinned": sum(c["pinned"] for c in classes),
             "leases": len(self._leases),
+            "max_client_bytes": self.max_client_bytes,
             **self._counters,
         }
 
     # -- internals ----------------------------------------------------------------------
+
+    def _quota_left(self, conn: int) -> int | None:
+        """Bytes `conn` may still take; None without a quota."""
+        if self.max_client_bytes is None:
+            return None
+        return max(0, self.max_client_bytes - self._conn_bytes.get(conn, 0))
+
+    def _add_conn_bytes(self, conn: int, delta: int) -> None:
+        total = self._conn_bytes.get(conn, 0) + delta
+        if total:
+            self._conn_bytes[conn] = total
+        else:
+            self._conn_bytes.pop(conn, None)
 
     def _split_present(self, keys: Sequence[bytes]) -> tuple[list[_Page], list[bytes]]:
         """Split distinct keys into pages already in the pool and keys that are not."""
@@ -549,6 +616,10 @@ class PoolIndex:
         elif not slab.listed:
             slab.listed = True
             page.page_class.with_room.append(slab)
+
+
+def _slot_bytes_of(pages: list[_Page]) -> int:
+    return sum(page.page_class.slot_bytes for page in pages)
 
 
 def _hex(key: bytes) -> str:

@@ -70,6 +70,11 @@ class PoolProcess:
             config.arena_path,
             "--log-level",
             config.log_level,
+            "--max-client-fraction",
+            repr(config.max_client_fraction),
+            "--max-clients",
+            str(config.max_clients),
+            *(["--runtime-dir", config.runtime_dir] if config.runtime_dir else ["--no-runtime-dir"]),
         ]
         self._process = subprocess.Popen(command, stdout=subprocess.PIPE, env=_child_env())
         try:

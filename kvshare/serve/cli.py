@@ -132,12 +132,12 @@ def access_keys(args: argparse.Namespace) -> AccessKeys:
 def run_serve(args: argparse.Namespace) -> int:
     from kvshare import LLM
     from kvshare.kvpool.connector import PoolConnector
-    from kvshare.kvpool.paths import default_pool_paths
+    from kvshare.kvpool.paths import default_pool_address
     from kvshare.serve.server import ServeConfig, build_app
     from kvshare.sizes import parse_size
 
     logging.basicConfig(level=args.log_level, format=_LOG_FORMAT)
-    pool = None if args.no_kv_pool else args.kv_pool or f"unix:{default_pool_paths().socket_path}"
+    pool = None if args.no_kv_pool else args.kv_pool or default_pool_address()
     try:
         keys = access_keys(args)
         config = ServeConfig(args.served_model_name or args.model, api_key=keys.api_key,

@@ -24,12 +24,10 @@ import collections
 import contextlib
 import ctypes
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -42,8 +40,9 @@ from typing import TextIO
 
 from kvshare.kvpool.arena import DEFAULT_SLAB_BYTES
 from kvshare.kvpool.cli import READY_PREFIX
+from kvshare.kvpool.ownership import clean_folder
 from kvshare.kvpool.page import PAGE_ALIGN
-from kvshare.kvpool.paths import SHM_DIR
+from kvshare.kvpool.paths import SHM_DIR, default_pool_paths
 from kvshare.serve.auth import ADMIN_KEY_ENV, API_KEY_ENV, AccessKeys
 from kvshare.serve.policies import POLICIES
 
@@ -284,8 +283,10 @@ class Cluster:
     def __init__(self, config: UpConfig, log: TextIO | None = None) -> None:
         self.config = config
         self._log = _PrefixedLog(log or sys.stderr)
-        self._dir = tempfile.mkdtemp(prefix="kvshare-up-")  # 0700: holds the pool socket
-        self.socket_path = os.path.join(self._dir, "pool.sock")
+        # The per-user runtime folder (0700, created by the daemon): there the daemon
+        # publishes the pool's address, and the next start removes what a killed one left.
+        self._dir = default_pool_paths().runtime_dir
+        self.socket_path = os.path.join(self._dir, f"up-{uuid.uuid4().hex[:12]}.sock")
         arena_dir = SHM_DIR if os.path.isdir(SHM_DIR) else self._dir
         self.arena_path = os.path.join(arena_dir, f"kvshare-up-{uuid.uuid4().hex[:12]}.arena")
         n = config.replicas
@@ -335,9 +336,10 @@ class Cluster:
             child.signal(signal.SIGTERM)
         for child in children:
             child.wait(_STOP_GRACE_S)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.arena_path)  # only present if the daemon was killed
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._pool is not None:  # a killed daemon's files; nothing if it stopped cleanly
+            clean_folder(self._dir)
+            with contextlib.suppress(OSError):
+                os.rmdir(self._dir)  # only if nothing else is in it
 
     def children(self) -> dict[str, int]:
         """Name -> pid of every running child."""

@@ -50,14 +50,21 @@ def _intact(client: PoolClient, page: PageRef, payload: int) -> bool:
 
 
 def _fill(client: PoolClient, count: int, payload: int, result: CheckResult) -> list[PageRef]:
-    keys = [os.urandom(16) for _ in range(count)]
-    reservation = client.reserve(keys, payload)
-    pages = list(reservation.pages)
-    for page in pages:
-        _write(client, page, payload)
-    client.commit([p.key for p in pages], [b"fill"] * len(pages), [p.offset for p in pages])
+    """Store `count` new pages, in as many reservations as it takes: the daemon lets one
+    connection hold only its share of the pool reserved, and committed pages are no
+    one's. Stops early when a reservation gets nothing."""
+    pages: list[PageRef] = []
+    while len(pages) < count:
+        keys = [os.urandom(16) for _ in range(count - len(pages))]
+        batch = list(client.reserve(keys, payload).pages)
+        if not batch:
+            break
+        for page in batch:
+            _write(client, page, payload)
+        client.commit([p.key for p in batch], [b"fill"] * len(batch), [p.offset for p in batch])
+        pages += batch
     offsets = [p.offset for p in pages]
-    result.expect(len(set(offsets)) == len(offsets), "a slot was handed out twice in one reservation")
+    result.expect(len(set(offsets)) == len(offsets), "a slot was handed out twice in one fill")
     return pages
 
 

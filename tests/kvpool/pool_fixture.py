@@ -24,18 +24,25 @@ class PoolFactory:
 
     def __init__(self) -> None:
         self.folder = tempfile.mkdtemp(prefix="kvp-")
+        # The daemons' runtime folder (published address, dead daemons' leftovers);
+        # XDG_RUNTIME_DIR=folder makes it the clients' default too.
+        self.runtime_dir = os.path.join(self.folder, "kvshare")
         self._processes: list[PoolProcess] = []
         self._arenas: list[str] = []
 
-    def config(self, size_bytes: int = 4 * MIB, slab_bytes: int = MIB) -> PoolProcessConfig:
+    def config(
+        self, size_bytes: int = 4 * MIB, slab_bytes: int = MIB, max_client_fraction: float = 1.0
+    ) -> PoolProcessConfig:
         arena_dir = SHM_DIR if os.path.isdir(SHM_DIR) else self.folder
         arena_path = os.path.join(arena_dir, f"kvshare-test-{uuid.uuid4().hex}.arena")
         self._arenas.append(arena_path)
         return PoolProcessConfig(
             size_bytes=size_bytes,
             slab_bytes=slab_bytes,
-            socket_path=os.path.join(self.folder, f"{uuid.uuid4().hex[:8]}.sock"),
+            socket_path=os.path.join(self.runtime_dir, f"{uuid.uuid4().hex[:8]}.sock"),
             arena_path=arena_path,
+            max_client_fraction=max_client_fraction,
+            runtime_dir=self.runtime_dir,
         )
 
     def start(self, config: PoolProcessConfig | None = None) -> PoolProcess:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -444,3 +445,81 @@ def test_lookup_of_1024_keys_is_one_fast_round_trip(
     print(f"lookup of 1,024 keys: median {median * 1e3:.3f} ms over {len(timings)} round trips")
     assert client.stats()["lookups"] == 200
     assert median < 0.005
+
+
+def test_one_client_reserves_and_pins_at_most_its_share(
+    pools: PoolFactory, connect: Callable[..., PoolClient]
+) -> None:
+    """One greedy client cannot take the pool: past half of it, its reserves come back
+    short and its lookups shorter (counted, never errors); the other client still stores."""
+    pool = pools.start(pools.config(max_client_fraction=0.5))
+    greedy, other = connect(pool.address), connect(pool.address)
+    total = 4 * (MIB // SLOT)
+    share = (2 * MIB) // SLOT
+    reservation = greedy.reserve(keys(0, total), PAYLOAD)
+    assert (len(reservation.pages), reservation.dropped) == (share, total - share)
+    assert greedy.stats()["quota_dropped_keys"] == total - share
+    greedy.abort([p.key for p in reservation.pages])
+    assert len(store(greedy, keys(0, total))) == share  # committed pages are no one's
+    assert len(store(other, keys(total, total))) == share
+    held = greedy.lookup(keys(0, share))
+    assert len(held.pages) == share
+    assert greedy.lookup(keys(total, share)).pages == ()  # no room left in its share
+    assert greedy.reserve(keys(5000, 1), PAYLOAD).dropped == 1
+    assert greedy.stats()["quota_cut_keys"] == share
+    # The other client's share is untouched: it stores, evicting its own unpinned pages.
+    assert len(store(other, keys(2 * total, share))) == share
+    for page in held.pages:
+        verify_page(greedy.arena, page)
+    assert greedy.release(held.lease) is True
+    assert len(greedy.lookup(keys(0, share)).pages) == share
+
+
+def test_connections_past_max_clients_are_refused_as_pool_down(
+    pools: PoolFactory, connect: Callable[..., PoolClient]
+) -> None:
+    pool = pools.start(dataclasses.replace(pools.config(), max_clients=2))
+    first, second = connect(pool.address), connect(pool.address)
+    third = PoolClient(pool.address, retry_interval=0.0)
+    with pytest.raises(PoolUnavailable, match="at most 2 clients"):
+        third.connect()
+    with pytest.raises(PoolUnavailable):
+        third.lookup(keys(0, 1))
+    assert first.stats()["refused_connections"] == 2
+    second.close()
+    wait_for(lambda: first.stats()["connections"] == 1)
+    assert third.lookup(keys(0, 1)).pages == ()
+    third.close()
+
+
+def _foreign_owner(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make `path` look owned by another user: chown as root, else pretend to be another."""
+    if os.getuid() == 0:
+        os.chown(path, 65534, 65534)
+    else:
+        monkeypatch.setattr(os, "getuid", lambda: 65534)
+
+
+def test_a_client_refuses_a_socket_of_another_user(
+    pools: PoolFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    pool = pools.start()
+    _foreign_owner(pool.config.socket_path, monkeypatch)
+    client = PoolClient(pool.address)
+    with pytest.raises(PoolUnavailable, match="not a socket of this user"):
+        client.connect()
+    assert not client.connected
+    assert "refusing the pool" in caplog.text
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give the arena to another user")
+def test_a_client_refuses_to_map_an_arena_of_another_user(
+    pools: PoolFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    pool = pools.start()
+    os.chown(pool.config.arena_path, 65534, 65534)
+    client = PoolClient(pool.address)
+    with pytest.raises(PoolUnavailable, match=r"untrusted.*owned by uid 65534"):
+        client.connect()
+    assert not client.connected
+    assert "refusing the pool" in caplog.text

@@ -4,7 +4,9 @@ The model predicts every outcome exactly - which keys a reserve gets, skips, dro
 which page each eviction takes (per-class LRU) - so a wrong victim, a reused slot, a
 pinned page evicted, or a visible reservation all fail a step. Two page classes share
 two slabs, so slabs move between classes as they empty. Pages invalidated under a lease
-leave the index at once and keep their slot until their last pin goes.
+leave the index at once and keep their slot until their last pin goes. Each connection may
+hold at most QUOTA bytes of slots (reserved, or pinned by its leases), which cuts reserves
+and lookups.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ SLOTS = tuple(slot_bytes_for(p) for p in PAYLOADS)
 GEOMETRY = ArenaGeometry(2 * SLAB + 8192, SLAB)  # 2 slabs and an unused tail
 CONNS = (1, 2, 3)
 KEYS = [bytes([n]) * 16 for n in range(24)]
+QUOTA = 40960  # 5 small slots or 2 large ones: less than the 2 slabs
 
 
 class IndexMachine(RuleBasedStateMachine):
@@ -41,7 +44,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.index = PoolIndex(GEOMETRY)
+        self.index = PoolIndex(GEOMETRY, max_client_bytes=QUOTA)
         self.offset: dict[bytes, int] = {}  # every live page
         self.slot: dict[bytes, int] = {}
         self.payload: dict[bytes, int] = {}
@@ -98,6 +101,14 @@ class IndexMachine(RuleBasedStateMachine):
                 del self.lru[self.slot[key]][key]
             self.pins[key] += 1
 
+    def held(self, conn: int) -> int:
+        reserved = sum(self.slot[k] for k, owner in self.owner.items() if owner == conn)
+        leased = sum(
+            self.slot[k] for holder, run, _ in self.live_leases.values() if holder == conn
+            for k in run
+        )
+        return reserved + leased
+
     def candidates(self) -> list[bytes]:
         return sorted(self.offset) + KEYS[:2]
 
@@ -120,6 +131,8 @@ class IndexMachine(RuleBasedStateMachine):
         placed = iter(reserved)
         count = 0
         for key in missing:
+            if self.held(conn) + slot > QUOTA:
+                break
             # Evict this class's LRU page; with none, the largest evictable class's
             # (ties: the larger slot), one page at a time until a slot or slab frees.
             while not self.has_room(slot):
@@ -193,9 +206,11 @@ class IndexMachine(RuleBasedStateMachine):
         anything = st.lists(st.sampled_from(self.candidates()), min_size=1, max_size=6)
         keys = data.draw(st.one_of(runs, anything))
         run: list[bytes] = []
+        room = QUOTA - self.held(conn)
         for key in keys:
-            if key not in self.committed:
+            if key not in self.committed or self.slot[key] > room:
                 break
+            room -= self.slot[key]
             run.append(key)
         lease, pages = self.index.lookup(conn, keys)
         expected = [(k, self.offset[k], self.payload[k], self.checksum[k]) for k in run]
@@ -304,6 +319,11 @@ class IndexMachine(RuleBasedStateMachine):
         assert stats["invalid"] == len(self.invalid)
         assert stats["pinned"] == sum(1 for n in self.pins.values() if n > 0) + len(self.invalid)
         assert stats["leases"] == len(self.live_leases)
+
+    @invariant()
+    def no_connection_holds_more_than_its_quota(self) -> None:
+        for conn in CONNS:
+            assert self.index.held_bytes(conn) == self.held(conn) <= QUOTA
 
     @invariant()
     def leased_pages_stay_put(self) -> None:

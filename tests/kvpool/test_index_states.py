@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from tests.kvpool.test_index import A, keys, make_index, store
+from kvshare.kvpool.arena import ArenaGeometry
+from kvshare.kvpool.index import PoolIndex
+from tests.kvpool.test_index import SLAB, SLOT, A, B, keys, make_index, store
 
 
 def test_run_is_cut_back_to_the_last_chunk_with_a_state() -> None:
@@ -63,3 +65,19 @@ def test_a_new_page_size_evicts_another_class_when_no_slab_is_free() -> None:
     assert len(more) == 2 and dropped == 1
     assert survivors <= {entry.key for entry in index.pages()}
     index.release(A, lease)
+
+
+def test_over_its_quota_a_lookup_ends_at_an_earlier_state_that_fits() -> None:
+    index = PoolIndex(ArenaGeometry(4 * SLAB, SLAB), max_client_bytes=5 * SLOT)
+    chunks = keys(1, 2, 3, 4, 5)
+    snapshot_after_1, snapshot_after_4 = keys(101, 104)
+    store(index, chunks[:3], conn=B)
+    store(index, [*chunks[3:], snapshot_after_1, snapshot_after_4], conn=B)
+    states = [(1, snapshot_after_1), (4, snapshot_after_4)]
+    lease, pages = index.lookup(A, chunks, states)  # 6 pages > 5: back to the first state
+    assert [p[0] for p in pages] == [*chunks[:2], snapshot_after_1]
+    assert index.held_bytes(A) == 3 * SLOT
+    assert index.lookup(A, chunks, states) == (0, [])  # 2 slots left: no run with a state fits
+    assert index.stats()["quota_cut_keys"] == 3 + 6
+    index.release(A, lease)
+    assert index.held_bytes(A) == 0

@@ -8,11 +8,14 @@ from __future__ import annotations
 import io
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -23,6 +26,30 @@ from kvshare.serve.launcher import Cluster, ReplicaRestarts, RestartPolicy, UpCo
 
 TINY = ("--model", "shape:tiny-llama", "--replicas", "1", "--pool-size", "64MiB",
         "--kv-cache-memory", "16MiB")
+
+
+@pytest.fixture
+def runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A private XDG_RUNTIME_DIR for this test and the processes it starts; the pool's
+    runtime folder is `<it>/kvshare`."""
+    folder = tempfile.mkdtemp(prefix="kvup-")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", folder)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _start_up() -> tuple[subprocess.Popen[str], str]:
+    """`kvshare up` in its own process group; returns it and its output up to ready."""
+    process = subprocess.Popen([sys.executable, "-m", "kvshare", "up", *TINY, "--port", "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    lines = []
+    assert process.stdout is not None
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith("kvshare up: router"):
+            break
+    return process, "".join(lines)
 
 
 def test_up_config_from_args_matches_the_command() -> None:
@@ -48,22 +75,18 @@ def test_invalid_up_arguments_exit_with_status_2() -> None:
     assert result.returncode == 2 and "replicas must be >= 1" in result.stderr
 
 
-def test_kvshare_up_stops_cleanly_on_sigterm() -> None:
-    process = subprocess.Popen([sys.executable, "-m", "kvshare", "up", *TINY, "--port", "0"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def test_kvshare_up_stops_cleanly_on_sigterm(runtime: str) -> None:
+    process, output = _start_up()
     try:
-        lines = []
-        assert process.stdout is not None
-        for line in process.stdout:
-            lines.append(line)
-            if line.startswith("kvshare up: router"):
-                break
-        output = "".join(lines)
         router = re.search(r"router (http://\S+);", output)
         arena = re.search(r"arena=(\S+)", output)
         socket_path = re.search(r"socket=(\S+)", output)
         assert router and arena and socket_path, output
         assert os.path.exists(arena[1]) and os.path.exists(socket_path[1])
+        assert os.path.dirname(socket_path[1]) == os.path.join(runtime, "kvshare")
+        assert f"pool unix:{socket_path[1]}" in output
+        with open(os.path.join(runtime, "kvshare", "pool.address")) as address:
+            assert address.read().strip() == f"unix:{socket_path[1]}"
         resp = httpx.post(router[1] + "/v1/completions", timeout=60,
                           json={"model": "shape:tiny-llama", "prompt": [5, 6, 7], "max_tokens": 2})
         assert resp.status_code == 200
@@ -78,7 +101,26 @@ def test_kvshare_up_stops_cleanly_on_sigterm() -> None:
         httpx.get(router[1] + "/health")
 
 
-def test_cluster_notices_a_dead_child() -> None:
+def test_kill_9_of_kvshare_up_leaves_files_that_cleanup_removes(runtime: str) -> None:
+    process, output = _start_up()
+    try:
+        arena = re.search(r"arena=(\S+)", output)
+        socket_path = re.search(r"socket=(\S+)", output)
+        assert arena and socket_path, output
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate(timeout=60)
+    leftovers = [arena[1], socket_path[1], socket_path[1] + ".lock"]
+    assert all(os.path.exists(path) for path in leftovers)
+    result = subprocess.run([sys.executable, "-m", "kvshare", "pool", "--cleanup"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    for path in leftovers:
+        assert f"removed {path}" in result.stdout and not os.path.exists(path)
+    assert os.listdir(os.path.join(runtime, "kvshare")) == []
+
+
+def test_cluster_notices_a_dead_child(runtime: str) -> None:
     log = io.StringIO()
     with Cluster(UpConfig.from_args([*TINY, "--port", "0"]), log=log) as cluster:
         children = cluster.children()
