@@ -71,12 +71,18 @@ def pool_geometry(needs: Iterable[PoolNeed], at_least_bytes: int) -> tuple[int, 
 def shortfall(need: PoolNeed, stats: dict) -> str | None:
     """Why a running pool (its `stats()`) cannot hold `need`, or None when it can."""
     held = need.pages_held(int(stats["arena_bytes"]), int(stats["slab_bytes"]))
-    if held >= need.pages:
+    # A check is one client of the pool: the daemon's per-client quota caps it too.
+    limit = stats.get("max_client_bytes")
+    quota = held if limit is None else int(limit) // need.slot_bytes
+    if min(held, quota) >= need.pages:
         return None
     slab = int(stats["slab_bytes"])
     pool = f"the pool ({format_size(int(stats['arena_bytes']))} in slabs of {format_size(slab)})"
     if need.slot_bytes > slab:
         return f"{pool} cannot hold a page of {format_size(need.payload_bytes)}: its slabs are smaller"
+    if quota < held:
+        return (f"{pool} lets one client hold {quota} of the {need.describe()} this check keeps "
+                f"at once (--max-client-fraction)")
     size = -(-need.pages // (slab // need.slot_bytes)) * slab
     return (f"{pool} holds {held} of the {need.describe()} this check keeps at once; "
             f"it needs a pool of at least {format_size(size)}")

@@ -93,7 +93,10 @@ def _environment(args: argparse.Namespace, wanted: list[str]) -> Iterator[tuple[
             folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvs-validate-"))
             process = PoolProcess(PoolProcessConfig(
                 size_bytes=size, socket_path=f"{folder}/pool.sock",
-                arena_path=f"{SHM_DIR}/kvshare-validate-{uuid.uuid4().hex[:12]}.arena", slab_bytes=slab))
+                arena_path=f"{SHM_DIR}/kvshare-validate-{uuid.uuid4().hex[:12]}.arena", slab_bytes=slab,
+                # The checks are this pool's only clients, one at a time, each sized for the
+                # whole pool: no other client needs protecting from them.
+                max_client_fraction=1.0))
             stack.enter_context(process)
             pool = _Pool(process.address, process.stop, process.start)
         yield pool, target
