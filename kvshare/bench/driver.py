@@ -19,12 +19,13 @@ from kvshare.bench.design import Design
 from kvshare.bench.plots import plot_run
 from kvshare.bench.progress import RichObserver, new_progress
 from kvshare.bench.records import BenchRun, RunInfo
-from kvshare.bench.report import markdown, print_table, tables, unsettled_warning, write_json
+from kvshare.bench.report import markdown, tables, unsettled_warning, write_json
 from kvshare.bench.runner import Observer, Workload, run_design
 from kvshare.bench.stats import BootstrapSpec
 from kvshare.bench.summary import Comparison, compare
 from kvshare.bench.synthetic import PromptModel, load_prompt_model
 from kvshare.serve.auth import AccessKeys
+from kvshare.tables import print_table
 
 # What a run can fail with that is the setup's fault, not a bug: bad parameters, a server that
 # errs or is unreachable (aiohttp's connection errors are OSErrors), a request that times out.

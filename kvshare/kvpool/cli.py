@@ -148,37 +148,24 @@ def show_stats(args: argparse.Namespace) -> int:
 
 def _print_stats_tables(stats: dict[str, Any]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     from kvshare.kvpool.index import COUNTERS
+    from kvshare.tables import Table, print_table
 
-    summary = Table(title="kvshare pool", show_header=False)
-    summary.add_column("counter")
-    summary.add_column("value", justify="right")
-    summary.add_row("arena", f"{stats['arena_path']} ({format_size(stats['arena_bytes'])})")
-    summary.add_row(
-        "slabs free / total",
-        f"{stats['free_slabs']} / {stats['slab_count']} x {format_size(stats['slab_bytes'])}",
-    )
-    occupancy = ("pages", "free", "reserved", "committed", "pinned", "leases", "connections",
-                 "refused_connections")
-    for name in (*occupancy, *COUNTERS):
-        summary.add_row(name.replace("_", " "), f"{stats[name]:,}")
-
-    classes = Table(title="page classes")
-    for column in ("slot", "slabs", "pages", "free", "reserved", "committed", "pinned"):
-        classes.add_column(column, justify="right")
-    for page_class in stats["classes"]:
-        classes.add_row(
-            format_size(page_class["slot_bytes"]),
-            *(
-                f"{page_class[name]:,}"
-                for name in ("slabs", "pages", "free", "reserved", "committed", "pinned")
-            ),
-        )
+    summary = [
+        ("arena", f"{stats['arena_path']} ({format_size(stats['arena_bytes'])})"),
+        ("slabs free / total",
+         f"{stats['free_slabs']} / {stats['slab_count']} x {format_size(stats['slab_bytes'])}"),
+    ]
+    occupancy = ("pages", "free", "reserved", "committed", "invalid", "pinned", "leases",
+                 "connections", "refused_connections")
+    summary += [(name.replace("_", " "), f"{stats[name]:,}") for name in (*occupancy, *COUNTERS)]
+    columns = ("slabs", "pages", "free", "reserved", "committed", "pinned")
+    classes = [(format_size(c["slot_bytes"]), *(f"{c[name]:,}" for name in columns))
+               for c in stats["classes"]]
     console = Console()
-    console.print(summary)
-    console.print(classes)
+    print_table(console, Table("kvshare pool", ("counter", "value"), tuple(summary)))
+    print_table(console, Table("page classes", ("slot", *columns), tuple(classes)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -224,7 +224,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _run_checks(args: argparse.Namespace, wanted: list[str], console: Console) -> int:
-    from kvshare.bench.report import Table, print_table
+    from kvshare.tables import Table, print_table
 
     # Piped or logged, a spinner shows nothing: one line per check start and end instead.
     lines = not console.is_terminal

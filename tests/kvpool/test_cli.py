@@ -98,6 +98,9 @@ def test_pool_stats_prints_json_and_tables(
     tables = capsys.readouterr().out
     assert "page classes" in tables and "committed" in tables and "3.00 MiB" not in tables
     assert "3 MiB" in tables
+    # Piped (capsys is not a terminal): Markdown rows with every cell whole, long paths too.
+    assert f"| arena | {pool.config.arena_path} (3 MiB) |" in tables
+    assert "| committed | 5 |" in tables
 
 
 def test_pool_stats_without_a_daemon_exits_1(
