@@ -23,6 +23,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "sdpa", "varlen"))
 
 
+def add_require_pool_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--require-kv-pool", action="store_true",
+                        help="exit with an error when the pool cannot be reached at start "
+                             "(default: warn and run without it)")
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, object]:
     from kvshare.sizes import parse_size
 
@@ -49,6 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--kv-pool", default=None, help="unix:/path/to/pool.sock")
+    add_require_pool_argument(parser)
     parser.set_defaults(func=_generate)
 
 
@@ -56,20 +63,22 @@ def _generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from kvshare import LLM, SamplingParams
+    from kvshare.engine.llm import KVPoolUnreachable
 
     console = Console(stderr=True)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, seed=args.seed)
         start = time.monotonic()
-        llm = LLM(args.model, kv_pool=args.kv_pool, **engine_options(args))  # type: ignore[arg-type]
+        llm = LLM(args.model, kv_pool=args.kv_pool, require_kv_pool=args.require_kv_pool,
+                  **engine_options(args))  # type: ignore[arg-type]
         console.print(f"[dim]loaded {llm.loaded.name} in {time.monotonic() - start:.1f} s[/dim]")
         start = time.monotonic()
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params)
         else:
             out = llm.generate([args.prompt], params)[0]
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, KVPoolUnreachable) as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 2
     print(out.text)

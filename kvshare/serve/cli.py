@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from kvshare.engine.cli import add_model_arguments, engine_options
+from kvshare.engine.cli import add_model_arguments, add_require_pool_argument, engine_options
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -36,6 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pool.add_argument("--kv-pool", metavar="unix:PATH",
                       help="the shared pool's socket (default: the per-user default socket)")
     pool.add_argument("--no-kv-pool", action="store_true", help="run without the shared pool")
+    add_require_pool_argument(serve)
     serve.add_argument("--chunk-tokens", type=int, default=256, help="tokens per pool page")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /admin")
     serve.add_argument("--served-model-name", help="the model name clients send (default: --model)")
@@ -94,21 +95,26 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from kvshare import LLM
+    from kvshare.engine.llm import KVPoolUnreachable
     from kvshare.kvpool.connector import PoolConnector
     from kvshare.kvpool.paths import default_pool_paths
     from kvshare.serve.server import ServeConfig, build_app
     from kvshare.sizes import parse_size
 
     logging.basicConfig(level=args.log_level, format=_LOG_FORMAT)
+    if args.no_kv_pool and args.require_kv_pool:
+        print("kvshare serve: --require-kv-pool and --no-kv-pool contradict each other", file=sys.stderr)
+        return 2
     pool = None if args.no_kv_pool else args.kv_pool or f"unix:{default_pool_paths().socket_path}"
     try:
         config = ServeConfig(args.served_model_name or args.model, args.api_key,
                              parse_size(args.max_body_bytes))
         unsafe = {"break_order": args.unsafe_break_stream_order, "load_delay": args.unsafe_load_delay,
                   "verify": not args.unsafe_skip_checksums}
-        llm = LLM(args.model, kv_pool=pool, chunk_tokens=args.chunk_tokens, kv_pool_options=unsafe,
+        llm = LLM(args.model, kv_pool=pool, require_kv_pool=args.require_kv_pool,
+                  chunk_tokens=args.chunk_tokens, kv_pool_options=unsafe,
                   **engine_options(args))  # type: ignore[arg-type]
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, KVPoolUnreachable) as exc:
         print(f"kvshare serve: {exc}", file=sys.stderr)
         return 2
     engine = llm.engine
