@@ -58,8 +58,8 @@ class Design:
         is one OFF and one ON block run back to back, and the order alternates within pairs."""
         if pairs < 1:
             raise ValueError(f"pairs must be >= 1, got {pairs}")
-        names = [(OFF, ON) if i % 2 == 0 else (ON, OFF) for i in range(pairs)]
-        return cls(tuple(Block(i, name) for i, name in enumerate(n for pair in names for n in pair)))
+        conditions = [c for i in range(pairs) for c in ((OFF, ON) if i % 2 == 0 else (ON, OFF))]
+        return cls(tuple(Block(i, c) for i, c in enumerate(conditions)))
 
     def pairs(self) -> list[tuple[int, int]]:
         """(OFF block, ON block) of each neighbour pair 0-1, 2-3, ... that holds one of each."""
