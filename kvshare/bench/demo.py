@@ -22,14 +22,14 @@ from rich.console import Console
 
 from kvshare.bench.cluster import cluster_target
 from kvshare.bench.cross_replica import CrossReplica
-from kvshare.bench.design import Design
+from kvshare.bench.design import OFF, ON, Design
 from kvshare.bench.driver import BenchOptions, Outputs, report, run_with_progress
 from kvshare.bench.records import BenchRun
 from kvshare.bench.report import estimate
 from kvshare.bench.runner import Workload
 from kvshare.bench.sessions import ALTERNATE, Sessions
-from kvshare.bench.stats import BootstrapSpec, Estimate, paired_ratio_interval
-from kvshare.bench.summary import SESSION, TTFT, Comparison, paired_ratios
+from kvshare.bench.stats import BootstrapSpec, Estimate, geometric_mean_interval
+from kvshare.bench.summary import SESSION, TTFT, Comparison, condition_medians, paired_ratios
 
 DEMO_CROSS_REPLICA = CrossReplica(lengths=(2048,), requests_per_block=2, question_tokens=16,
                                   output_tokens=4, shared_context=True)
@@ -39,9 +39,9 @@ DEMO_SESSIONS = Sessions(sessions=1, context_tokens=1024, turns=4, question_toke
 # an OFF request at 2,048 tokens takes ~7 s (a loaded machine multiplies every figure).
 DEMO_RUNS: tuple[tuple[Workload, Design], ...] = (
     (DEMO_CROSS_REPLICA, Design.paired(5)), (DEMO_SESSIONS, Design.paired(5)))
-METHOD = ("OFF and ON: medians pooled over blocks [95% bootstrap interval]; ON/OFF: geometric "
-          "mean over back-to-back OFF/ON block pairs of the ratio of block medians [95% "
-          "Student-t interval over pairs]")
+METHOD = ("OFF and ON: geometric mean of the condition's block medians; ON/OFF: geometric mean "
+          "over back-to-back OFF/ON block pairs of the ratio of their block medians; [95% "
+          "Student-t interval with the blocks or pairs as replicates]; n: samples per condition")
 
 
 def run_demo(out: Path, up_args: str, seed: int, console: Console) -> None:
@@ -79,16 +79,18 @@ def headline(run: BenchRun, comparisons: list[Comparison]) -> str:
         point = next(c for c in comparisons if c.metric == SESSION)
         params = run.info.params
         what = f"{point.series} session time ({params['turns']} turns, {params['context_tokens']}-token document)"
-    ratios = paired_ratios(point, run.info.design)
-    if len(ratios) >= 2:
-        ratio = paired_ratio_interval(ratios)
-        saved = Estimate(1 - ratio.value, 1 - ratio.high, 1 - ratio.low)
-        paired = (f"ON/OFF {estimate(ratio)} over {len(ratios)} block pairs, "
-                  f"{_percent(saved.value)} less [{_percent(saved.low)}, {_percent(saved.high)}]")
-    else:
-        paired = f"ON/OFF {estimate(point.ratio)} (too few block pairs for a paired interval)"
+    design = run.info.design
+    ratios = paired_ratios(point, design)
     n_off, n_on = point.counts
-    return f"{what}: OFF {estimate(point.off)} s (n={n_off}), ON {estimate(point.on)} s (n={n_on}); {paired}"
+    if len(ratios) < 2:
+        return (f"{what}: OFF {estimate(point.off)} s (n={n_off}), ON {estimate(point.on)} s "
+                f"(n={n_on}); ON/OFF {estimate(point.ratio)} (too few block pairs for a paired interval)")
+    off, on = (geometric_mean_interval(condition_medians(point, design, c)) for c in (OFF, ON))
+    ratio = geometric_mean_interval(ratios)
+    saved = Estimate(1 - ratio.value, 1 - ratio.high, 1 - ratio.low)
+    return (f"{what}: OFF {estimate(off)} s (n={n_off}), ON {estimate(on)} s (n={n_on}); "
+            f"ON/OFF {estimate(ratio)} over {len(ratios)} block pairs, "
+            f"{_percent(saved.value)} less [{_percent(saved.low)}, {_percent(saved.high)}]")
 
 
 def _percent(fraction: float) -> str:

@@ -5,8 +5,9 @@ Samples of a condition come from several blocks. Resampling is stratified by blo
 block resampled within itself, with its own size), so every bootstrap replicate keeps the
 design's balance of blocks; with one block it is the plain bootstrap. That interval leaves
 out the variation between blocks (a machine that gets busier between an OFF and an ON
-block); `paired_ratio_interval` treats each OFF/ON pair of blocks as one replicate instead,
-so that variation is in its interval.
+block, and with one sample per block it has no width at all); `geometric_mean_interval`
+treats each block median, or each OFF/ON pair of blocks' ratio, as one replicate instead, so
+that variation is in its interval.
 """
 
 from __future__ import annotations
@@ -114,12 +115,12 @@ def t_quantile(p: float, df: int) -> float:
     return (low + high) / 2
 
 
-def paired_ratio_interval(ratios: Sequence[float], level: float = DEFAULT_LEVEL) -> Estimate:
-    """Geometric mean of >= 2 positive ratios, each from one pair of blocks run back to back,
-    with a Student-t interval on their logarithms (the pairs are the replicates)."""
-    if len(ratios) < 2 or min(ratios) <= 0:
-        raise ValueError(f"need at least 2 positive ratios, got {list(ratios)}")
-    logs = np.log(np.asarray(ratios, dtype=np.float64))
+def geometric_mean_interval(values: Sequence[float], level: float = DEFAULT_LEVEL) -> Estimate:
+    """Geometric mean of >= 2 positive values, each one independent replicate (a block's
+    median, the ratio of one OFF/ON pair of blocks), with a Student-t interval on their logs."""
+    if len(values) < 2 or min(values) <= 0:
+        raise ValueError(f"need at least 2 positive values, got {list(values)}")
+    logs = np.log(np.asarray(values, dtype=np.float64))
     center = float(logs.mean())
     half = t_quantile(0.5 + level / 2, len(logs) - 1) * float(logs.std(ddof=1)) / math.sqrt(len(logs))
     return Estimate(math.exp(center), math.exp(center - half), math.exp(center + half))

@@ -93,6 +93,12 @@ def paired_ratios(comparison: Comparison, design: Design) -> list[float]:
             if off and on is not None]
 
 
+def condition_medians(comparison: Comparison, design: Design, condition: str) -> list[float]:
+    """The block medians of the blocks with `condition` that have a sample."""
+    return [m for b, m in zip(design.blocks, comparison.block_medians)
+            if b.condition == condition and m is not None]
+
+
 def _strata(samples: Sequence[Sample], design: Design, condition: str) -> list[list[float]]:
     return [[s.value for s in samples if s.block == b.index]
             for b in design.blocks if b.condition == condition]

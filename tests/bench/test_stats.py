@@ -150,14 +150,14 @@ def test_t_quantiles_match_the_tables() -> None:
 
 
 def test_a_paired_ratio_interval_widens_with_the_spread_between_pairs() -> None:
-    from kvshare.bench.stats import paired_ratio_interval
+    from kvshare.bench.stats import geometric_mean_interval
 
-    steady = paired_ratio_interval([0.04, 0.041, 0.039, 0.04])
-    loaded = paired_ratio_interval([0.03, 0.05, 0.035, 0.06])  # the machine's load changed between pairs
+    steady = geometric_mean_interval([0.04, 0.041, 0.039, 0.04])
+    loaded = geometric_mean_interval([0.03, 0.05, 0.035, 0.06])  # the machine's load changed between pairs
     assert steady.low < 0.04 < steady.high and steady.high - steady.low < 0.003
     assert loaded.low < 0.03 and loaded.high > 0.05  # every pair's ratio is within reach
     with pytest.raises(ValueError):
-        paired_ratio_interval([0.04])
+        geometric_mean_interval([0.04])
 
 
 def test_paired_designs_put_one_off_and_one_on_block_in_each_neighbour_pair() -> None:
