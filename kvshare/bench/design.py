@@ -52,5 +52,23 @@ class Design:
     def label(self) -> str:
         return "-".join(b.condition for b in self.blocks)
 
+    @classmethod
+    def paired(cls, pairs: int) -> Design:
+        """OFF-ON-ON-OFF repeated to 2 * pairs blocks: each pair of neighbours (0-1, 2-3, ...)
+        is one OFF and one ON block run back to back, and the order alternates within pairs."""
+        if pairs < 1:
+            raise ValueError(f"pairs must be >= 1, got {pairs}")
+        conditions = [c for i in range(pairs) for c in ((OFF, ON) if i % 2 == 0 else (ON, OFF))]
+        return cls(tuple(Block(i, c) for i, c in enumerate(conditions)))
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """(OFF block, ON block) of each neighbour pair 0-1, 2-3, ... that holds one of each."""
+        out = []
+        for first, second in zip(self.blocks[::2], self.blocks[1::2]):
+            if first.condition != second.condition:
+                off, on = (first, second) if first.condition == OFF else (second, first)
+                out.append((off.index, on.index))
+        return out
+
     def has_both_conditions(self) -> bool:
         return {b.condition for b in self.blocks} == set(CONDITIONS)

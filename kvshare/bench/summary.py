@@ -86,6 +86,19 @@ class Comparison:
             raise ValueError(f"metric must be one of {METRICS}, got {self.metric!r}")
 
 
+def paired_ratios(comparison: Comparison, design: Design) -> list[float]:
+    """ON / OFF block median of each back-to-back pair of blocks (Design.pairs) that has both."""
+    medians = comparison.block_medians
+    return [on / off for off, on in ((medians[i], medians[j]) for i, j in design.pairs())
+            if off and on is not None]
+
+
+def condition_medians(comparison: Comparison, design: Design, condition: str) -> list[float]:
+    """The block medians of the blocks with `condition` that have a sample."""
+    return [m for b, m in zip(design.blocks, comparison.block_medians)
+            if b.condition == condition and m is not None]
+
+
 def _strata(samples: Sequence[Sample], design: Design, condition: str) -> list[list[float]]:
     return [[s.value for s in samples if s.block == b.index]
             for b in design.blocks if b.condition == condition]

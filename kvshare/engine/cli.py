@@ -25,6 +25,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="attention kernel (auto: varlen on CUDA in bfloat16/float16, else sdpa)")
 
 
+def add_require_pool_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--require-kv-pool", action="store_true",
+                        help="exit with an error when the pool cannot be reached at start "
+                             "(default: warn and run without it)")
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, object]:
     from kvshare.sizes import parse_size
 
@@ -58,6 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest token set of this probability")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     parser.add_argument("--kv-pool", default=None, help="unix:/path/to/pool.sock")
+    add_require_pool_argument(parser)
     parser.set_defaults(func=_generate)
 
 
@@ -66,6 +73,7 @@ def _generate(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
     from kvshare import LLM, SamplingParams
+    from kvshare.engine.llm import KVPoolUnreachable
 
     console = Console(stderr=True)
     try:
@@ -73,14 +81,15 @@ def _generate(args: argparse.Namespace) -> int:
                                 top_p=args.top_p, seed=args.seed)
         check_engine_fits(args)
         start = time.monotonic()
-        llm = LLM(args.model, kv_pool=args.kv_pool, **engine_options(args))  # type: ignore[arg-type]
+        llm = LLM(args.model, kv_pool=args.kv_pool, require_kv_pool=args.require_kv_pool,
+                  **engine_options(args))  # type: ignore[arg-type]
         console.print(f"[dim]loaded {llm.loaded.name} in {time.monotonic() - start:.1f} s[/dim]")
         start = time.monotonic()
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params)
         else:
             out = llm.generate([args.prompt], params)[0]
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, KVPoolUnreachable) as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
         return 2
     print(out.text)

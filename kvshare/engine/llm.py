@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Mapping, Sequence
 
 from kvshare.engine.block_manager import check_cache_salt
@@ -12,9 +13,19 @@ from kvshare.engine.llm_engine import LLMEngine, RequestOutput
 from kvshare.engine.sampling_params import SamplingParams
 from kvshare.models.loader import LoadedModel, load_model
 
+_log = logging.getLogger(__name__)
+
+
+class KVPoolUnreachable(Exception):
+    """A required pool (`require_kv_pool=True`) could not be reached at start."""
+
 
 class LLM:
     """Load a model and generate. `kv_pool="unix:/path/to.sock"` attaches the shared pool.
+
+    A pool that cannot be reached at start is a logged warning and the engine runs without
+    it (reconnecting on later requests); with `require_kv_pool=True` it is KVPoolUnreachable
+    instead. A pool lost later is recomputed around, counted, never an error.
 
     `kv_pool_options` are extra ConnectorOptions (test-only switches). Extra keyword
     arguments are EngineConfig fields (block_size, max_num_batched_tokens,
@@ -24,7 +35,8 @@ class LLM:
     """
 
     def __init__(self, model: str, *, device: str = "cpu", dtype: str = "auto",
-                 kv_pool: str | KVConnector | None = None, weights_seed: int = 0,
+                 kv_pool: str | KVConnector | None = None, require_kv_pool: bool = False,
+                 weights_seed: int = 0,
                  chunk_tokens: int = 256, cache_salt: str = "",
                  kv_pool_options: Mapping[str, object] | None = None,
                  **engine_options: object) -> None:
@@ -38,7 +50,23 @@ class LLM:
             connector = PoolConnector.for_model(kv_pool, self.loaded, chunk_tokens=chunk_tokens,
                                                 cache_salt=cache_salt, **(kv_pool_options or {}))
         self.engine = LLMEngine(self.loaded, self.config, connector)
+        if isinstance(kv_pool, str):
+            self._check_pool_reached(kv_pool, require_kv_pool)
         self._ids = itertools.count()
+
+    def _check_pool_reached(self, address: str, required: bool) -> None:
+        from kvshare.kvpool.connector import PoolConnector
+
+        connector = self.engine.connector
+        assert isinstance(connector, PoolConnector)
+        if (reason := connector.bind_failure) is None:
+            return
+        if required:
+            connector.close()
+            raise KVPoolUnreachable(f"kv pool {address} unreachable ({reason}) and a pool is required")
+        _log.warning("kv pool %s unreachable (%s): running without the pool until it answers; "
+                     "pass --require-kv-pool (LLM(require_kv_pool=True)) to make this an error",
+                     address, reason)
 
     @property
     def tokenizer(self):

@@ -21,7 +21,6 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections import Counter
@@ -151,6 +150,10 @@ class PoolConnector(KVConnector):
         self.layout: PageLayout | None = None
         self.transfer: Transfer | None = None
         self.registration: HostRegistration | None = None
+        # Why the connection made at bind failed (None: it succeeded). The connector keeps
+        # working without the pool and reconnects on later requests; the caller decides
+        # how loudly to say so (kvshare.engine.llm).
+        self.bind_failure: str | None = None
 
     @classmethod
     def for_model(cls, address: str, loaded: LoadedModel, *, chunk_tokens: int = 256,
@@ -183,9 +186,11 @@ class PoolConnector(KVConnector):
         else:
             self.transfer = ThreadTransfer(kv, self.layout, opts.break_order, opts.load_delay)
         self.client.on_remap(self._on_remap)
-        with contextlib.suppress(*_POOL_ERRORS):
+        try:
             self.client.connect()
             self._adopt_arena()
+        except _POOL_ERRORS as exc:
+            self.bind_failure = _reason(exc)
 
     def _adopt_arena(self) -> None:
         """Point the transfer at the client's current arena (after connect or restart)."""
@@ -536,3 +541,11 @@ class PoolConnector(KVConnector):
     def _count_error(self, op: str, exc: Exception) -> None:
         self.counters["pool_errors"] += 1
         _log.warning("pool %s failed: %s", op, exc)
+
+
+def _reason(exc: Exception) -> str:
+    """The root cause of a pool failure in a few words ("No such file or directory")."""
+    cause = exc.__cause__
+    if isinstance(cause, OSError) and cause.strerror:
+        return cause.strerror
+    return str(cause or exc)

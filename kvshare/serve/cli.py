@@ -9,7 +9,12 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from kvshare.engine.cli import add_model_arguments, check_engine_fits, engine_options
+from kvshare.engine.cli import (
+    add_model_arguments,
+    add_require_pool_argument,
+    check_engine_fits,
+    engine_options,
+)
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -37,6 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pool.add_argument("--kv-pool", metavar="unix:PATH",
                       help="the shared pool's socket (default: the per-user default socket)")
     pool.add_argument("--no-kv-pool", action="store_true", help="run without the shared pool")
+    add_require_pool_argument(serve)
     serve.add_argument("--chunk-tokens", type=int, default=256, help="tokens per pool page")
     add_key_arguments(serve)
     serve.add_argument("--cache-salt-required", action="store_true",
@@ -131,12 +137,16 @@ def access_keys(args: argparse.Namespace) -> AccessKeys:
 
 def run_serve(args: argparse.Namespace) -> int:
     from kvshare import LLM
+    from kvshare.engine.llm import KVPoolUnreachable
     from kvshare.kvpool.connector import PoolConnector
     from kvshare.kvpool.paths import default_pool_address
     from kvshare.serve.server import ServeConfig, build_app
     from kvshare.sizes import parse_size
 
     logging.basicConfig(level=args.log_level, format=_LOG_FORMAT)
+    if args.no_kv_pool and args.require_kv_pool:
+        print("kvshare serve: --require-kv-pool and --no-kv-pool contradict each other", file=sys.stderr)
+        return 2
     pool = None if args.no_kv_pool else args.kv_pool or default_pool_address()
     try:
         keys = access_keys(args)
@@ -146,9 +156,10 @@ def run_serve(args: argparse.Namespace) -> int:
         unsafe = {"break_order": args.unsafe_break_stream_order, "load_delay": args.unsafe_load_delay,
                   "verify": not args.unsafe_skip_checksums}
         check_engine_fits(args)
-        llm = LLM(args.model, kv_pool=pool, chunk_tokens=args.chunk_tokens, kv_pool_options=unsafe,
+        llm = LLM(args.model, kv_pool=pool, require_kv_pool=args.require_kv_pool,
+                  chunk_tokens=args.chunk_tokens, kv_pool_options=unsafe,
                   **engine_options(args))  # type: ignore[arg-type]
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, KVPoolUnreachable) as exc:
         print(f"kvshare serve: {exc}", file=sys.stderr)
         return 2
     engine = llm.engine

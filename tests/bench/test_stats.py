@@ -140,3 +140,28 @@ def test_samples_skip_prefills_and_missing_ttft_and_time_sessions() -> None:
     assert session.value == pytest.approx((0.2 + 0.5) + (0.3 + 0.5) + 0.5)  # answer waits only
     assert pool_hit_rate([]) is None
     assert block_row(BlockResult(block, 1.0, (), (), tuple(records))).no_content == 1
+
+
+def test_t_quantiles_match_the_tables() -> None:
+    from kvshare.bench.stats import t_quantile
+
+    for df, table in ((1, 12.706), (3, 3.182), (5, 2.571), (30, 2.042)):
+        assert t_quantile(0.975, df) == pytest.approx(table, abs=1e-3)
+
+
+def test_a_paired_ratio_interval_widens_with_the_spread_between_pairs() -> None:
+    from kvshare.bench.stats import geometric_mean_interval
+
+    steady = geometric_mean_interval([0.04, 0.041, 0.039, 0.04])
+    loaded = geometric_mean_interval([0.03, 0.05, 0.035, 0.06])  # the machine's load changed between pairs
+    assert steady.low < 0.04 < steady.high and steady.high - steady.low < 0.003
+    assert loaded.low < 0.03 and loaded.high > 0.05  # every pair's ratio is within reach
+    with pytest.raises(ValueError):
+        geometric_mean_interval([0.04])
+
+
+def test_paired_designs_put_one_off_and_one_on_block_in_each_neighbour_pair() -> None:
+    design = Design.paired(3)
+    assert design.label == "OFF-ON-ON-OFF-OFF-ON"
+    assert design.pairs() == [(0, 1), (3, 2), (4, 5)]
+    assert Design.parse("OFF-OFF-ON-ON").pairs() == []  # neighbours of one condition are no pair

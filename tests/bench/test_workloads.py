@@ -213,14 +213,17 @@ def test_demo_headlines_name_the_longest_context_and_the_session_time(
 ) -> None:
     from kvshare.bench.demo import headline
 
-    cross = run(CrossReplica(lengths=(40, 80), requests_per_block=1), fake, smollm2, design="OFF-ON")
-    line = headline(cross, compare(cross.blocks, Design.parse("OFF-ON"), BootstrapSpec(100)))
+    design = Design.paired(2)
+    cross = run(CrossReplica(lengths=(40, 80), requests_per_block=1), fake, smollm2, design=design.label)
+    line = headline(cross, compare(cross.blocks, design, BootstrapSpec(100)))
     assert line.startswith("cross-replica TTFT at 80 context tokens: OFF ")
-    assert "ON/OFF 0." in line and "% less)" in line
+    assert "s (n=2), ON " in line and "ON/OFF 0." in line and " over 2 block pairs, " in line
+    assert "% less [" in line
     sessions = run(Sessions(sessions=1, context_tokens=40, turns=2, output_tokens=2), fake, smollm2,
                    design="OFF-ON")
     line = headline(sessions, compare(sessions.blocks, Design.parse("OFF-ON"), BootstrapSpec(100)))
-    assert line.startswith("alternate session time (2 turns): OFF ")
+    assert line.startswith("alternate session time (2 turns, 40-token document): OFF ")
+    assert "(too few block pairs for a paired interval)" in line
 
 
 def test_cross_replica_shared_context_prefills_once_per_length_in_pool_on_blocks(
