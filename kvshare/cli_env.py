@@ -74,7 +74,10 @@ def _env_default(action: argparse.Action, environ: Mapping[str, str]) -> bool:
     if action.nargs == 0:  # store_true / store_false / store_const
         if value.strip().lower() not in _TRUE + _FALSE:
             raise ValueError(f"{name}={value!r}: expected one of {', '.join(_TRUE + _FALSE[:-1])}")
-        if value.strip().lower() in _TRUE:
+        on = value.strip().lower() in _TRUE
+        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x: the variable picks
+            action.default = on
+        elif on:
             action.default = action.const
         return True
     # A string default is converted by argparse like the flag's text (type errors name the flag).

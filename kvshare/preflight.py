@@ -93,11 +93,11 @@ def available_bytes(device: str) -> int:
 
 def check_up(config: UpConfig) -> None:
     """`kvshare up`'s replicas, all on config.device, fit in its memory."""
-    flags = dict(zip(config.engine_args[::2], config.engine_args[1::2]))
-    from kvshare.sizes import parse_size
+    from kvshare.engine.config import EngineConfig
 
-    kv = parse_size(flags["--kv-cache-memory"]) if "--kv-cache-memory" in flags else None
-    check_model_fits(config.model, config.device, flags.get("--dtype", "auto"), kv, engines=config.replicas)
+    engine = EngineConfig.from_argv(config.engine_args)
+    check_model_fits(config.model, config.device, engine.dtype, engine.kv_cache_memory,
+                     engines=config.replicas)
 
 
 def check_model_fits(model: str, device: str, dtype: str, kv_cache_memory: int | None = None,

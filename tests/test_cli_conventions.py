@@ -45,10 +45,14 @@ def test_flags_come_from_kvshare_variables_and_the_command_line_wins() -> None:
     env = {"KVSHARE_PORT": "9000", "KVSHARE_NO_KV_POOL": "1", "KVSHARE_LOG_LEVEL": "DEBUG",
            "KVSHARE_KV_CACHE_MEMORY": "1GiB"}
     args = build_parser(env).parse_args(["serve"])
-    assert (args.port, args.no_kv_pool, args.log_level, args.kv_cache_memory) == (9000, True, "DEBUG", "1GiB")
+    assert (args.port, args.no_kv_pool, args.log_level, args.kv_cache_memory) == (9000, True, "DEBUG", 1 << 30)
     args = build_parser(env).parse_args(["serve", "--port", "9100", "--log-level", "INFO"])
     assert (args.port, args.log_level) == (9100, "INFO")
     assert build_parser({"KVSHARE_NO_KV_POOL": "0"}).parse_args(["serve"]).no_kv_pool is False
+    # An on/off pair (--cuda-graphs / --no-cuda-graphs) takes its default from one variable.
+    args = build_parser({"KVSHARE_CUDA_GRAPHS": "0", "KVSHARE_ENABLE_PREFIX_CACHING": "yes"}).parse_args(["serve"])
+    assert (args.cuda_graphs, args.enable_prefix_caching) == (False, True)
+    assert build_parser({"KVSHARE_CUDA_GRAPHS": "0"}).parse_args(["serve", "--cuda-graphs"]).cuda_graphs
     # A variable may stand in for a required flag, also one of a required either-or pair.
     assert build_parser({"KVSHARE_SIZE": "1GiB"}).parse_args(["pool"]).size == "1GiB"
     args = build_parser({"KVSHARE_TARGET": "http://h:1"}).parse_args(["bench", "cross-replica"])

@@ -20,6 +20,7 @@ from kvshare.kvpool.connector import ConnectorOptions, PoolConnector
 from kvshare.kvpool.keys import Namespace
 from kvshare.kvpool.layout import LAYOUT_VERSION
 from kvshare.models.presets import shape_preset
+from kvshare.spec import DEFAULT_CHUNK_TOKENS
 
 
 def _sync(device: torch.device) -> None:
@@ -35,7 +36,7 @@ def _block_sums(kv: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def measure_pool_bandwidth(pool: str, shape: str = "gemma3-27b", num_tokens: int = 131072,
-                           chunk_tokens: int = 256, block_size: int = 16,
+                           chunk_tokens: int = DEFAULT_CHUNK_TOKENS, block_size: int = 16,
                            device: str = "cuda") -> dict[str, float]:
     config = shape_preset(shape)
     dev = torch.device(device)

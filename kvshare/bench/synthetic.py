@@ -15,8 +15,7 @@ import random
 from dataclasses import dataclass
 
 from kvshare.models.tokenizer import Tokenizer
-
-SHAPE_PREFIX = "shape:"  # as kvshare.models.loader; not imported from there (it loads torch)
+from kvshare.spec import SHAPE_PREFIX
 
 # A follow-up question starts on a new paragraph. A byte-level BPE never merges a word with the
 # newlines after it, so `context + QUESTION_SEPARATOR + question` begins with the context's ids

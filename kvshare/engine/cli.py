@@ -4,25 +4,17 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Collection
+
+from kvshare.engine.config import EngineConfig
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Model and engine flags shared by every command that runs an engine."""
+    """The model flags and every engine flag (EngineConfig's), for commands that run an engine."""
     parser.add_argument("--model", default="smollm2-135m",
                         help="alias (smollm2-135m), .gguf file, HF directory or shape:NAME")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     parser.add_argument("--weights-seed", type=int, default=0, help="seed of shape:NAME random weights")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=4096,
-                        help="token budget of one engine step (prefill chunk size)")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one engine step")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="longest prompt + output in tokens (default: the model's context length)")
-    parser.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB")
-    parser.add_argument("--gpu-memory-fraction", type=float, default=0.9,
-                        help="share of the GPU this replica may use (weights + cache)")
-    parser.add_argument("--attention-backend", default="auto", choices=("auto", "sdpa", "varlen"),
-                        help="attention kernel (auto: varlen on CUDA in bfloat16/float16, else sdpa)")
+    EngineConfig.add_arguments(parser)
 
 
 def add_require_pool_argument(parser: argparse.ArgumentParser) -> None:
@@ -32,19 +24,15 @@ def add_require_pool_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:
-    from kvshare.sizes import parse_size
+    """Keyword arguments of `LLM` (besides the model) from parsed `add_model_arguments` flags."""
+    return {"weights_seed": args.weights_seed, **EngineConfig.flag_values(EngineConfig.from_args(args))}
 
-    return {
-        "device": args.device,
-        "dtype": args.dtype,
-        "weights_seed": args.weights_seed,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_num_seqs": args.max_num_seqs,
-        "max_model_len": args.max_model_len,
-        "kv_cache_memory": parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
-        "gpu_memory_fraction": args.gpu_memory_fraction,
-        "attention_backend": args.attention_backend,
-    }
+
+def engine_argv(args: argparse.Namespace, exclude: Collection[str] = ()) -> tuple[str, ...]:
+    """`kvshare serve` flags that give a child process these engine options (not --model);
+    ValueError if they are invalid."""
+    return ("--weights-seed", str(args.weights_seed),
+            *EngineConfig.from_args(args).to_argv(exclude))
 
 
 def check_engine_fits(args: argparse.Namespace) -> None:

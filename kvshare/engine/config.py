@@ -1,11 +1,47 @@
-"""Engine configuration, checked at construction."""
+"""Engine configuration, checked at construction, and its command-line flags.
+
+A field with `flag(...)` metadata is an engine flag of every command that runs an engine
+(`kvshare serve`, `generate`, `up`, ...): `add_arguments` defines it, `from_args` reads it
+back and `to_argv` renders it for a child process (`kvshare up` -> `kvshare serve`).
+Adding an engine option is adding one such field. This module does not load torch.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import argparse
+import dataclasses
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvshare.sizes import parse_size
 
 AttentionBackendName = Literal["auto", "sdpa", "varlen"]
+ATTENTION_BACKENDS: tuple[AttentionBackendName, ...] = ("auto", "sdpa", "varlen")
+_FLAG = "kvshare.flag"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How one field is a command-line flag: `parse` reads its text, `render` writes it
+    back (parse(render(v)) == v). A bool field is an on/off pair (--x / --no-x)."""
+
+    help: str
+    parse: Callable[[str], Any] | None = None
+    render: Callable[[Any], str] = str
+    choices: tuple[str, ...] | None = None
+
+
+def flag(default: Any, help: str, **how: Any) -> Any:
+    """A dataclass field with a default that is also a command-line flag (see Flag)."""
+    return field(default=default, metadata={_FLAG: Flag(help, **how)})
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -18,17 +54,22 @@ class EngineConfig:
     one GPU.
     """
 
-    device: str = "cpu"
-    dtype: str = "auto"
-    block_size: int = 16
-    max_num_batched_tokens: int = 4096
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    kv_cache_memory: int | None = None
-    gpu_memory_fraction: float = 0.9
-    enable_prefix_caching: bool = True
-    attention_backend: AttentionBackendName = "auto"
-    cuda_graphs: bool = True
+    device: str = flag("cpu", "cpu or cuda[:N]")
+    dtype: str = flag("auto", "auto, float32, bfloat16, float16")
+    block_size: int = flag(16, "tokens per KV cache block (a power of two)", parse=int)
+    max_num_batched_tokens: int = flag(4096, "token budget of one engine step (prefill chunk size)",
+                                       parse=int)
+    max_num_seqs: int = flag(64, "most sequences in one engine step", parse=int)
+    max_model_len: int | None = flag(
+        None, "longest prompt + output in tokens (default: the model's context length)", parse=int)
+    kv_cache_memory: int | None = flag(None, "KV cache size, e.g. 2GiB", parse=_size)
+    gpu_memory_fraction: float = flag(0.9, "share of the GPU this replica may use (weights + cache)",
+                                      parse=float, render=repr)
+    enable_prefix_caching: bool = flag(True, "reuse the KV of prompt prefixes already on the device")
+    attention_backend: AttentionBackendName = flag(
+        "auto", "attention kernel (auto: varlen on CUDA in bfloat16/float16, else sdpa)",
+        choices=ATTENTION_BACKENDS)
+    cuda_graphs: bool = flag(True, "capture decode steps as CUDA graphs (CUDA only)")
     seed: int = 0
     # Hybrid (linear-attention) models: recurrent-state snapshots kept on the device for
     # prefix reuse, and how often a long prefill leaves one (besides its last chunk boundary).
@@ -50,7 +91,7 @@ class EngineConfig:
             raise ValueError("kv_cache_memory must be positive")
         if self.num_state_snapshots < 0 or self.snapshot_interval_tokens < self.block_size:
             raise ValueError("num_state_snapshots must be >= 0 and snapshot_interval_tokens >= block_size")
-        if self.attention_backend not in ("auto", "sdpa", "varlen"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {self.attention_backend!r}")
 
     @property
@@ -58,3 +99,58 @@ class EngineConfig:
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """One flag per flagged field (--max-num-seqs for max_num_seqs), its default the field's."""
+        for each, how in _flags():
+            name = "--" + each.name.replace("_", "-")
+            if each.type in (bool, "bool"):
+                parser.add_argument(name, action=argparse.BooleanOptionalAction, default=each.default,
+                                    help=how.help)
+            else:
+                parser.add_argument(name, type=how.parse, default=each.default, choices=how.choices,
+                                    help=how.help)
+
+    @classmethod
+    def flag_values(cls, source: object) -> dict[str, Any]:
+        """The flagged fields' values of `source`, parsed arguments or a config (keyword
+        arguments of EngineConfig)."""
+        return {each.name: getattr(source, each.name) for each, _ in _flags()}
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """The config of parsed arguments (ValueError if they are invalid)."""
+        return cls(**cls.flag_values(args))
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str]) -> EngineConfig:
+        """The config that engine flags in `argv` give; other flags are ignored
+        (ValueError if the engine flags are invalid)."""
+        parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+        cls.add_arguments(parser)
+        try:
+            args, _ = parser.parse_known_args(list(argv))
+        except argparse.ArgumentError as exc:
+            raise ValueError(str(exc)) from None
+        return cls.from_args(args)
+
+    def to_argv(self, exclude: Collection[str] = ()) -> tuple[str, ...]:
+        """The flags that make `from_args` return this config (fields without a flag keep
+        their defaults); a field named in `exclude` is left out."""
+        argv: list[str] = []
+        for each, how in _flags():
+            value = getattr(self, each.name)
+            name = "--" + each.name.replace("_", "-")
+            if each.name in exclude or value is None:
+                continue
+            if isinstance(value, bool):
+                argv.append(name if value else "--no-" + name[2:])
+            else:
+                argv += [name, how.render(value)]
+        return tuple(argv)
+
+
+def _flags() -> list[tuple[dataclasses.Field, Flag]]:
+    return [(each, each.metadata[_FLAG]) for each in dataclasses.fields(EngineConfig)
+            if _FLAG in each.metadata]

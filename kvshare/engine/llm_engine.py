@@ -28,6 +28,7 @@ from kvshare.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from kvshare.engine.sequence import Sequence
 from kvshare.models.loader import LoadedModel
 from kvshare.models.tokenizer import IncrementalDetokenizer
+from kvshare.spec import DEFAULT_CHUNK_TOKENS
 
 _log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len),
             self.blocks, connector, self.runner.states,
-            connector.chunk_tokens if connector is not None else 256, config.snapshot_interval_tokens,
+            connector.chunk_tokens if connector is not None else DEFAULT_CHUNK_TOKENS, config.snapshot_interval_tokens,
         )
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
         self.requests: dict[str, _Request] = {}

@@ -25,6 +25,7 @@ from kvshare.engine.block_manager import BlockManager
 from kvshare.engine.connector import KVConnector
 from kvshare.engine.recurrent_state import RecurrentStates
 from kvshare.engine.sequence import Sequence, SequenceStatus
+from kvshare.spec import DEFAULT_CHUNK_TOKENS
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, blocks: BlockManager,
                  connector: KVConnector | None = None, states: RecurrentStates | None = None,
-                 state_chunk_tokens: int = 256, snapshot_interval: int = 16384) -> None:
+                 state_chunk_tokens: int = DEFAULT_CHUNK_TOKENS, snapshot_interval: int = 16384) -> None:
         self.config = config
         self.blocks = blocks
         self.connector = connector

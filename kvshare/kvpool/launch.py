@@ -32,6 +32,32 @@ class PoolProcessConfig(PoolConfig):
             raise ValueError(f"ready_timeout must be > 0, got {self.ready_timeout}")
 
 
+def pool_command(config: PoolProcessConfig) -> list[str]:
+    """The daemon's command line; it prints a line starting with READY_PREFIX once it serves."""
+    return [
+        sys.executable,
+        "-m",
+        "kvshare.kvpool.cli",
+        "pool",
+        "--size",
+        str(config.size_bytes),
+        "--slab-size",
+        str(config.slab_bytes),
+        *(["--preallocate"] if config.preallocate else []),
+        "--socket",
+        config.socket_path,
+        "--arena",
+        config.arena_path,
+        "--log-level",
+        config.log_level,
+        "--max-client-fraction",
+        repr(config.max_client_fraction),
+        "--max-clients",
+        str(config.max_clients),
+        *(["--runtime-dir", config.runtime_dir] if config.runtime_dir else ["--no-runtime-dir"]),
+    ]
+
+
 class PoolProcess:
     """A daemon child process. `start()` returns once it serves; `stop()` shuts it down
     cleanly (SIGTERM: socket and arena removed); `kill()` simulates a crash (SIGKILL:
@@ -53,30 +79,7 @@ class PoolProcess:
         """Start the child and wait for its ready line; RuntimeError if it never comes."""
         if self._process is not None and self._process.poll() is None:
             raise RuntimeError("pool process is already running")
-        config = self.config
-        command = [
-            sys.executable,
-            "-m",
-            "kvshare.kvpool.cli",
-            "pool",
-            "--size",
-            str(config.size_bytes),
-            "--slab-size",
-            str(config.slab_bytes),
-            *(["--preallocate"] if config.preallocate else []),
-            "--socket",
-            config.socket_path,
-            "--arena",
-            config.arena_path,
-            "--log-level",
-            config.log_level,
-            "--max-client-fraction",
-            repr(config.max_client_fraction),
-            "--max-clients",
-            str(config.max_clients),
-            *(["--runtime-dir", config.runtime_dir] if config.runtime_dir else ["--no-runtime-dir"]),
-        ]
-        self._process = subprocess.Popen(command, stdout=subprocess.PIPE, env=_child_env())
+        self._process = subprocess.Popen(pool_command(self.config), stdout=subprocess.PIPE, env=_child_env())
         try:
             self._wait_ready(self._process)
         except BaseException:

@@ -21,8 +21,8 @@ from kvshare.models.decoder import PACKED_PARAMETERS, CausalLM, packed_shard_siz
 from kvshare.models.presets import shape_preset
 from kvshare.models.random_weights import fill_random_weights_
 from kvshare.models.tokenizer import Tokenizer
+from kvshare.spec import SHAPE_PREFIX
 
-SHAPE_PREFIX = "shape:"
 _CHECKPOINT_PREFIXES = ("model.language_model.", "language_model.")
 # Parts of multimodal / multi-token-prediction checkpoints (Qwen3.5) a text model does not use.
 _UNUSED_PREFIXES = ("mtp.", "model.visual.", "visual.")

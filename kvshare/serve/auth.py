@@ -14,6 +14,7 @@ hands keys to its children through their environment.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import hmac
 import ipaddress
@@ -140,3 +141,22 @@ def access_middleware(keys: AccessKeys) -> Callable[[web.Request, Handler], Awai
         return await handler(request)
 
     return check_access
+
+
+def add_key_arguments(parser: argparse.ArgumentParser) -> None:
+    """--api-key[-file] and --admin-key[-file]: the keys `access_keys` reads."""
+    keys = parser.add_argument_group(
+        "access keys", f"Without a key, /v1 is open and /admin answers loopback clients only. "
+        f"A key on the command line is visible to every local user (/proc/PID/cmdline): "
+        f"prefer a key file or ${API_KEY_ENV} / ${ADMIN_KEY_ENV}.")
+    keys.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (and on "
+                      f"/admin without an admin key); default: ${API_KEY_ENV}")
+    keys.add_argument("--api-key-file", metavar="PATH", help="read the API key from this file's first line")
+    keys.add_argument("--admin-key", help=f"require this key on /admin; default: ${ADMIN_KEY_ENV}")
+    keys.add_argument("--admin-key-file", metavar="PATH", help="read the admin key from this file's first line")
+
+
+def access_keys(args: argparse.Namespace) -> AccessKeys:
+    """The keys of parsed `add_key_arguments` flags, else the environment (ValueError if invalid)."""
+    return AccessKeys(read_key(args.api_key, args.api_key_file, API_KEY_ENV),
+                      read_key(args.admin_key, args.admin_key_file, ADMIN_KEY_ENV))

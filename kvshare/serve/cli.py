@@ -15,23 +15,19 @@ from kvshare.engine.cli import (
     check_engine_fits,
     engine_options,
 )
+from kvshare.spec import DEFAULT_CHUNK_TOKENS
 
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from kvshare.serve.auth import AccessKeys
-    from kvshare.serve.launcher import UpConfig
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-# `kvshare serve` flags that `kvshare up` passes through to every replica (dest, flag).
-_ENGINE_FLAGS = (("dtype", "--dtype"), ("weights_seed", "--weights-seed"),
-                 ("max_num_batched_tokens", "--max-num-batched-tokens"),
-                 ("max_num_seqs", "--max-num-seqs"), ("max_model_len", "--max-model-len"),
-                 ("kv_cache_memory", "--kv-cache-memory"), ("attention_backend", "--attention-backend"))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from kvshare.serve.auth import add_key_arguments
+    from kvshare.serve.launcher import add_up_arguments
     from kvshare.serve.policies import POLICIES
 
     serve = subparsers.add_parser("serve", help="serve one model over an OpenAI-compatible HTTP API")
@@ -43,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="the shared pool's socket (default: the per-user default socket)")
     pool.add_argument("--no-kv-pool", action="store_true", help="run without the shared pool")
     add_require_pool_argument(serve)
-    serve.add_argument("--chunk-tokens", type=int, default=256, help="tokens per pool page")
+    serve.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS, help="tokens per pool page")
     add_key_arguments(serve)
     serve.add_argument("--cache-salt-required", action="store_true",
                        help="refuse (400) /v1 requests without a cache_salt: tenants share no prefix cache")
@@ -67,7 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router.add_argument("--model", help="the served model, for its tokenizer and chat template "
                         "(routing keys); without one, keys hash the raw prompt text")
     router.add_argument("--block-tokens", type=int, default=16, help="routing-key block size")
-    router.add_argument("--chunk-tokens", type=int, default=256, help="the pool's tokens per page")
+    router.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS, help="the pool's tokens per page")
     router.add_argument("--pool-credit", type=float, default=0.8,
                         help="cache-aware: worth of a pool-resident token relative to a GPU hit")
     router.add_argument("--load-penalty-tokens", type=float, default=64.0,
@@ -89,57 +85,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.set_defaults(func=run_up)
 
 
-def add_up_arguments(up: argparse.ArgumentParser) -> None:
-    from kvshare.serve.policies import POLICIES
-
-    add_model_arguments(up)
-    up.set_defaults(gpu_memory_fraction=None)  # per replica; default 0.9 / replicas on CUDA
-    up.add_argument("--replicas", type=int, default=2, help="replicas (engine processes) to start")
-    up.add_argument("--pool-size", default="2GiB", help="shared pool arena size")
-    up.add_argument("--pool-preallocate", action="store_true",
-                    help="allocate the pool arena at start (reserves the memory; faster CUDA registration)")
-    up.add_argument("--no-kv-pool", action="store_true", help="replicas without the shared pool")
-    up.add_argument("--chunk-tokens", type=int, default=256, help="tokens per pool page")
-    up.add_argument("--host", default="127.0.0.1", help="address the router and replicas bind")
-    up.add_argument("--port", type=int, default=8080,
-                    help="router port; replicas take the next ones (0: any free ports)")
-    up.add_argument("--policy", default="cache-aware", choices=POLICIES, help="the router's replica choice")
-    up.add_argument("--replica-restarts", type=int, default=5, metavar="N",
-                    help="restart a replica that exits, with backoff; after N exits in a row each "
-                    "within 60 s of its start it stays down (0: never restart; default: 5)")
-    up.add_argument("--cache-salt-required", action="store_true",
-                    help="passed to every replica: refuse /v1 requests without a cache_salt")
-    add_key_arguments(up)
-
-
-def add_key_arguments(parser: argparse.ArgumentParser) -> None:
-    """--api-key[-file] and --admin-key[-file]; the rules they set: kvshare.serve.auth."""
-    from kvshare.serve.auth import ADMIN_KEY_ENV, API_KEY_ENV
-
-    keys = parser.add_argument_group(
-        "access keys", f"Without a key, /v1 is open and /admin answers loopback clients only. "
-        f"A key on the command line is visible to every local user (/proc/PID/cmdline): "
-        f"prefer a key file or ${API_KEY_ENV} / ${ADMIN_KEY_ENV}.")
-    keys.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (and on "
-                      f"/admin without an admin key); default: ${API_KEY_ENV}")
-    keys.add_argument("--api-key-file", metavar="PATH", help="read the API key from this file's first line")
-    keys.add_argument("--admin-key", help=f"require this key on /admin; default: ${ADMIN_KEY_ENV}")
-    keys.add_argument("--admin-key-file", metavar="PATH", help="read the admin key from this file's first line")
-
-
-def access_keys(args: argparse.Namespace) -> AccessKeys:
-    """The keys of parsed arguments, else the environment (ValueError if invalid)."""
-    from kvshare.serve.auth import ADMIN_KEY_ENV, API_KEY_ENV, AccessKeys, read_key
-
-    return AccessKeys(read_key(args.api_key, args.api_key_file, API_KEY_ENV),
-                      read_key(args.admin_key, args.admin_key_file, ADMIN_KEY_ENV))
-
-
 def run_serve(args: argparse.Namespace) -> int:
     from kvshare import LLM
     from kvshare.engine.llm import KVPoolUnreachable
     from kvshare.kvpool.connector import PoolConnector
     from kvshare.kvpool.paths import default_pool_address
+    from kvshare.serve.auth import access_keys
     from kvshare.serve.server import ServeConfig, build_app
     from kvshare.sizes import parse_size
 
@@ -175,6 +126,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def run_router(args: argparse.Namespace) -> int:
     from kvshare.models.loader import load_tokenizer
+    from kvshare.serve.auth import access_keys
     from kvshare.serve.policies import PolicyConfig
     from kvshare.serve.router import RouterConfig, build_router_app
     from kvshare.serve.routing_keys import RoutingKeys
@@ -218,35 +170,9 @@ def _run_app(command: str, app: web.Application, args: argparse.Namespace, banne
     return 0
 
 
-def _engine_argv(args: argparse.Namespace) -> tuple[str, ...]:
-    argv: list[str] = []
-    for dest, flag in _ENGINE_FLAGS:
-        value = getattr(args, dest)
-        if value is not None:
-            argv += [flag, str(value)]
-    return tuple(argv)
-
-
-def up_config(args: argparse.Namespace) -> UpConfig:
-    """The UpConfig of parsed `kvshare up` arguments (ValueError if they are invalid)."""
-    from kvshare.serve.launcher import RestartPolicy, UpConfig
-    from kvshare.sizes import parse_size
-
-    keys = access_keys(args)
-    salt = ("--cache-salt-required",) if args.cache_salt_required else ()
-    return UpConfig(
-        replicas=args.replicas, model=args.model, device=args.device,
-        engine_args=_engine_argv(args) + salt, gpu_memory_fraction=args.gpu_memory_fraction,
-        pool_size=parse_size(args.pool_size), pool_preallocate=args.pool_preallocate,
-        kv_pool=not args.no_kv_pool,
-        chunk_tokens=args.chunk_tokens, host=args.host, port=args.port, policy=args.policy,
-        api_key=keys.api_key, admin_key=keys.admin_key,
-        restart=RestartPolicy(max_fast_crashes=args.replica_restarts))
-
-
 def run_up(args: argparse.Namespace) -> int:
     from kvshare.preflight import check_up
-    from kvshare.serve.launcher import Cluster
+    from kvshare.serve.launcher import Cluster, up_config
 
     try:
         config = up_config(args)

@@ -38,13 +38,23 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TextIO
 
+from kvshare.engine.cli import add_model_arguments, engine_argv
 from kvshare.kvpool.arena import DEFAULT_SLAB_BYTES
 from kvshare.kvpool.cli import READY_PREFIX
+from kvshare.kvpool.launch import PoolProcessConfig, pool_command
 from kvshare.kvpool.ownership import clean_folder
 from kvshare.kvpool.page import PAGE_ALIGN
 from kvshare.kvpool.paths import SHM_DIR, default_pool_paths
-from kvshare.serve.auth import ADMIN_KEY_ENV, API_KEY_ENV, AccessKeys
+from kvshare.serve.auth import (
+    ADMIN_KEY_ENV,
+    API_KEY_ENV,
+    AccessKeys,
+    access_keys,
+    add_key_arguments,
+)
 from kvshare.serve.policies import POLICIES
+from kvshare.sizes import parse_size
+from kvshare.spec import DEFAULT_CHUNK_TOKENS
 
 GIB = 1 << 30
 _STOP_GRACE_S = 15.0
@@ -105,7 +115,7 @@ class UpConfig:
     pool_size: int = 2 * GIB
     pool_preallocate: bool = False
     kv_pool: bool = True
-    chunk_tokens: int = 256
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     host: str = "127.0.0.1"
     port: int = 8080  # the router; replica i at port + 1 + i. 0: any free ports
     policy: str = "cache-aware"
@@ -135,8 +145,6 @@ class UpConfig:
     @classmethod
     def from_args(cls, argv: Sequence[str]) -> UpConfig:
         """What `kvshare up ARGV` runs: its own parser, defaults and checks."""
-        from kvshare.serve.cli import add_up_arguments, up_config
-
         parser = argparse.ArgumentParser(prog="kvshare up")
         add_up_arguments(parser)
         return up_config(parser.parse_args(list(argv)))
@@ -155,6 +163,46 @@ class UpConfig:
     def slab_bytes(self) -> int:
         """1 GiB slabs, or one slab for a smaller pool."""
         return min(DEFAULT_SLAB_BYTES, self.pool_size // PAGE_ALIGN * PAGE_ALIGN)
+
+
+def add_up_arguments(up: argparse.ArgumentParser) -> None:
+    """The flags of `kvshare up`; `up_config` reads them."""
+    add_model_arguments(up)
+    up.set_defaults(gpu_memory_fraction=None)  # per replica; default 0.9 / replicas on CUDA
+    up.add_argument("--replicas", type=int, default=2, help="replicas (engine processes) to start")
+    up.add_argument("--pool-size", default="2GiB", help="shared pool arena size")
+    up.add_argument("--pool-preallocate", action="store_true",
+                    help="allocate the pool arena at start (reserves the memory; faster CUDA registration)")
+    up.add_argument("--no-kv-pool", action="store_true", help="replicas without the shared pool")
+    up.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS, help="tokens per pool page")
+    up.add_argument("--host", default="127.0.0.1", help="address the router and replicas bind")
+    up.add_argument("--port", type=int, default=8080,
+                    help="router port; replicas take the next ones (0: any free ports)")
+    up.add_argument("--policy", default="cache-aware", choices=POLICIES, help="the router's replica choice")
+    up.add_argument("--replica-restarts", type=int, default=5, metavar="N",
+                    help="restart a replica that exits, with backoff; after N exits in a row each "
+                    "within 60 s of its start it stays down (0: never restart; default: 5)")
+    up.add_argument("--cache-salt-required", action="store_true",
+                    help="passed to every replica: refuse /v1 requests without a cache_salt")
+    add_key_arguments(up)
+
+
+def up_config(args: argparse.Namespace) -> UpConfig:
+    """The UpConfig of parsed `add_up_arguments` flags (ValueError if they are invalid)."""
+    keys = access_keys(args)
+    fraction = args.gpu_memory_fraction
+    # The launcher gives each replica its device and GPU share; the other engine flags pass through.
+    engine = engine_argv(argparse.Namespace(**vars(args) | {"gpu_memory_fraction": 0.9}),
+                         exclude=("device", "gpu_memory_fraction"))
+    salt = ("--cache-salt-required",) if args.cache_salt_required else ()
+    return UpConfig(
+        replicas=args.replicas, model=args.model, device=args.device,
+        engine_args=engine + salt, gpu_memory_fraction=fraction,
+        pool_size=parse_size(args.pool_size), pool_preallocate=args.pool_preallocate,
+        kv_pool=not args.no_kv_pool,
+        chunk_tokens=args.chunk_tokens, host=args.host, port=args.port, policy=args.policy,
+        api_key=keys.api_key, admin_key=keys.admin_key,
+        restart=RestartPolicy(max_fast_crashes=args.replica_restarts))
 
 
 class _PrefixedLog:
@@ -398,11 +446,11 @@ class Cluster:
     def start_pool(self) -> None:
         if self._pool is not None and self._pool.alive:
             raise RuntimeError("the pool daemon is running")
-        argv = [sys.executable, "-m", "kvshare.kvpool.cli", "pool",
-                "--size", str(self.config.pool_size), "--slab-size", str(self.config.slab_bytes),
-                "--socket", self.socket_path, "--arena", self.arena_path, "--log-level", "WARNING",
-                *(["--preallocate"] if self.config.pool_preallocate else [])]
-        self._pool = self._spawn("pool", argv, self._env(), ready_prefix=READY_PREFIX)
+        pool = PoolProcessConfig(
+            size_bytes=self.config.pool_size, socket_path=self.socket_path, arena_path=self.arena_path,
+            slab_bytes=self.config.slab_bytes, preallocate=self.config.pool_preallocate,
+            runtime_dir=self._dir, ready_timeout=self.config.ready_timeout)
+        self._pool = self._spawn("pool", pool_command(pool), self._env(), ready_prefix=READY_PREFIX)
         deadline = time.monotonic() + self.config.ready_timeout
         while not self._pool.ready.wait(0.1):
             if not self._pool.alive or time.monotonic() > deadline:

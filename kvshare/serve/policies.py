@@ -29,6 +29,8 @@ from typing import ClassVar, Protocol
 
 import xxhash
 
+from kvshare.spec import DEFAULT_CHUNK_TOKENS
+
 
 class ReplicaLoad(Protocol):
     @property
@@ -57,7 +59,7 @@ class RouteRequest:
 class PolicyConfig:
     pool_credit: float = 0.8  # a pool hit is worth this much of a GPU hit (it costs a copy)
     load_penalty_tokens: float = 64.0  # score cost of one request in flight, in prompt tokens
-    chunk_tokens: int = 256  # the pool restores whole chunks only
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # the pool restores whole chunks only
     replica_index_blocks: int = 1 << 16  # per-replica GPU index bound (LRU)
     pool_index_blocks: int = 1 << 18
     balance_abs: int = 8

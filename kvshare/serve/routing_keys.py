@@ -25,7 +25,6 @@ from kvshare.engine.block_manager import ROOT_HASH, block_hashes, check_cache_sa
 from kvshare.models.tokenizer import Tokenizer
 from kvshare.serve.prompts import PromptError, request_prompt_ids
 
-SHAPE_PREFIX = "shape:"  # as kvshare.models.loader, not imported from there: it loads torch
 BYTES_PER_TOKEN = 4  # the fallback's estimate
 _BYTE_ROOT = b"kvshare-router-bytes"
 

@@ -30,6 +30,7 @@ import torch
 
 from kvshare.kvpool.connector import ConnectorOptions
 from kvshare.models.loader import parse_dtype
+from kvshare.spec import DEFAULT_CHUNK_TOKENS
 from kvshare.validate.capacity import PoolNeed, kv_page_bytes
 from kvshare.validate.harness import ConnectorHarness
 
@@ -43,7 +44,7 @@ class BytesCheckConfig:
     shape: str = "tiny-gemma3"
     device: str = "cpu"
     dtype: str = "auto"
-    chunk_tokens: int = 256
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     block_size: int = 16
     num_chunks: int = 6
     trials: int = 20

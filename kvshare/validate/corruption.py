@@ -15,16 +15,15 @@ import torch
 
 from kvshare.kvpool.connector import ConnectorOptions
 from kvshare.kvpool.page import HEADER_BYTES
+from kvshare.spec import DEFAULT_CHUNK_TOKENS
 from kvshare.validate.capacity import PoolNeed, kv_page_bytes
 from kvshare.validate.harness import ConnectorHarness
 from kvshare.validate.result import CheckResult
 
-CHUNK_TOKENS = 256
-
 
 def pool_needs(shape: str, dtype: torch.dtype, pages: int = 16) -> list[PoolNeed]:
     """Every corrupted page and the control page stay resident until restored."""
-    return [PoolNeed(kv_page_bytes(shape, dtype, CHUNK_TOKENS), pages + 1)]
+    return [PoolNeed(kv_page_bytes(shape, dtype, DEFAULT_CHUNK_TOKENS), pages + 1)]
 
 
 def run_corruption_check(pool: str, *, shape: str = "tiny-gemma3", device: str = "cpu",
@@ -32,7 +31,7 @@ def run_corruption_check(pool: str, *, shape: str = "tiny-gemma3", device: str =
                          verify: bool = True) -> CheckResult:
     """`verify=False` is the broken variant (checksums ignored): the check must fail."""
     result = CheckResult("corruption")
-    chunk = CHUNK_TOKENS
+    chunk = DEFAULT_CHUNK_TOKENS
     options = ConnectorOptions(chunk_tokens=chunk, verify=verify)
     harness = ConnectorHarness(pool, shape, device, dtype, chunk // 16 + 1, uuid.uuid4().hex, options)
     client = harness.connector.client

@@ -39,19 +39,19 @@ from kvshare.engine.sampling_params import SamplingParams
 from kvshare.kvpool.client import PoolClient, PoolUnavailable
 from kvshare.kvpool.connector import ConnectorOptions, PoolConnector
 from kvshare.kvpool.page import HEADER_BYTES
+from kvshare.spec import DEFAULT_CHUNK_TOKENS
 from kvshare.validate.capacity import PoolNeed, kv_page_bytes
 from kvshare.validate.harness import ConnectorHarness
 from kvshare.validate.result import CheckResult
 
 _PAYLOAD = 1 << 20
 _RESTART_SHAPE = "tiny-llama"
-_RESTART_CHUNK_TOKENS = 256
 
 
 def pool_needs(dtype: torch.dtype, pages: int = 8) -> list[PoolNeed]:
     """The killed writer's reservations (never evictable), and one two-chunk restore prefix."""
     return [PoolNeed(_PAYLOAD, pages),
-            PoolNeed(kv_page_bytes(_RESTART_SHAPE, dtype, _RESTART_CHUNK_TOKENS), 2)]
+            PoolNeed(kv_page_bytes(_RESTART_SHAPE, dtype, DEFAULT_CHUNK_TOKENS), 2)]
 
 
 def _writer(pool: str, keys: list[bytes], commit_early: bool) -> None:
@@ -96,8 +96,8 @@ def run_restart_check(address: str, stop: Callable[[], object], start: Callable[
                       dtype: torch.dtype = torch.float32) -> CheckResult:
     """`stop`/`start` stop and restart the daemon serving `address` (same paths)."""
     result = CheckResult("faults.daemon_restart")
-    options = ConnectorOptions(chunk_tokens=_RESTART_CHUNK_TOKENS)
-    harness = ConnectorHarness(address, shape, device, dtype, 2 * _RESTART_CHUNK_TOKENS // 16 + 1, uuid.uuid4().hex, options)
+    options = ConnectorOptions(chunk_tokens=DEFAULT_CHUNK_TOKENS)
+    harness = ConnectorHarness(address, shape, device, dtype, 2 * DEFAULT_CHUNK_TOKENS // 16 + 1, uuid.uuid4().hex, options)
     harness.store_pattern(0, 2)
     hit, ok, blocks = harness.restore(0, 2, poison=-1.0)
     harness.cache.blocks.release(blocks)

@@ -23,11 +23,12 @@ from kvshare.serve.auth import (
     API_KEY_ENV,
     OPEN_PATHS,
     AccessKeys,
+    access_keys,
     access_middleware,
     is_loopback,
     read_key,
 )
-from kvshare.serve.cli import access_keys, register
+from kvshare.serve.cli import register
 from kvshare.serve.http import Handler, error_middleware
 from kvshare.serve.router import ADMIN_CALLS, RouterConfig, build_router_app
 from kvshare.serve.routing_keys import RoutingKeys

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from kvshare import LLM
-from kvshare.serve.cli import up_config
+from kvshare.serve.launcher import up_config
 from kvshare.serve.router import REPLICA_HEADER, RouterConfig, build_router_app
 from kvshare.serve.routing_keys import RoutingKeys
 from kvshare.serve.server import ServeConfig, build_app
@@ -161,7 +161,7 @@ def test_cache_salt_required_refuses_unsalted_requests(salt_required: str) -> No
 def test_kvshare_up_passes_cache_salt_required_to_every_replica() -> None:
     import argparse
 
-    from kvshare.serve.cli import add_up_arguments
+    from kvshare.serve.launcher import add_up_arguments
 
     parser = argparse.ArgumentParser()
     add_up_arguments(parser)

@@ -5,6 +5,7 @@ model keeps this quick."""
 
 from __future__ import annotations
 
+import ast
 import io
 import os
 import re
@@ -21,6 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvshare.engine.config import EngineConfig
+from kvshare.serve import launcher
 from kvshare.serve.auth import ADMIN_KEY_ENV, API_KEY_ENV
 from kvshare.serve.launcher import Cluster, ReplicaRestarts, RestartPolicy, UpConfig
 
@@ -60,13 +63,27 @@ def test_up_config_from_args_matches_the_command() -> None:
     gpu = UpConfig.from_args(["--device", "cuda", "--replicas", "2", "--kv-cache-memory", "1GiB",
                               "--no-kv-pool", "--port", "0"])
     assert gpu.replica_gpu_fraction == 0.45 and not gpu.kv_pool and gpu.port == 0
-    assert "--kv-cache-memory" in gpu.engine_args and "1GiB" in gpu.engine_args
+    assert EngineConfig.from_argv(gpu.engine_args).kv_cache_memory == 1 << 30
+    engine = EngineConfig.from_argv(UpConfig.from_args(
+        ["--block-size", "32", "--no-cuda-graphs", "--no-enable-prefix-caching"]).engine_args)
+    assert (engine.block_size, engine.cuda_graphs, engine.enable_prefix_caching) == (32, False, False)
     assert UpConfig.from_args(["--gpu-memory-fraction", "0.3", "--device", "cuda"]).replica_gpu_fraction == 0.3
     assert UpConfig(pool_size=256 << 20).slab_bytes == 256 << 20
     for bad in (dict(replicas=0), dict(policy="random"), dict(device="tpu"), dict(port=70000),
                 dict(gpu_memory_fraction=1.5)):
         with pytest.raises(ValueError):
             UpConfig(**bad)  # type: ignore[arg-type]
+
+
+def _imported_modules(path: str) -> set[str]:
+    """Every module a file imports, at the top or inside a function."""
+    tree = ast.parse(Path(path).read_text())
+    names = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    return names | {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+
+
+def test_the_launcher_does_not_import_the_cli_that_imports_it() -> None:
+    assert "kvshare.serve.cli" not in _imported_modules(launcher.__file__)
 
 
 def test_invalid_up_arguments_exit_with_status_2() -> None:

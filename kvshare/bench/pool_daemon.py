@@ -1,6 +1,6 @@
 """Measure the pool daemon: lookup round-trip latency and lookup throughput.
 
-    python -m kvshare.kvpool.bench_daemon [--keys 1024] [--clients 1 2 4] [--seconds 2]
+    python -m kvshare.bench.pool_daemon [--keys 1024] [--clients 1 2 4] [--seconds 2]
 
 Starts a private daemon, commits `--keys` chunk keys, then (1) times single lookups of
 all of them from one client (the release after each is not timed), and (2) runs N
@@ -25,7 +25,7 @@ PAYLOAD_BYTES = 4096
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvshare.kvpool.bench_daemon")
+    parser = argparse.ArgumentParser(prog="python -m kvshare.bench.pool_daemon")
     parser.add_argument("--keys", type=int, default=1024, help="keys per lookup")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 2], help="client counts")
     parser.add_argument("--seconds", type=float, default=2.0, help="seconds per throughput run")
