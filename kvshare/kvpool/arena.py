@@ -4,7 +4,7 @@ daemon and by every replica, and its geometry (how it is cut into slabs).
 The daemon creates the file (owner-only, 0600), holds an exclusive flock on it while
 it lives (so a second daemon given the same path can tell it is in use), and unlinks it
 at shutdown; clients open the existing file by path and check who owns it. The file is sized with ftruncate to exactly the
-configured bytes, never rounded (LESSONS #9). Slabs of `slab_bytes` are cut from the
+configured bytes, never rounded (docs/architecture.md F9). Slabs of `slab_bytes` are cut from the
 start; a last partial slab is unused and accounted for as `unused_bytes`.
 """
 

@@ -5,11 +5,11 @@ Pure Python, no I/O: it needs the arena's geometry, never its mapping.
 Slots. The arena's slabs are handed on demand to page classes (one per slot size)
 and carved into `slab_bytes // slot_bytes` slots. A slot is free, or holds a page
 that is RESERVED (owned by the connection that reserved it, invisible to lookups,
-LESSONS #5) or COMMITTED (visible). A slab whose slots are all free goes straight
+docs/architecture.md F5) or COMMITTED (visible). A slab whose slots are all free goes straight
 back to the arena's free-slab list, so any class can take it next.
 
 Leases. `lookup` pins the pages it returns under a lease that lives until its
-connection releases it or disconnects - never a timeout (LESSONS #10, #14).
+connection releases it or disconnects - never a timeout (docs/architecture.md F10, F14).
 
 Eviction. Each class keeps an LRU of its COMMITTED pages with no pins; pinned and
 reserved pages are never in it, so eviction can never take them. A page enters the
@@ -18,7 +18,7 @@ LRU as most recent when it becomes evictable: at commit, and when its last pin g
 duration of that reserve). Within one request the keys are touched last to first, so
 a chain's first chunk ends most recent and eviction takes the tails of prefixes
 before their heads (a tail is useless without its head). Every per-key operation is
-O(1) (LESSONS #13).
+O(1) (docs/architecture.md F13).
 
 Invalidation. A reader that finds a page corrupt (its checksum or header disagrees)
 tells the index, under the lease it read the page with; the key leaves the index at
@@ -28,7 +28,7 @@ still reads is never reused under it.
 
 Full pool. `reserve` takes a slot from, in order: the class's free slots, a free
 slab, the class's least recently used evictable page. When none is left, the
-remaining keys are dropped and counted, never an error and never a wait (LESSONS #11).
+remaining keys are dropped and counted, never an error and never a wait (docs/architecture.md F11).
 
 Per-connection quota. With `max_client_bytes`, the slots one connection holds -
 reserved by it, or pinned by its leases (a slot counts once per lease) - never exceed

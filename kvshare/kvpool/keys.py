@@ -7,8 +7,8 @@ Keys form a hash chain, so a key names a chunk *and* everything before it:
     key[i]  = xxh3_128(key[i-1] || token_ids[i*C:(i+1)*C] as little-endian int32)
 
 The hash is xxh3-128, never Python's `hash()` (seeded per process: replicas would
-never agree, LESSONS #4). The namespace holds everything that changes the bytes
-of a page, so two namespaces never share a page (LESSONS #6).
+never agree, docs/architecture.md F4). The namespace holds everything that changes the bytes
+of a page, so two namespaces never share a page (docs/architecture.md F6).
 
 A request's `cache_salt` (a tenant's secret, None for none) is mixed into the seed on
 top of the namespace, so tenants never share a page and cannot probe each other's

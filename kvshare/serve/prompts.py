@@ -3,7 +3,7 @@
 The router keys its cache-aware routing on the same token ids the engine will see, so both
 call these functions with the same tokenizer and chat template. Two tokenizations of one
 chat request (a missing generation prompt, a different template) would leave the router
-with keys that never match the engine's cache (LESSONS #12).
+with keys that never match the engine's cache (docs/architecture.md F12).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The router's view of a prompt: chained block hashes of its token ids.
 
 Token ids come from `kvshare.serve.prompts`, the code the replicas run, with the model's
-own tokenizer and chat template (LESSONS #12), and the hashes are the engine's GPU
+own tokenizer and chat template (docs/architecture.md F12), and the hashes are the engine's GPU
 prefix-cache hashes (`block_hashes`), so a router block and an engine block name the same
 prefix. A model without a tokenizer (`shape:NAME`) has exact keys for token-id prompts;
 for text (which such a replica refuses anyway) and for chat messages the router falls back

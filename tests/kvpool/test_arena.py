@@ -23,7 +23,7 @@ def arena_path(tmp_path: object) -> Iterator[str]:
 
 
 def test_arena_file_has_exactly_the_configured_size_and_mode_0600(arena_path: str) -> None:
-    """LESSONS #9: never rounded up."""
+    """docs/architecture.md F9: never rounded up."""
     size = 3 * MIB + 12288
     arena = Arena.create(arena_path, size, MIB)
     info = os.stat(arena_path)

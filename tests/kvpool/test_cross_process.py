@@ -2,9 +2,9 @@
 
 B's pool hits must cover every full chunk (never the last token), and its greedy output
 must be token-identical to B without a pool. Parametrized over chunk sizes equal to and
-larger than the block size, prompts aligned to neither (LESSONS #3), a sliding-window
+larger than the block size, prompts aligned to neither (docs/architecture.md F3), a sliding-window
 model with prompts longer than its window, and concurrent requests sharing the restored
-prefix (LESSONS #2).
+prefix (docs/architecture.md F2).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def test_fresh_process_restores_every_full_chunk(pool: PoolProcess, tmp_path: Pa
                                                  vocab: int, chunk: int, context: int) -> None:
     prefix = random_tokens(context, context, vocab)
     follow_up = prefix + random_tokens(context + 1, 37, vocab)
-    # Different hash seeds: keys must not depend on Python's hash() (LESSONS #4).
+    # Different hash seeds: keys must not depend on Python's hash() (docs/architecture.md F4).
     run_engine(tmp_path, model, [prefix], pool.address, chunk, hash_seed="1")
     with_pool = run_engine(tmp_path, model, [follow_up], pool.address, chunk, hash_seed="2")
     without = run_engine(tmp_path, model, [follow_up], None, chunk)

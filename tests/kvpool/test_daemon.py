@@ -139,7 +139,7 @@ def test_full_pool_every_byte_through_many_eviction_cycles(
 def test_a_writer_killed_before_commit_never_exposes_its_page(
     pools: PoolFactory, connect: Callable[..., PoolClient]
 ) -> None:
-    """LESSONS #5: reserve -> write -> (killed) -> the key is never returned."""
+    """docs/architecture.md F5: reserve -> write -> (killed) -> the key is never returned."""
     pool = pools.start()
     key = keys(7, 1)[0]
     writer = (
@@ -187,7 +187,7 @@ def test_a_store_that_fails_in_process_is_aborted_and_invisible(
 def test_a_pool_full_of_pinned_pages_drops_stores_without_error(
     pools: PoolFactory, connect: Callable[..., PoolClient]
 ) -> None:
-    """LESSONS #11: allocation failure is a counted skip, never an error or a reused slot."""
+    """docs/architecture.md F11: allocation failure is a counted skip, never an error or a reused slot."""
     pool = pools.start(pools.config(size_bytes=2 * MIB, slab_bytes=MIB))
     reader, writer = connect(pool.address), connect(pool.address)
     total = 2 * (MIB // SLOT)

@@ -49,7 +49,7 @@ def test_lookup_returns_the_longest_committed_run_from_the_first_key() -> None:
 
 
 def test_reserved_pages_are_invisible_until_commit() -> None:
-    """LESSONS #5: a page being written must never be returned by a lookup."""
+    """docs/architecture.md F5: a page being written must never be returned by a lookup."""
     index = make_index()
     store(index, keys(1))
     index.reserve(A, keys(2, 3), PAYLOAD)
@@ -146,7 +146,7 @@ def test_reserve_never_evicts_the_present_prefix_it_extends() -> None:
 
 
 def test_pinned_and_reserved_pages_are_never_evicted_and_a_full_pool_drops() -> None:
-    """LESSONS #10, #11: reserve returns fewer pages, never an error, never a reused slot."""
+    """docs/architecture.md F10, F11: reserve returns fewer pages, never an error, never a reused slot."""
     index = make_index(slabs=1)
     offsets = store(index, keys(1, 2, 3))
     lease, _ = index.lookup(B, keys(1, 2, 3))
@@ -162,7 +162,7 @@ def test_pinned_and_reserved_pages_are_never_evicted_and_a_full_pool_drops() -> 
 
 
 def test_a_lease_lives_until_released_whatever_happens_meanwhile() -> None:
-    """LESSONS #14: no timeout; only release or disconnect ends a lease."""
+    """docs/architecture.md F14: no timeout; only release or disconnect ends a lease."""
     index = make_index(slabs=1)
     offsets = store(index, keys(1, 2))
     lease, _ = index.lookup(B, keys(1, 2))
@@ -283,7 +283,7 @@ def test_stats_accounting_adds_up() -> None:
 
 
 def test_a_million_pages_evict_at_over_100k_per_second() -> None:
-    """LESSONS #13: every per-key operation is O(1), so eviction stays fast at 1M pages."""
+    """docs/architecture.md F13: every per-key operation is O(1), so eviction stays fast at 1M pages."""
     pages, batch = 1_000_000, 1000
     index = PoolIndex(ArenaGeometry(pages * SLOT, 1000 * SLOT))  # virtual: never mapped
     all_keys = [n.to_bytes(16, "little") for n in range(pages + 200_000)]

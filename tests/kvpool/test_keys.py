@@ -157,7 +157,7 @@ print(ns.digest().hex(), *[k.hex() for k in chunk_keys(ns, list(range(64)))])
 
 
 def test_processes_with_different_hash_seeds_agree() -> None:
-    """LESSONS #4: a per-process hash seed would make replicas never share a hit."""
+    """docs/architecture.md F4: a per-process hash seed would make replicas never share a hit."""
     outputs = set()
     for seed in ("1", "2", "random"):
         env = dict(os.environ, PYTHONHASHSEED=seed)

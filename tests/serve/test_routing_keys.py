@@ -1,4 +1,4 @@
-"""The router keys a request on exactly the token ids the replica will run (LESSONS #12)."""
+"""The router keys a request on exactly the token ids the replica will run (docs/architecture.md F12)."""
 
 from __future__ import annotations
 
