@@ -130,9 +130,9 @@ def access_keys(args: argparse.Namespace) -> AccessKeys:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from kvshare import LLM
     from kvshare.kvpool.connector import PoolConnector
     from kvshare.kvpool.paths import default_pool_address
+    from kvshare.llm import LLM
     from kvshare.serve.server import ServeConfig, build_app
     from kvshare.sizes import parse_size
 

@@ -28,7 +28,6 @@ from typing import Any
 
 from aiohttp import web
 
-import kvshare
 from kvshare.engine.llm_engine import LLMEngine, RequestOutput
 from kvshare.kvpool.client import PoolError, PoolUnavailable
 from kvshare.kvpool.connector import PoolConnector
@@ -44,6 +43,7 @@ from kvshare.serve.http import (
 )
 from kvshare.serve.metrics import CONTENT_TYPE, ServerMetrics
 from kvshare.serve.protocol import GenerateRequest, ModelInfo, ResponseFormat, parse_generate
+from kvshare.version import __version__
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 
@@ -177,7 +177,7 @@ class ReplicaServer:
             status=200 if alive else 503)
 
     async def version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": kvshare.__version__})
+        return web.json_response({"version": __version__})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})

@@ -34,11 +34,11 @@ from collections.abc import Callable
 
 import torch
 
-from kvshare.engine.llm import LLM
 from kvshare.engine.sampling_params import SamplingParams
 from kvshare.kvpool.client import PoolClient, PoolUnavailable
 from kvshare.kvpool.connector import ConnectorOptions, PoolConnector
 from kvshare.kvpool.page import HEADER_BYTES
+from kvshare.llm import LLM
 from kvshare.validate.capacity import PoolNeed, kv_page_bytes
 from kvshare.validate.harness import ConnectorHarness
 from kvshare.validate.result import CheckResult
