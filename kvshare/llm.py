@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from kvshare.engine.block_manager import check_cache_salt
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.connector import KVConnector
 from kvshare.engine.llm_engine import LLMEngine, RequestOutput
 from kvshare.engine.sampling_params import SamplingParams
+from kvshare.kvpool.connector import PoolConnector
+from kvshare.kvpool.faults import FaultInjection
 from kvshare.models.loader import LoadedModel, load_model
 
 
 class LLM:
     """Load a model and generate. `kv_pool="unix:/path/to.sock"` attaches the shared pool.
 
-    `kv_pool_options` are extra ConnectorOptions (test-only switches). Extra keyword
+    `kv_pool_faults` breaks the pool connector on purpose (checks and tests). Extra keyword
     arguments are EngineConfig fields (block_size, max_num_batched_tokens,
     kv_cache_memory, ...). `weights_seed` picks the random weights of a shape:NAME model.
     The constructor's `cache_salt` salts every pool key of this LLM (a deployment-wide
@@ -26,17 +28,15 @@ class LLM:
     def __init__(self, model: str, *, device: str = "cpu", dtype: str = "auto",
                  kv_pool: str | KVConnector | None = None, weights_seed: int = 0,
                  chunk_tokens: int = 256, cache_salt: str = "",
-                 kv_pool_options: Mapping[str, object] | None = None,
+                 kv_pool_faults: FaultInjection | None = None,
                  **engine_options: object) -> None:
         self.config = EngineConfig(device=device, dtype=dtype, **engine_options)  # type: ignore[arg-type]
         self.loaded: LoadedModel = load_model(model, device=device, dtype=self.config.resolved_dtype,
                                               seed=weights_seed)
         connector = kv_pool
         if isinstance(kv_pool, str):
-            from kvshare.kvpool.connector import PoolConnector
-
             connector = PoolConnector.for_model(kv_pool, self.loaded, chunk_tokens=chunk_tokens,
-                                                cache_salt=cache_salt, **(kv_pool_options or {}))
+                                                cache_salt=cache_salt, faults=kv_pool_faults)
         self.engine = LLMEngine(self.loaded, self.config, connector)
         self._ids = itertools.count()
 

@@ -196,3 +196,51 @@ def test_an_engine_import_of_a_higher_layer_is_seen(source: str, expected: bool)
     modules = {**all_modules(), "kvshare.engine.llm": fake}
     targets = [t for _, t in imports_of(fake, modules, eager_only=False, source=source)]
     assert any(rank_of(t) > rank_of("kvshare.engine.llm") for t in targets) == expected
+
+
+def test_serve_reaches_the_pool_only_through_the_connector_interface() -> None:
+    """serve asks the engine's KVConnector (wait_idle, close, pool admin), never PoolConnector."""
+    modules = all_modules()
+    reaching = [f"{me} -> {target}" for me, path in modules.items() if unit_of(me) == "kvshare.serve"
+                for _, target in imports_of(path, modules, eager_only=False)
+                if target in ("kvshare.kvpool.connector", "kvshare.kvpool.client")]
+    assert reaching == []
+
+
+# The fault-injection switches; production code reads them only off an injected object.
+FAULT_SWITCHES = frozenset({"break_order", "load_delay", "skip_checksums", "skip_state_restore",
+                            "keep_lost_lease_restores", "verify"})
+# Where faults are built: their definition, the checks, and `kvshare serve`'s hidden flags.
+FAULT_OWNERS = ("kvshare.kvpool.faults", "kvshare.validate", "kvshare.serve.cli")
+
+
+def switch_mentions(source: str) -> list[str]:
+    """Names, arguments, keywords and attributes named like a switch, except an attribute
+    read off an object whose name ends in `faults`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            owner = node.value
+            owner_name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+            if node.attr in FAULT_SWITCHES and not owner_name.endswith("faults"):
+                found.append(f"{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Name) and node.id in FAULT_SWITCHES:
+            found.append(f"{node.lineno}: {node.id}")
+        elif isinstance(node, ast.arg) and node.arg in FAULT_SWITCHES:
+            found.append(f"{node.lineno}: parameter {node.arg}")
+        elif isinstance(node, ast.keyword) and node.arg in FAULT_SWITCHES:
+            found.append(f"{node.lineno}: {node.arg}=")
+    return found
+
+
+def test_production_code_sees_fault_switches_only_through_the_injected_object() -> None:
+    offending = {me: hits for me, path in all_modules().items()
+                 if not any(me == o or me.startswith(o + ".") for o in FAULT_OWNERS)
+                 and (hits := switch_mentions(path.read_text()))}
+    assert offending == {}
+
+
+def test_a_switch_outside_the_injected_object_is_seen() -> None:
+    assert switch_mentions("def f(verify=True):\n    return options.skip_state_restore\n") == [
+        "1: parameter verify", "2: .skip_state_restore"]
+    assert switch_mentions("def f(self):\n    return self.faults.break_order\n") == []

@@ -14,6 +14,7 @@ from kvshare.engine.cli import add_model_arguments, check_engine_fits, engine_op
 if TYPE_CHECKING:
     from aiohttp import web
 
+    from kvshare.kvpool.faults import FaultInjection
     from kvshare.serve.auth import AccessKeys
     from kvshare.serve.launcher import UpConfig
 
@@ -129,8 +130,16 @@ def access_keys(args: argparse.Namespace) -> AccessKeys:
                       read_key(args.admin_key, args.admin_key_file, ADMIN_KEY_ENV))
 
 
+def injected_faults(args: argparse.Namespace) -> FaultInjection | None:
+    """The faults the hidden --unsafe-* flags inject (None: none, the only production value)."""
+    from kvshare.kvpool.faults import FaultInjection
+
+    faults = FaultInjection(break_order=args.unsafe_break_stream_order, load_delay=args.unsafe_load_delay,
+                            skip_checksums=args.unsafe_skip_checksums)
+    return None if faults == FaultInjection() else faults
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    from kvshare.kvpool.connector import PoolConnector
     from kvshare.kvpool.paths import default_pool_address
     from kvshare.llm import LLM
     from kvshare.serve.server import ServeConfig, build_app
@@ -143,10 +152,8 @@ def run_serve(args: argparse.Namespace) -> int:
         config = ServeConfig(args.served_model_name or args.model, api_key=keys.api_key,
                              max_body_bytes=parse_size(args.max_body_bytes), admin_key=keys.admin_key,
                              cache_salt_required=args.cache_salt_required)
-        unsafe = {"break_order": args.unsafe_break_stream_order, "load_delay": args.unsafe_load_delay,
-                  "verify": not args.unsafe_skip_checksums}
         check_engine_fits(args)
-        llm = LLM(args.model, kv_pool=pool, chunk_tokens=args.chunk_tokens, kv_pool_options=unsafe,
+        llm = LLM(args.model, kv_pool=pool, chunk_tokens=args.chunk_tokens, kv_pool_faults=injected_faults(args),
                   **engine_options(args))  # type: ignore[arg-type]
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvshare serve: {exc}", file=sys.stderr)
@@ -158,7 +165,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         return _run_app("serve", build_app(engine, config), args, banner)
     finally:
-        if isinstance(engine.connector, PoolConnector):
+        if engine.connector is not None:
             engine.connector.close()
 
 
