@@ -8,17 +8,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams"]
+from kvshare.version import __version__
+
+__all__ = ["LLM", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
-    from kvshare.engine.llm import LLM
     from kvshare.engine.sampling_params import SamplingParams
+    from kvshare.llm import LLM
 
 
 def __getattr__(name: str) -> object:
     if name == "LLM":
-        from kvshare.engine.llm import LLM
+        from kvshare.llm import LLM
 
         return LLM
     if name == "SamplingParams":

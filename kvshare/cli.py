@@ -8,14 +8,14 @@ import os
 import sys
 from collections.abc import Mapping
 
-from kvshare import __version__
 from kvshare.cli_env import apply_conventions
+from kvshare.version import __version__
 
 # Each module here defines `register(subparsers)`, which adds its subcommands and sets
 # `func` on them. Handlers import heavy modules (torch) themselves, so `kvshare --help`
 # stays fast.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
-    "kvshare.engine.cli",
+    "kvshare.generate_cli",
     "kvshare.kvpool.cli",
     "kvshare.serve.cli",
     "kvshare.validate.cli",

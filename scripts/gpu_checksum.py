@@ -47,7 +47,9 @@ from kvshare.kvpool.layout import (
     payload_checksum,
     payload_words,
 )
-from kvshare.kvpool.transfer import CudaTransfer, PageCopy, ThreadTransfer, Transfer
+from kvshare.kvpool.transfer import PageCopy, Transfer
+from kvshare.kvpool.transfer_cpu import ThreadTransfer
+from kvshare.kvpool.transfer_cuda import CudaTransfer
 from kvshare.models.presets import shape_preset
 
 TARGET_RATIO = 0.95

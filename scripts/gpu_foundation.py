@@ -301,7 +301,6 @@ def restore_perf(lengths: list[int], restore_lengths: list[int], repeats: int, a
            profile_dir: Path | None = None) -> dict:
     """A model's cold prefill per length (pool on: it stores), then its restore; for a hybrid
     model also the restore without its recurrent state (the broken variant)."""
-    import dataclasses
 
     from kvshare import LLM
     from kvshare.bench.ceilings import pcie_bandwidth
@@ -354,10 +353,12 @@ def restore_perf(lengths: list[int], restore_lengths: list[int], repeats: int, a
                 restored = restore_first_token(llm, prompt + follow_up, "check", max_tokens=8, logprobs=True)
                 out["restore_check"] = {**_compare(reference, restored.pop("output")), **restored}
             if i == 0 and state_bytes:
-                opts = connector.options  # type: ignore[attr-defined]
-                connector.options = dataclasses.replace(opts, skip_state_restore=True)  # type: ignore[attr-defined]
+                opts = connector.faults  # type: ignore[attr-defined]
+                from kvshare.kvpool.faults import FaultInjection
+
+                connector.faults = FaultInjection(skip_state_restore=True)  # type: ignore[attr-defined]
                 broken = restore_first_token(llm, prompt + follow_up, "broken", max_tokens=8, logprobs=True)
-                connector.options = opts  # type: ignore[attr-defined]
+                connector.faults = opts  # type: ignore[attr-defined]
                 out["broken_check"] = {**_compare(reference, broken.pop("output")), **broken}
                 print("restore check", out["restore_check"], "broken", out["broken_check"], flush=True)
             if n not in restore_lengths:

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvshare.engine.llm import LLM
 from kvshare.engine.llm_engine import RequestOutput
 from kvshare.engine.sampling_params import SamplingParams
+from kvshare.llm import LLM
 
 
 def _sync(llm: LLM) -> None:

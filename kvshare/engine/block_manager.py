@@ -175,6 +175,11 @@ class BlockManager:
         for b in blocks:
             self.complete[b] = False
 
+    def mark_complete(self, blocks: Sequence[int]) -> None:
+        """The engine will recompute these blocks, every layer of them (a failed restore)."""
+        for b in blocks:
+            self.complete[b] = True
+
     def all_complete(self, blocks: Sequence[int]) -> bool:
         return all(self.complete[b] for b in blocks)
 

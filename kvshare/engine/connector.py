@@ -87,7 +87,15 @@ class PoolMatch:
     num_tokens: int = 0
 
 
+class KVStoreUnavailable(Exception):
+    """An admin call (`clear_pool`) could not reach the connector's store."""
+
+
 class KVConnector(ABC):
+    """The methods above `set_enabled` are the engine's; `wait_idle`, `close` and the pool
+    admin calls are the serving layer's, with defaults for a connector that has no
+    separate store (nothing in flight, nothing to clear, no store statistics)."""
+
     chunk_tokens: int
 
     @abstractmethod
@@ -146,3 +154,22 @@ class KVConnector(ABC):
     @abstractmethod
     def stats(self) -> dict[str, int]:
         """Counters: hit/miss tokens, bytes loaded/stored, checksum failures, skipped stores."""
+
+    def wait_idle(self) -> None:
+        """Block until every store in flight has completed and been committed (an idle
+        engine, tests, shutdown); loads are finished by their requests."""
+        return None  # nothing in flight by default
+
+    def close(self) -> None:
+        """Finish copies in flight and let go of the store (replica shutdown)."""
+        return None  # nothing to let go of by default
+
+    def pool_stats(self) -> dict[str, object] | None:
+        """The store's own statistics (shared by every replica); None when there is no
+        separate store or it cannot be reached right now (never raises)."""
+        return None
+
+    def clear_pool(self) -> int:
+        """Drop every page of the store; returns how many. KVStoreUnavailable when the
+        store cannot be reached."""
+        return 0

@@ -2,6 +2,7 @@
 
 Implements `kvshare.engine.connector.KVConnector` over a `PoolClient` (control, one round
 trip per lookup/reserve/commit) and a `Transfer` (bytes: CUDA streams or a CPU thread).
+What each load and store copies is planned in plan.py; restored pages are checked by verify.py.
 
 Invariants:
 - Only committed pages are read, under a lease that lives until the copy completed and
@@ -29,21 +30,20 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from kvshare.engine.connector import KVConnector, PagedKVCache, PoolMatch
+from kvshare.engine.connector import KVConnector, KVStoreUnavailable, PagedKVCache, PoolMatch
 from kvshare.kvpool.client import PageRef, PoolClient, PoolError, PoolUnavailable
+from kvshare.kvpool.faults import FaultInjection
 from kvshare.kvpool.host_memory import HostRegistration
 from kvshare.kvpool.keys import Namespace, chain_seed, chunk_keys
-from kvshare.kvpool.layout import CHECKSUM_BYTES, LAYOUT_VERSION, PageLayout
-from kvshare.kvpool.page import HEADER_BYTES, PageFormatError, PageHeader
-from kvshare.kvpool.transfer import (
-    BreakOrder,
-    CudaTransfer,
-    PageCopy,
-    ThreadTransfer,
-    Transfer,
-    TransferJob,
-)
+from kvshare.kvpool.layout import LAYOUT_VERSION, PageLayout
+from kvshare.kvpool.page import HEADER_BYTES, PageHeader
+from kvshare.kvpool.plan import plan_load, plan_store, storable_chunks
+from kvshare.kvpool.transfer import Transfer, TransferJob
+from kvshare.kvpool.transfer_cpu import ThreadTransfer
+from kvshare.kvpool.transfer_cuda import CudaTransfer
+from kvshare.kvpool.verify import checksums_match, header_matches
 from kvshare.models.loader import LoadedModel
+from kvshare.spec import DEFAULT_CHUNK_TOKENS
 
 _log = logging.getLogger(__name__)
 _POOL_ERRORS = (PoolUnavailable, PoolError)
@@ -57,24 +57,12 @@ def state_key(chunk_key: bytes) -> bytes:
 
 @dataclass(frozen=True)
 class ConnectorOptions:
-    """`break_order`, `load_delay`, `verify=False`, `skip_state_restore` and
-    `keep_lost_lease_restores` are test-only: they exist so the checks can prove that a
-    missing stream dependency, a skipped checksum, KV restored without its recurrent state
-    or a restore kept after its lease was lost is caught (transfer.py, kvshare/validate)."""
-
-    chunk_tokens: int = 256
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     register_host_memory: bool = True
-    break_order: BreakOrder = ""
-    load_delay: float = 0.0  # seconds (CPU); on CUDA converted to GPU sleep cycles
-    verify: bool = True
-    skip_state_restore: bool = False  # hybrid models: restore the KV but not the state
-    keep_lost_lease_restores: bool = False  # finish_load ignores a release that failed
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be positive, got {self.chunk_tokens}")
-        if self.break_order not in ("", "store", "load"):
-            raise ValueError(f"unknown break_order {self.break_order!r}")
 
 
 @dataclass
@@ -90,19 +78,19 @@ class _Load:
     request_id: str
     job: TransferJob
     lease: int
-    pages: list[PageRef]
-    segments: list[int]  # checksummed segments copied per page
+    pages: Sequence[PageRef]
+    segments: Sequence[int]  # checksummed segments copied per page
     nbytes: int
     resume_chunks: int  # the restored prefix ends after this many chunks
     hit_tokens: int  # tokens restored past the GPU-local prefix
-    held: list[int]
-    incomplete: list[int]
+    held: Sequence[int]
+    incomplete: Sequence[int]
     bad_headers: list[PageRef] = field(default_factory=list)
     state_job: TransferJob | None = None
     state_page: PageRef | None = None
 
     def wait(self) -> None:
-        """Until every copy completed; returns at once for the broken (test-only) ordering,
+        """Until every copy completed; returns at once for an injected broken ordering,
         whose jobs say done without waiting."""
         for job in (self.job, self.state_job):
             if job is not None and not job.done():
@@ -116,9 +104,9 @@ class _Load:
 @dataclass
 class _Store:
     job: TransferJob
-    pages: list[PageRef]
-    parents: list[bytes]
-    held: list[int]  # KV blocks held until the copy completed
+    pages: Sequence[PageRef]
+    parents: Sequence[bytes]
+    held: Sequence[int]  # KV blocks held until the copy completed
     payload_bytes: int
     snapshot_slot: int | None = None  # a state snapshot slot pinned until then
 
@@ -131,9 +119,12 @@ class _Request:
 
 
 class PoolConnector(KVConnector):
+    """`faults` (checks and tests only; None in production) breaks a guarantee on purpose."""
+
     def __init__(self, client: PoolClient, namespace: Namespace,
-                 options: ConnectorOptions | None = None) -> None:
+                 options: ConnectorOptions | None = None, faults: FaultInjection | None = None) -> None:
         self.client = client
+        self.faults = faults
         self.namespace = namespace
         self.options = options or ConnectorOptions(chunk_tokens=namespace.chunk_tokens)
         if self.options.chunk_tokens != namespace.chunk_tokens:
@@ -152,12 +143,12 @@ class PoolConnector(KVConnector):
         self.registration: HostRegistration | None = None
         # Why the connection made at bind failed (None: it succeeded). The connector keeps
         # working without the pool and reconnects on later requests; the caller decides
-        # how loudly to say so (kvshare.engine.llm).
+        # how loudly to say so (kvshare.llm).
         self.bind_failure: str | None = None
 
     @classmethod
-    def for_model(cls, address: str, loaded: LoadedModel, *, chunk_tokens: int = 256,
-                  cache_salt: str = "", **options: object) -> PoolConnector:
+    def for_model(cls, address: str, loaded: LoadedModel, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                  cache_salt: str = "", faults: FaultInjection | None = None) -> PoolConnector:
         dtype = next(loaded.model.parameters()).dtype
         namespace = Namespace(
             architecture=loaded.config.architecture,
@@ -168,8 +159,7 @@ class PoolConnector(KVConnector):
             chunk_tokens=chunk_tokens,
             cache_salt=cache_salt,
         )
-        opts = ConnectorOptions(chunk_tokens=chunk_tokens, **options)  # type: ignore[arg-type]
-        return cls(PoolClient(address), namespace, opts)
+        return cls(PoolClient(address), namespace, ConnectorOptions(chunk_tokens=chunk_tokens), faults)
 
     # ------------------------------------------------------------------ set-up
 
@@ -179,12 +169,11 @@ class PoolConnector(KVConnector):
         kv = cache.layout.kv
         opts = self.options
         if kv.device.type == "cuda":
-            cycles = int(opts.load_delay * 1.5e9)  # ~1.5 GHz SM clock: a lower bound is enough
-            self.transfer = CudaTransfer(kv, self.layout, opts.break_order, cycles)
+            self.transfer = CudaTransfer(kv, self.layout, self.faults)
             if opts.register_host_memory:
                 self.registration = HostRegistration(kv.device)
         else:
-            self.transfer = ThreadTransfer(kv, self.layout, opts.break_order, opts.load_delay)
+            self.transfer = ThreadTransfer(kv, self.layout, self.faults)
         self.client.on_remap(self._on_remap)
         try:
             self.client.connect()
@@ -224,6 +213,18 @@ class PoolConnector(KVConnector):
         if self.registration is not None:
             out["registered_bytes"] = self.registration.registered_bytes
         return out
+
+    def pool_stats(self) -> dict[str, object] | None:
+        try:
+            return self.client.stats()
+        except _POOL_ERRORS:
+            return None  # down or restarting: reported as absent, never an error
+
+    def clear_pool(self) -> int:
+        try:
+            return self.client.clear()
+        except _POOL_ERRORS as exc:
+            raise KVStoreUnavailable(str(exc)) from None
 
     def _usable(self) -> bool:
         return self._enabled and self.transfer is not None
@@ -279,30 +280,15 @@ class PoolConnector(KVConnector):
         req = self._requests[request_id]
         match, req.match = req.match, None
         assert match is not None, "load() without a match"
-        layout, bs = self.layout, self.layout.block_size
-        window = self.cache.layout.sliding_window
-        resume = len(match.pages) * self.chunk_tokens
-        # Queries from `resume` on read sliding-window keys from resume - window + 1 on.
-        full_from = 0 if window is None else max(0, resume - window + 1) // self.chunk_tokens
-        copies, pages, segments, held, incomplete = [], [], [], [], []
-        for j in range(match.local_tokens // self.chunk_tokens, len(match.pages)):
-            page = match.pages[j]
-            nbytes = layout.payload_bytes if j >= full_from else layout.global_bytes
-            blocks = tuple(block_table[j * layout.blocks_per_page:(j + 1) * layout.blocks_per_page])
-            first = max(0, (match.local_tokens - j * self.chunk_tokens) // bs)
-            copies.append(PageCopy(page.offset + HEADER_BYTES, nbytes, blocks, page.key, first))
-            pages.append(page)
-            segments.append(len(layout.segments(nbytes)))
-            held += blocks[first:]
-            if nbytes < layout.payload_bytes:
-                incomplete += blocks[first:]
-        self.cache.blocks.acquire(held)
-        self.cache.blocks.mark_incomplete(incomplete)
-        pending = _Load(request_id, None, match.lease, pages, segments, sum(c.nbytes for c in copies),
-                        len(match.pages), resume - match.local_tokens, held, incomplete)
+        plan = plan_load(match.pages, match.local_tokens, block_table, self.layout,
+                         self.cache.layout.sliding_window)
+        self.cache.blocks.acquire(plan.held)
+        self.cache.blocks.mark_incomplete(plan.incomplete)
+        pending = _Load(request_id, None, match.lease, plan.pages, plan.segments, plan.nbytes,
+                        plan.resume_chunks, plan.hit_tokens, plan.held, plan.incomplete)
         try:
-            pending.job = self.transfer.load(copies)
-            if match.state is not None and not self.options.skip_state_restore:
+            pending.job = self.transfer.load(list(plan.copies))
+            if match.state is not None and not (self.faults and self.faults.skip_state_restore):
                 assert self.cache.states is not None and state_slot is not None
                 pending.state_page = match.state
                 pending.nbytes += match.state.payload_bytes
@@ -318,7 +304,7 @@ class PoolConnector(KVConnector):
             if job is not None:
                 self.transfer.consume(job)
         # Checked while the copies run: the lease keeps the slots from changing meanwhile.
-        pending.bad_headers = [p for p in pages if not self._header_ok(p, layout.payload_bytes)]
+        pending.bad_headers = [p for p in plan.pages if not self._header_ok(p, self.layout.payload_bytes)]
         if pending.state_page is not None and not self._header_ok(pending.state_page,
                                                                  pending.state_page.payload_bytes):
             pending.bad_headers.append(pending.state_page)
@@ -334,20 +320,20 @@ class PoolConnector(KVConnector):
         corrupt = {p.key for p in load.bad_headers}
         if not load.failed:  # a failed copy's checksums say nothing about the pages
             corrupt |= {p.key for p in self._checksum_mismatches(load)}
-        if corrupt and self.options.verify:
+        keep_corrupt = self.faults is not None and self.faults.skip_checksums
+        if corrupt and not keep_corrupt:
             self._invalidate(load.lease, sorted(corrupt))
-        ok = not load.failed and (not corrupt or not self.options.verify)
+        ok = not load.failed and (not corrupt or keep_corrupt)
         final = self._end_load(load, ok)
-        return ok if self.options.keep_lost_lease_restores else final
+        return ok if self.faults is not None and self.faults.keep_lost_lease_restores else final
 
     def _header_ok(self, page: PageRef, payload_bytes: int) -> bool:
         """The slot still holds the page the daemon says: key, size and checksum agree."""
         try:
-            header = PageHeader.unpack(bytes(self.client.arena.view(page.offset, HEADER_BYTES)))
-        except (PageFormatError, PoolUnavailable, ValueError):
+            header = bytes(self.client.arena.view(page.offset, HEADER_BYTES))
+        except (PoolUnavailable, ValueError):
             return False
-        return (header.key == page.key and header.payload_bytes == payload_bytes
-                and header.layout_version == LAYOUT_VERSION and header.checksum == page.checksum)
+        return header_matches(header, page, payload_bytes)
 
     def _end_load(self, load: _Load, ok: bool) -> bool:
         """Release the load's lease and settle its blocks; returns the final verdict: True
@@ -364,9 +350,7 @@ class PoolConnector(KVConnector):
                 req.stored_chunks = max(req.stored_chunks, load.resume_chunks)
         else:
             self.counters["load_failures"] += 1
-            # The engine recomputes these blocks, every layer of them.
-            for b in load.incomplete:
-                self.cache.blocks.complete[b] = True
+            self.cache.blocks.mark_complete(load.incomplete)
         self.cache.blocks.release(load.held)
         return ok
 
@@ -403,9 +387,8 @@ class PoolConnector(KVConnector):
             return
         assert self.cache is not None and self.layout is not None and self.transfer is not None
         keys = self._keys(req, token_ids, full, cache_salt)
-        bpp = self.layout.blocks_per_page
-        chunks = [j for j in range(req.stored_chunks, full)
-                  if self.cache.blocks.all_complete(block_table[j * bpp:(j + 1) * bpp])]
+        chunks = storable_chunks(req.stored_chunks, full, block_table, self.layout.blocks_per_page,
+                                 self.cache.blocks.all_complete)
         req.stored_chunks = full
         if not chunks:
             return
@@ -417,28 +400,19 @@ class PoolConnector(KVConnector):
             return
         self.counters["store_dedup_pages"] += len(reservation.present)
         self.counters["store_dropped_pages"] += reservation.dropped
-        reserved = {page.key: page for page in reservation.pages}
-        copies, pages, parents, held = [], [], [], []
-        for j in chunks:
-            page = reserved.get(keys[j])
-            if page is None:
-                continue
-            blocks = tuple(block_table[j * bpp:(j + 1) * bpp])
-            copies.append(PageCopy(page.offset + HEADER_BYTES, self.layout.payload_bytes, blocks, page.key))
-            pages.append(page)
-            parents.append(keys[j - 1] if j else chain_seed(self.namespace, cache_salt))
-            held += blocks
-        if not copies:
+        plan = plan_store(chunks, keys, {page.key: page for page in reservation.pages}, block_table,
+                          self.layout, chain_seed(self.namespace, cache_salt))
+        if not plan.copies:
             return
-        self.cache.blocks.acquire(held)
+        self.cache.blocks.acquire(plan.held)
         try:
-            job = self.transfer.store(copies, ready)
+            job = self.transfer.store(list(plan.copies), ready)
         except Exception:  # a failed store is skipped, never an engine crash
             _log.exception("pool store failed to start")
-            self.cache.blocks.release(held)
-            self._abort([p.key for p in pages])
+            self.cache.blocks.release(plan.held)
+            self._abort([p.key for p in plan.pages])
             return
-        self._stores.append(_Store(job, pages, parents, held, self.layout.payload_bytes))
+        self._stores.append(_Store(job, plan.pages, plan.parents, plan.held, self.layout.payload_bytes))
 
     def store_state(self, request_id: str, token_ids: Sequence[int], boundary: int,
                     snapshot_slot: int, *, cache_salt: str | None = None) -> None:
@@ -509,8 +483,7 @@ class PoolConnector(KVConnector):
         if load.state_job is not None and load.state_page is not None:
             checks.append((load.state_page, load.state_job.checksums()[0], 1))
         for page, copied, n in checks:
-            expected = [page.checksum[i * CHECKSUM_BYTES:(i + 1) * CHECKSUM_BYTES] for i in range(n)]
-            if copied[:n] != expected:
+            if not checksums_match(page, copied, n):
                 self.counters["checksum_failures"] += 1
                 bad.append(page)
         return bad

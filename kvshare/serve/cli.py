@@ -20,6 +20,7 @@ from kvshare.spec import DEFAULT_CHUNK_TOKENS
 if TYPE_CHECKING:
     from aiohttp import web
 
+    from kvshare.kvpool.faults import FaultInjection
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -85,11 +86,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.set_defaults(func=run_up)
 
 
+def injected_faults(args: argparse.Namespace) -> FaultInjection | None:
+    """The faults the hidden --unsafe-* flags inject (None: none, the only production value)."""
+    from kvshare.kvpool.faults import FaultInjection
+
+    faults = FaultInjection(break_order=args.unsafe_break_stream_order, load_delay=args.unsafe_load_delay,
+                            skip_checksums=args.unsafe_skip_checksums)
+    return None if faults == FaultInjection() else faults
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    from kvshare import LLM
-    from kvshare.engine.llm import KVPoolUnreachable
-    from kvshare.kvpool.connector import PoolConnector
     from kvshare.kvpool.paths import default_pool_address
+    from kvshare.llm import LLM, KVPoolUnreachable
     from kvshare.serve.auth import access_keys
     from kvshare.serve.server import ServeConfig, build_app
     from kvshare.sizes import parse_size
@@ -104,11 +112,9 @@ def run_serve(args: argparse.Namespace) -> int:
         config = ServeConfig(args.served_model_name or args.model, api_key=keys.api_key,
                              max_body_bytes=parse_size(args.max_body_bytes), admin_key=keys.admin_key,
                              cache_salt_required=args.cache_salt_required)
-        unsafe = {"break_order": args.unsafe_break_stream_order, "load_delay": args.unsafe_load_delay,
-                  "verify": not args.unsafe_skip_checksums}
         check_engine_fits(args)
         llm = LLM(args.model, kv_pool=pool, require_kv_pool=args.require_kv_pool,
-                  chunk_tokens=args.chunk_tokens, kv_pool_options=unsafe,
+                  chunk_tokens=args.chunk_tokens, kv_pool_faults=injected_faults(args),
                   **engine_options(args))  # type: ignore[arg-type]
     except (ValueError, FileNotFoundError, KVPoolUnreachable) as exc:
         print(f"kvshare serve: {exc}", file=sys.stderr)
@@ -120,7 +126,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         return _run_app("serve", build_app(engine, config), args, banner)
     finally:
-        if isinstance(engine.connector, PoolConnector):
+        if engine.connector is not None:
             engine.connector.close()
 
 

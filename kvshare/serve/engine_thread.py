@@ -31,7 +31,6 @@ import torch
 
 from kvshare.engine.llm_engine import LLMEngine, RequestOutput
 from kvshare.engine.sampling_params import SamplingParams
-from kvshare.kvpool.connector import PoolConnector
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -241,7 +240,7 @@ class EngineThread:
         nothing.
         """
         connector = self.engine.connector
-        if isinstance(connector, PoolConnector):
+        if connector is not None:
             try:
                 connector.wait_idle()
             except Exception:

@@ -34,13 +34,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-import kvshare
 from kvshare.serve.auth import AccessKeys, access_middleware
 from kvshare.serve.errors import APIError, bad_request
 from kvshare.serve.http import error_middleware, parse_json_object, sse_event
 from kvshare.serve.metrics import CONTENT_TYPE, RouterMetrics
 from kvshare.serve.policies import POLICIES, PolicyConfig, RouteRequest, make_policy
 from kvshare.serve.routing_keys import Prefix, RoutingKeys
+from kvshare.version import __version__
 
 _log = logging.getLogger(__name__)
 
@@ -371,7 +371,7 @@ class Router:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": kvshare.__version__})
+        return web.json_response({"version": __version__})
 
     async def list_replicas(self, request: web.Request) -> web.Response:
         return web.json_response([r.describe() for r in self.replicas])

@@ -28,10 +28,8 @@ from typing import Any
 
 from aiohttp import web
 
-import kvshare
+from kvshare.engine.connector import KVStoreUnavailable
 from kvshare.engine.llm_engine import LLMEngine, RequestOutput
-from kvshare.kvpool.client import PoolError, PoolUnavailable
-from kvshare.kvpool.connector import PoolConnector
 from kvshare.serve.auth import AccessKeys, access_middleware
 from kvshare.serve.engine_thread import EngineFailure, EngineThread, snapshot_of
 from kvshare.serve.errors import APIError, bad_request
@@ -44,6 +42,7 @@ from kvshare.serve.http import (
 )
 from kvshare.serve.metrics import CONTENT_TYPE, ServerMetrics
 from kvshare.serve.protocol import GenerateRequest, ModelInfo, ResponseFormat, parse_generate
+from kvshare.version import __version__
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 
@@ -177,7 +176,7 @@ class ReplicaServer:
             status=200 if alive else 503)
 
     async def version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": kvshare.__version__})
+        return web.json_response({"version": __version__})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -251,10 +250,6 @@ class ReplicaServer:
 
     # ------------------------------------------------------------ admin
 
-    def _pool(self) -> PoolConnector | None:
-        connector = self.engine.connector
-        return connector if isinstance(connector, PoolConnector) else None
-
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         await read_json_object(request, allow_empty=True)
         reset = await self.thread.call(lambda engine: engine.reset_prefix_cache())
@@ -279,26 +274,19 @@ class ReplicaServer:
 
     async def clear_pool(self, request: web.Request) -> web.Response:
         await read_json_object(request, allow_empty=True)
-        pool = self._pool()
-        if pool is None:
+        connector = self.engine.connector
+        if connector is None:
             return web.json_response({"cleared": 0})
         try:  # on the engine thread: the client and its reconnects belong to the connector
-            cleared = await self.thread.call(lambda engine: pool.client.clear())
-        except (PoolUnavailable, PoolError) as exc:
+            cleared = await self.thread.call(lambda engine: connector.clear_pool())
+        except KVStoreUnavailable as exc:
             raise APIError(503, f"the KV pool is unavailable: {exc}") from None
         return web.json_response({"cleared": cleared})
 
     async def stats(self, request: web.Request) -> web.Response:
-        pool = self._pool()
-
         def collect(engine: LLMEngine) -> dict[str, Any]:
             snap = snapshot_of(engine)
-            daemon = None
-            if pool is not None:
-                try:
-                    daemon = pool.client.stats()
-                except (PoolUnavailable, PoolError):
-                    daemon = None  # down or restarting: reported as absent, never an error
+            daemon = engine.connector.pool_stats() if engine.connector is not None else None
             return {"engine": {"running": snap.running, "waiting": snap.waiting,
                                "gpu_cache_usage": snap.gpu_cache_usage,
                                "num_blocks": snap.num_blocks, "kv_pool_enabled": snap.pool_enabled},

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from kvshare.kvpool.connector import ConnectorOptions
+from kvshare.kvpool.faults import FaultInjection
 from kvshare.models.loader import parse_dtype
 from kvshare.spec import DEFAULT_CHUNK_TOKENS
 from kvshare.validate.capacity import PoolNeed, kv_page_bytes
@@ -88,13 +89,13 @@ def pool_needs(config: BytesCheckConfig) -> list[PoolNeed]:
 
 def _harness(config: BytesCheckConfig, role: str) -> ConnectorHarness:
     num_blocks = config.num_chunks * config.chunk_tokens // config.block_size + 1
-    options = ConnectorOptions(
-        chunk_tokens=config.chunk_tokens,
+    faults = FaultInjection(
         break_order=config.break_order if config.break_order == role else "",  # type: ignore[arg-type]
         load_delay=config.delay if role == "load" else 0.0,
     )
     return ConnectorHarness(config.pool, config.shape, config.device, config.torch_dtype, num_blocks,
-                            config.run_id, options, config.block_size)
+                            config.run_id, ConnectorOptions(chunk_tokens=config.chunk_tokens),
+                            config.block_size, faults=faults)
 
 
 def _sleep_current_stream(side: ConnectorHarness, seconds: float) -> None:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     import torch
     from rich.console import Console
 
+    from kvshare.kvpool.faults import FaultInjection
     from kvshare.validate.bytes_check import BytesCheckConfig
     from kvshare.validate.capacity import PoolNeed
     from kvshare.validate.result import CheckResult
@@ -102,6 +103,16 @@ def _environment(args: argparse.Namespace, wanted: list[str]) -> Iterator[tuple[
         yield pool, target
 
 
+def _injected_faults(args: argparse.Namespace) -> FaultInjection | None:
+    """The faults the hidden --unsafe-* flags inject into the checks' connectors (None: none).
+    The bytes check takes its broken order from the same flag, per role (store or load)."""
+    from kvshare.kvpool.faults import FaultInjection
+
+    faults = FaultInjection(skip_checksums=args.unsafe_skip_checksums,
+                            keep_lost_lease_restores=args.unsafe_keep_lost_lease_restores)
+    return None if faults == FaultInjection() else faults
+
+
 def _shape_and_dtype(args: argparse.Namespace) -> tuple[str, torch.dtype]:
     import torch
 
@@ -172,7 +183,7 @@ def _run_check(name: str, args: argparse.Namespace, pool: _Pool | None, target: 
         return [result]
     if name == "corruption":
         return [run_corruption_check(pool.address, shape=shape, device=args.device, dtype=dtype,
-                                     verify=not args.unsafe_skip_checksums)]
+                                     faults=_injected_faults(args))]
     if name == "pool-fill":
         return [run_pool_fill_check(pool.address)]
     results = [run_killed_writer_check(pool.address)]
@@ -183,7 +194,7 @@ def _run_check(name: str, args: argparse.Namespace, pool: _Pool | None, target: 
         results.append(run_restart_check(pool.address, pool.stop, pool.start, device=args.device,
                                          dtype=dtype))
         results.append(run_lease_loss_check(pool.address, pool.stop, pool.start, device=args.device,
-                                            keep_lost_lease_restores=args.unsafe_keep_lost_lease_restores))
+                                            faults=_injected_faults(args)))
     return results
 
 

@@ -14,6 +14,7 @@ import uuid
 import torch
 
 from kvshare.kvpool.connector import ConnectorOptions
+from kvshare.kvpool.faults import FaultInjection
 from kvshare.kvpool.page import HEADER_BYTES
 from kvshare.spec import DEFAULT_CHUNK_TOKENS
 from kvshare.validate.capacity import PoolNeed, kv_page_bytes
@@ -28,12 +29,12 @@ def pool_needs(shape: str, dtype: torch.dtype, pages: int = 16) -> list[PoolNeed
 
 def run_corruption_check(pool: str, *, shape: str = "tiny-gemma3", device: str = "cpu",
                          dtype: torch.dtype = torch.float32, pages: int = 16, seed: int = 0,
-                         verify: bool = True) -> CheckResult:
-    """`verify=False` is the broken variant (checksums ignored): the check must fail."""
+                         faults: FaultInjection | None = None) -> CheckResult:
+    """`faults` with skip_checksums is the broken variant (checksums ignored): the check must fail."""
     result = CheckResult("corruption")
     chunk = DEFAULT_CHUNK_TOKENS
-    options = ConnectorOptions(chunk_tokens=chunk, verify=verify)
-    harness = ConnectorHarness(pool, shape, device, dtype, chunk // 16 + 1, uuid.uuid4().hex, options)
+    options = ConnectorOptions(chunk_tokens=chunk)
+    harness = ConnectorHarness(pool, shape, device, dtype, chunk // 16 + 1, uuid.uuid4().hex, options, faults=faults)
     client = harness.connector.client
     rng = random.Random(seed)
     payload = harness.connector.layout.payload_bytes if harness.connector.layout else 0

@@ -17,7 +17,7 @@ brought only the global layers of the chunks outside the window, so it must be d
 the answer equals the pool-off one, and afterwards neither that replica's GPU prefix
 cache nor the new pool serves anything of it (a request branching inside the prefix, and
 the other replica restoring 3 chunks from the new pool, answer as with the pool off). The
-broken variant keeps the restore (`keep_lost_lease_restores`), and the check fails.
+broken variant keeps the restore (an injected `keep_lost_lease_restores`), and the check fails.
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ from collections.abc import Callable
 
 import torch
 
-from kvshare.engine.llm import LLM
 from kvshare.engine.sampling_params import SamplingParams
 from kvshare.kvpool.client import PoolClient, PoolUnavailable
 from kvshare.kvpool.connector import ConnectorOptions, PoolConnector
+from kvshare.kvpool.faults import FaultInjection
 from kvshare.kvpool.page import HEADER_BYTES
+from kvshare.llm import LLM
 from kvshare.spec import DEFAULT_CHUNK_TOKENS
 from kvshare.validate.capacity import PoolNeed, kv_page_bytes
 from kvshare.validate.harness import ConnectorHarness
@@ -127,8 +128,9 @@ def run_restart_check(address: str, stop: Callable[[], object], start: Callable[
 
 
 def run_lease_loss_check(address: str, stop: Callable[[], object], start: Callable[[], object], *,
-                         device: str = "cpu", keep_lost_lease_restores: bool = False) -> CheckResult:
-    """`stop`/`start` stop and restart the daemon serving `address` (same paths)."""
+                         device: str = "cpu", faults: FaultInjection | None = None) -> CheckResult:
+    """`stop`/`start` stop and restart the daemon serving `address` (same paths). `faults`
+    is injected into the restoring replica (the broken variant)."""
     result = CheckResult("faults.lease_loss")
     chunk = 64  # tiny-gemma3's window: a 4-chunk restore brings chunks 0-2 with global layers only
     rng = random.Random(os.urandom(8))  # prompts no earlier run stored
@@ -140,9 +142,9 @@ def run_lease_loss_check(address: str, stop: Callable[[], object], start: Callab
     }
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
-    def replica(**options: object) -> tuple[LLM, PoolConnector]:
+    def replica(faults: FaultInjection | None = None) -> tuple[LLM, PoolConnector]:
         llm = LLM("shape:tiny-gemma3", device=device, dtype="float32", kv_pool=address, chunk_tokens=chunk,
-                  kv_cache_memory=8 << 20, cuda_graphs=False, kv_pool_options=options)
+                  kv_cache_memory=8 << 20, cuda_graphs=False, kv_pool_faults=faults)
         assert isinstance(llm.engine.connector, PoolConnector)
         llm.engine.connector.client.retry_interval = 0.0  # reconnect at the first call after the restart
         return llm, llm.engine.connector
@@ -154,7 +156,7 @@ def run_lease_loss_check(address: str, stop: Callable[[], object], start: Callab
         return out.token_ids
 
     storer, storing = replica()
-    restorer, restoring = replica(keep_lost_lease_restores=keep_lost_lease_restores)
+    restorer, restoring = replica(faults)
     storing.set_enabled(False)
     expected = {name: answer(storer, tokens) for name, tokens in [("prompt", prompt), *requests.items()]}
     storer.engine.reset_prefix_cache()

@@ -12,6 +12,7 @@ from kvshare.engine.block_manager import BlockManager
 from kvshare.engine.connector import KVCacheLayout, PagedKVCache
 from kvshare.kvpool.client import PoolClient
 from kvshare.kvpool.connector import ConnectorOptions, PoolConnector
+from kvshare.kvpool.faults import FaultInjection
 from kvshare.kvpool.keys import Namespace, chunk_keys
 from kvshare.kvpool.layout import LAYOUT_VERSION
 from kvshare.models.presets import shape_preset
@@ -20,7 +21,8 @@ from kvshare.models.random_weights import fill_uniform_
 
 class ConnectorHarness:
     def __init__(self, pool: str, shape: str, device: str, dtype: torch.dtype, num_blocks: int,
-                 run_id: str, options: ConnectorOptions, block_size: int = 16) -> None:
+                 run_id: str, options: ConnectorOptions, block_size: int = 16, *,
+                 faults: FaultInjection | None = None) -> None:
         self.model = shape_preset(shape)
         self.device = torch.device(device)
         self.chunk_tokens = options.chunk_tokens
@@ -31,7 +33,7 @@ class ConnectorHarness:
             weights_digest=f"validate:{run_id}", kv_dtype=str(dtype),
             layout_version=LAYOUT_VERSION, chunk_tokens=options.chunk_tokens,
         )
-        self.connector = PoolConnector(PoolClient(pool), namespace, options)
+        self.connector = PoolConnector(PoolClient(pool), namespace, options, faults)
         self.connector.bind(self.cache)
         if self.connector.registration is not None:
             self.connector.registration.wait()

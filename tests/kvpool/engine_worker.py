@@ -10,6 +10,7 @@ import argparse
 import json
 
 from kvshare import LLM, SamplingParams
+from kvshare.kvpool.faults import FaultInjection
 
 
 def main() -> None:
@@ -27,7 +28,7 @@ def main() -> None:
         prompts = json.load(f)
     llm = LLM(args.model, dtype="float32", kv_pool=args.pool, chunk_tokens=args.chunk_tokens,
               max_num_batched_tokens=args.max_num_batched_tokens, weights_seed=3,
-              kv_pool_options={"skip_state_restore": args.skip_state_restore})
+              kv_pool_faults=FaultInjection(skip_state_restore=args.skip_state_restore))
     outs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
                                                 ignore_eos=True, logprobs=True))
     if llm.engine.connector is not None:

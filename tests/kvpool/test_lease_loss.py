@@ -22,6 +22,7 @@ import pytest
 from kvshare import LLM, SamplingParams
 from kvshare.engine.llm_engine import RequestOutput
 from kvshare.kvpool.connector import PoolConnector
+from kvshare.kvpool.faults import FaultInjection
 from kvshare.kvpool.launch import PoolProcess
 from tests.kvpool.pool_fixture import PoolFactory
 
@@ -43,9 +44,9 @@ def pool() -> Iterator[PoolProcess]:
     factory.close()
 
 
-def replica(pool: PoolProcess, **options: object) -> LLM:
+def replica(pool: PoolProcess, faults: FaultInjection | None = None) -> LLM:
     llm = LLM("shape:tiny-gemma3", dtype="float32", kv_pool=pool.address, weights_seed=3,
-              chunk_tokens=CHUNK, kv_cache_memory=8 << 20, kv_pool_options=options)
+              chunk_tokens=CHUNK, kv_cache_memory=8 << 20, kv_pool_faults=faults)
     connector_of(llm).client.retry_interval = 0.0  # reconnect at the first call after the restart
     return llm
 
@@ -75,7 +76,7 @@ def restart_pool_before_first_verification(connector: PoolConnector, pool: PoolP
 
 
 def test_a_restore_whose_lease_died_with_the_daemon_is_recomputed(pool: PoolProcess) -> None:
-    first, second = replica(pool), replica(pool, load_delay=0.5)
+    first, second = replica(pool), replica(pool, FaultInjection(load_delay=0.5))
     connector_of(first).set_enabled(False)
     expected = {name: generate(first, prompt, params).token_ids for name, prompt, params in (
         ("prompt", PROMPT, SEEDED), ("branch", BRANCH, GREEDY), ("follow_up", FOLLOW_UP, GREEDY))}

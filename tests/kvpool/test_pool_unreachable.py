@@ -10,7 +10,7 @@ import pytest
 
 from kvshare import LLM
 from kvshare.cli import main
-from kvshare.engine.llm import KVPoolUnreachable
+from kvshare.llm import KVPoolUnreachable
 from kvshare.kvpool.launch import PoolProcess
 from tests.kvpool.pool_fixture import PoolFactory
 

@@ -4,14 +4,13 @@ The engine computes a restored request's new tokens in its admission step, order
 the copies but before the host has compared checksums (scheduler.py). These tests corrupt
 a committed page and check that the answer is still the recomputed one: the restore is
 thrown away with the step computed from it, nothing of it is registered or emitted, and
-no block is leaked. With verification switched off (the test-only `verify=False`) the same
+no block is leaked. With verification switched off (an injected `FaultInjection(skip_checksums=True)`) the same
 corruption changes the answer, which shows the page really was read. A page found corrupt
 leaves the pool at its first detection, so no other reader meets it again.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Iterator
 
@@ -21,6 +20,7 @@ from kvshare import LLM, SamplingParams
 from kvshare.engine.llm_engine import RequestOutput
 from kvshare.kvpool.client import PoolClient
 from kvshare.kvpool.connector import PoolConnector
+from kvshare.kvpool.faults import FaultInjection
 from kvshare.kvpool.keys import chunk_keys
 from kvshare.kvpool.launch import PoolProcess
 from kvshare.kvpool.page import HEADER_BYTES
@@ -99,12 +99,12 @@ def test_a_corrupt_restore_is_discarded_and_recomputed(llm: LLM, reference: Requ
 def test_unverified_the_corrupt_page_would_change_the_answer(llm: LLM, reference: RequestOutput) -> None:
     connector = connector_of(llm)
     corrupt_chunk(connector, 1)
-    options = connector.options
-    connector.options = dataclasses.replace(options, verify=False)
+    faults = connector.faults
+    connector.faults = FaultInjection(skip_checksums=True)
     try:
         out = answer(llm)
     finally:
-        connector.options = options
+        connector.faults = faults
     assert out.pool_hit_tokens == 512
     assert out.token_ids != reference.token_ids
 

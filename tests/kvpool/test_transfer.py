@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from kvshare.engine.connector import KVCacheLayout
 from kvshare.kvpool.layout import PageLayout, checksum_constants, payload_checksum, payload_words
-from kvshare.kvpool.transfer import PageCopy, ThreadTransfer, page_groups
+from kvshare.kvpool.transfer import PageCopy, page_groups
+from kvshare.kvpool.transfer_cpu import ThreadTransfer
 from kvshare.models.presets import shape_preset
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from kvshare.kvpool import index as pool_index
 from kvshare.kvpool.daemon import PoolConfig, PoolDaemon
+from kvshare.kvpool.faults import FaultInjection
 from kvshare.kvpool.launch import PoolProcess
 from kvshare.validate.corruption import run_corruption_check
 from kvshare.validate.faults import run_killed_writer_check, run_lease_loss_check, run_restart_check
@@ -36,7 +37,8 @@ def test_corruption_detected_on_every_page(pools: PoolFactory) -> None:
 
 
 def test_corruption_check_fails_when_checksums_are_skipped(pools: PoolFactory) -> None:
-    result = run_corruption_check(small_pool(pools).address, pages=8, verify=False)
+    result = run_corruption_check(small_pool(pools).address, pages=8,
+                                  faults=FaultInjection(skip_checksums=True))
     assert not result.passed
     assert result.counts["served_corrupt"] == 8
 
@@ -113,6 +115,7 @@ def test_a_restore_whose_lease_died_with_the_daemon_is_caught_when_kept(pools: P
     result = run_lease_loss_check(pool.address, pool.stop, pool.start)
     assert result.passed, result.failures
     assert result.counts["lost_leases"] == 1 and result.counts["load_failures"] == 1
-    broken = run_lease_loss_check(pool.address, pool.stop, pool.start, keep_lost_lease_restores=True)
+    broken = run_lease_loss_check(pool.address, pool.stop, pool.start,
+                                  faults=FaultInjection(keep_lost_lease_restores=True))
     assert not broken.passed
     assert any("discarded restore" in failure for failure in broken.failures), broken.failures

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from kvshare.engine.block_manager import check_cache_salt
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.connector import KVConnector
 from kvshare.engine.llm_engine import LLMEngine, RequestOutput
 from kvshare.engine.sampling_params import SamplingParams
+from kvshare.kvpool.connector import PoolConnector
+from kvshare.kvpool.faults import FaultInjection
 from kvshare.models.loader import LoadedModel, load_model
+from kvshare.spec import DEFAULT_CHUNK_TOKENS
 
 _log = logging.getLogger(__name__)
 
@@ -27,7 +30,7 @@ class LLM:
     it (reconnecting on later requests); with `require_kv_pool=True` it is KVPoolUnreachable
     instead. A pool lost later is recomputed around, counted, never an error.
 
-    `kv_pool_options` are extra ConnectorOptions (test-only switches). Extra keyword
+    `kv_pool_faults` breaks the pool connector on purpose (checks and tests). Extra keyword
     arguments are EngineConfig fields (block_size, max_num_batched_tokens,
     kv_cache_memory, ...). `weights_seed` picks the random weights of a shape:NAME model.
     The constructor's `cache_salt` salts every pool key of this LLM (a deployment-wide
@@ -37,28 +40,22 @@ class LLM:
     def __init__(self, model: str, *, device: str = "cpu", dtype: str = "auto",
                  kv_pool: str | KVConnector | None = None, require_kv_pool: bool = False,
                  weights_seed: int = 0,
-                 chunk_tokens: int = 256, cache_salt: str = "",
-                 kv_pool_options: Mapping[str, object] | None = None,
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, cache_salt: str = "",
+                 kv_pool_faults: FaultInjection | None = None,
                  **engine_options: object) -> None:
         self.config = EngineConfig(device=device, dtype=dtype, **engine_options)  # type: ignore[arg-type]
         self.loaded: LoadedModel = load_model(model, device=device, dtype=self.config.resolved_dtype,
                                               seed=weights_seed)
-        connector = kv_pool
+        pool = None
         if isinstance(kv_pool, str):
-            from kvshare.kvpool.connector import PoolConnector
-
-            connector = PoolConnector.for_model(kv_pool, self.loaded, chunk_tokens=chunk_tokens,
-                                                cache_salt=cache_salt, **(kv_pool_options or {}))
-        self.engine = LLMEngine(self.loaded, self.config, connector)
-        if isinstance(kv_pool, str):
-            self._check_pool_reached(kv_pool, require_kv_pool)
+            pool = PoolConnector.for_model(kv_pool, self.loaded, chunk_tokens=chunk_tokens,
+                                           cache_salt=cache_salt, faults=kv_pool_faults)
+        self.engine = LLMEngine(self.loaded, self.config, pool or kv_pool)  # binds the connector
+        if pool is not None:
+            self._check_pool_reached(pool, str(kv_pool), require_kv_pool)
         self._ids = itertools.count()
 
-    def _check_pool_reached(self, address: str, required: bool) -> None:
-        from kvshare.kvpool.connector import PoolConnector
-
-        connector = self.engine.connector
-        assert isinstance(connector, PoolConnector)
+    def _check_pool_reached(self, connector: PoolConnector, address: str, required: bool) -> None:
         if (reason := connector.bind_failure) is None:
             return
         if required:

@@ -1,0 +1,51 @@
+"""Deliberate faults, so the checks and tests can prove they catch what each one breaks.
+
+Production code never builds a `FaultInjection`: the pool's connector and transfers take
+one as an optional constructor argument whose default, None, means no fault. Only
+`kvshare.validate`, the tests, and the hidden `--unsafe-*` flags of `kvshare serve` (the way
+`kvshare validate regression` breaks a served replica) build one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+BreakOrder = Literal["", "store", "load"]
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Each field breaks one guarantee; the default of each is "not broken".
+
+    - `break_order`: drop the stream dependency of stores ("store": the copy may read the
+      blocks before the compute wrote them) or loads ("load": compute may read the blocks
+      before the copy wrote them, and the load reports done at once).
+    - `load_delay`: seconds every load copy waits first (on CUDA as GPU sleep cycles), so a
+      broken order shows as wrong bytes.
+    - `skip_checksums`: a restore whose header or checksums disagree is kept.
+    - `skip_state_restore`: hybrid models restore the KV but not the recurrent state.
+    - `keep_lost_lease_restores`: a restore is kept although its lease was lost.
+    """
+
+    break_order: BreakOrder = ""
+    load_delay: float = 0.0
+    skip_checksums: bool = False
+    skip_state_restore: bool = False
+    keep_lost_lease_restores: bool = False
+
+    def __post_init__(self) -> None:
+        if self.break_order not in ("", "store", "load"):
+            raise ValueError(f"unknown break_order {self.break_order!r}")
+        if self.load_delay < 0:
+            raise ValueError(f"load_delay must be >= 0, got {self.load_delay}")
+
+
+def breaks(faults: FaultInjection | None, order: BreakOrder) -> bool:
+    """Whether `faults` drops the stream dependency of `order` ("store" or "load")."""
+    return faults is not None and faults.break_order == order
+
+
+def injected_delay(faults: FaultInjection | None) -> float:
+    """Seconds every load copy waits first (0: none)."""
+    return 0.0 if faults is None else faults.load_delay

@@ -1,0 +1,146 @@
+"""`ThreadTransfer`: the `Transfer` of a CPU cache. One worker thread runs jobs in order,
+reading/writing the arena directly; a store waits for its fence (the compute that wrote
+its blocks) and a job is done only when its copies are."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from kvshare.kvpool.faults import FaultInjection, breaks, injected_delay
+from kvshare.kvpool.layout import PageLayout, checksum_constants, payload_checksum, payload_words
+from kvshare.kvpool.transfer import PageCopy, Transfer, TransferJob, copied_segments
+
+_log = logging.getLogger(__name__)
+
+
+class _ThreadJob(TransferJob):
+    def __init__(self, num_pages: int, num_segments: int, always_done: bool) -> None:
+        super().__init__(num_pages, num_segments, always_done)
+        self.finished = threading.Event()
+        self.sums = np.zeros((num_pages, 2, 2), dtype=np.int64)
+
+    def _completed(self) -> bool:
+        return self.finished.is_set()
+
+    def wait(self) -> None:
+        self.finished.wait()
+
+    def _checksum_array(self) -> np.ndarray:
+        return self.sums
+
+
+class ThreadTransfer(Transfer):
+    """CPU: one worker thread runs jobs in order, reading/writing the arena directly."""
+
+    def __init__(self, kv: torch.Tensor, layout: PageLayout, faults: FaultInjection | None = None) -> None:
+        super().__init__(kv, layout, faults)
+        self.delay_seconds = injected_delay(faults)
+        self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.worker = threading.Thread(target=self._run, name="kvshare-transfer", daemon=True)
+        self.worker.start()
+
+    def _run(self) -> None:
+        while True:
+            self.jobs.get()()
+
+    def page_view(self, data: torch.Tensor, nbytes: int) -> torch.Tensor:
+        """Bytes of a page as [slots, K|V, blocks, block_size, kv_heads, head_dim]."""
+        kv = self.kv
+        slots = nbytes // self.layout.slot_bytes
+        return data[:nbytes].view(kv.dtype).view(slots, 2, self.layout.blocks_per_page, *kv.shape[3:])
+
+    def _page(self, c: PageCopy) -> torch.Tensor:
+        assert self.arena is not None
+        return self.arena[c.offset:c.offset + c.nbytes]
+
+    def _checksums(self, job: _ThreadJob, i: int, data: torch.Tensor, key: bytes) -> None:
+        constants, words = checksum_constants(key), payload_words(data)
+        for s, (lo, hi) in enumerate(self.layout.segments(data.numel())):
+            job.sums[i, s] = payload_checksum(words[lo // 8:hi // 8], constants, lo // 8).view(np.int64)
+
+    def _submit(self, job: _ThreadJob, work: Callable[[], None], ready: threading.Event | None = None) -> None:
+        """Run work() on the worker after `ready` (unless store ordering is broken); a
+        failure marks the job failed and never kills the worker."""
+
+        def run() -> None:
+            try:
+                if ready is not None and not breaks(self.faults, "store"):
+                    ready.wait()
+                work()
+            except Exception:
+                _log.exception("pool copy failed")
+                job.failed = True
+            finally:
+                job.finished.set()
+
+        self.jobs.put(run)
+
+    def load(self, copies: Sequence[PageCopy]) -> TransferJob:
+        job = _ThreadJob(len(copies), copied_segments(self.layout, copies), breaks(self.faults, "load"))
+
+        def work() -> None:
+            if self.delay_seconds:
+                time.sleep(self.delay_seconds)
+            for i, c in enumerate(copies):
+                data = self._page(c)
+                self._checksums(job, i, data, c.key)
+                view = self.page_view(data, c.nbytes)
+                idx = torch.tensor(c.blocks[c.first_block:], dtype=torch.int64)
+                self.kv[:view.shape[0]].index_copy_(2, idx, view[:, :, c.first_block:])
+
+        self._submit(job, work)
+        return job
+
+    def store(self, copies: Sequence[PageCopy], ready: threading.Event | None = None) -> TransferJob:
+        job = _ThreadJob(len(copies), copied_segments(self.layout, copies), False)
+
+        def work() -> None:
+            for i, c in enumerate(copies):
+                data = self._page(c)
+                # Only the page's slots: index_select resizes `out` to its input's slots.
+                view = self.page_view(data, c.nbytes)
+                torch.index_select(self.kv[:view.shape[0]], 2, torch.tensor(c.blocks, dtype=torch.int64),
+                                   out=view)
+                self._checksums(job, i, data, c.key)
+
+        self._submit(job, work, ready)
+        return job
+
+    def _raw_checksum(self, job: _ThreadJob, data: torch.Tensor, key: bytes) -> None:
+        job.sums[0, 0] = payload_checksum(payload_words(data), checksum_constants(key)).view(np.int64)
+
+    def load_raw(self, offset: int, row: torch.Tensor, key: bytes) -> TransferJob:
+        job = _ThreadJob(1, 1, breaks(self.faults, "load"))
+        page = self._page(PageCopy(offset, row.numel(), (), key))
+
+        def work() -> None:
+            if self.delay_seconds:
+                time.sleep(self.delay_seconds)
+            self._raw_checksum(job, row.copy_(page), key)
+
+        self._submit(job, work)
+        return job
+
+    def store_raw(self, offset: int, row: torch.Tensor, key: bytes,
+                  ready: threading.Event | None = None) -> TransferJob:
+        job = _ThreadJob(1, 1, False)
+        page = self._page(PageCopy(offset, row.numel(), (), key))
+        self._submit(job, lambda: self._raw_checksum(job, page.copy_(row), key), ready)
+        return job
+
+    def consume(self, job: TransferJob) -> None:
+        """The CPU has no stream to order: the engine thread waits for the worker here."""
+        if not breaks(self.faults, "load"):
+            job.wait()
+
+    def synchronize(self) -> None:
+        barrier = threading.Event()
+        self.jobs.put(barrier.set)
+        barrier.wait()

@@ -1,0 +1,81 @@
+"""Load/store planning and restore verification, without a daemon or a transfer."""
+
+from __future__ import annotations
+
+import torch
+
+from kvshare.kvpool.client import PageRef
+from kvshare.kvpool.layout import CHECKSUM_BYTES, LAYOUT_VERSION, PageLayout
+from kvshare.kvpool.page import HEADER_BYTES, PageHeader
+from kvshare.kvpool.plan import plan_load, plan_store, storable_chunks
+from kvshare.kvpool.verify import checksums_match, header_matches
+
+# 2 blocks per page; 3 cache slots, the first 2 global, 128 bytes each
+LAYOUT = PageLayout(chunk_tokens=32, block_size=16, num_slots=3, num_global_slots=2, slot_bytes=128,
+                    dtype=torch.float32)
+
+
+def page(j: int, checksum: bytes = b"") -> PageRef:
+    return PageRef(bytes([j]) * 16, 4096 * (j + 1), LAYOUT.payload_bytes, checksum)
+
+
+def test_a_load_copies_only_the_chunks_past_the_local_prefix() -> None:
+    pages = [page(j) for j in range(4)]
+    table = list(range(100, 110))
+    plan = plan_load(pages, 40, table, LAYOUT, sliding_window=None)  # 40: inside chunk 1
+    assert [c.key for c in plan.copies] == [pages[1].key, pages[2].key, pages[3].key]
+    assert plan.copies[0].blocks == (102, 103) and plan.copies[0].first_block == 0  # 40 // 16 - 2
+    assert plan.copies[0].offset == pages[1].offset + HEADER_BYTES
+    assert plan.held == (102, 103, 104, 105, 106, 107)  # block 101 (the local prefix's) untouched
+    assert plan.incomplete == () and plan.segments == (2, 2, 2)
+    assert (plan.resume_chunks, plan.hit_tokens) == (4, 128 - 40)
+    assert plan.nbytes == 3 * LAYOUT.payload_bytes
+
+
+def test_a_load_keeps_the_first_block_a_partial_chunk_already_has() -> None:
+    plan = plan_load([page(0), page(1)], 16, [7, 8, 9, 10], LAYOUT, sliding_window=None)
+    assert plan.copies[0].first_block == 1 and plan.held == (8, 9, 10)
+
+
+def test_chunks_before_the_window_bring_only_global_layers() -> None:
+    pages = [page(j) for j in range(4)]
+    plan = plan_load(pages, 0, list(range(8)), LAYOUT, sliding_window=40)
+    # resume 128: queries read keys from 89 on, chunk 2 on in full
+    assert [c.nbytes for c in plan.copies] == [LAYOUT.global_bytes] * 2 + [LAYOUT.payload_bytes] * 2
+    assert plan.incomplete == (0, 1, 2, 3)
+    assert plan.segments == (1, 1, 2, 2)
+
+
+def test_a_store_copies_complete_reserved_chunks_chained_to_their_parents() -> None:
+    keys = [bytes([j]) * 16 for j in range(4)]
+    table = list(range(8))
+    incomplete = {3}
+    chunks = storable_chunks(0, 4, table, LAYOUT.blocks_per_page, lambda bs: not set(bs) & incomplete)
+    assert chunks == [0, 2, 3]  # chunk 1 (blocks 2, 3) is incomplete
+    reserved = {keys[0]: page(0), keys[3]: page(3)}  # chunk 2 is in the pool already
+    plan = plan_store(chunks, keys, reserved, table, LAYOUT, chain_seed=b"seed")
+    assert [p.key for p in plan.pages] == [keys[0], keys[3]]
+    assert plan.parents == (b"seed", keys[2])
+    assert plan.held == (0, 1, 6, 7)
+    assert all(c.nbytes == LAYOUT.payload_bytes and c.first_block == 0 for c in plan.copies)
+
+
+def test_a_header_matches_only_the_page_the_daemon_vouched_for() -> None:
+    sums = b"\x01" * CHECKSUM_BYTES * 2
+    ref = page(1, sums)
+    header = PageHeader(LAYOUT_VERSION, ref.key, b"\0" * 16, ref.payload_bytes, sums).pack()
+    assert header_matches(header, ref, ref.payload_bytes)
+    assert not header_matches(header, page(2, sums), ref.payload_bytes)  # another page's slot
+    assert not header_matches(header, ref, ref.payload_bytes - 1)
+    assert not header_matches(header, page(1, b"\x02" * CHECKSUM_BYTES * 2), ref.payload_bytes)
+    torn = bytearray(header)
+    torn[HEADER_BYTES // 2] ^= 0xFF
+    assert not header_matches(bytes(torn), ref, ref.payload_bytes)  # CRC catches it
+
+
+def test_checksums_compare_only_the_segments_copied() -> None:
+    first, second = b"\x01" * CHECKSUM_BYTES, b"\x02" * CHECKSUM_BYTES
+    ref = page(0, first + second)
+    assert checksums_match(ref, [first, second], 2)
+    assert checksums_match(ref, [first, b"junk"], 1)  # global layers only
+    assert not checksums_match(ref, [first, b"\x03" * CHECKSUM_BYTES], 2)
