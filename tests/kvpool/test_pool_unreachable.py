@@ -10,8 +10,8 @@ import pytest
 
 from kvshare import LLM
 from kvshare.cli import main
-from kvshare.llm import KVPoolUnreachable
 from kvshare.kvpool.launch import PoolProcess
+from kvshare.llm import KVPoolUnreachable
 from tests.kvpool.pool_fixture import PoolFactory
 
 MODEL = "shape:tiny-llama"
