@@ -1,6 +1,6 @@
 """The engine's only view of an external KV store (the shared pool): `KVConnector`.
 
-Ordering contract between engine and connector (ARCHITECTURE.md, "Ordering rules"):
+Ordering contract between engine and connector (docs/architecture.md, "Ordering rules"):
 - `match` reports how many tokens beyond the GPU-local prefix the store can restore and
   keeps them pinned until `load` or `cancel`.
 - `load` writes only into the blocks it is given for the matched range, which the engine
