@@ -4,16 +4,21 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint install install-test clean
+.PHONY: demo test lint format install install-test clean
 
 demo: install
 	$(BIN)/kvshare demo
 
-test: install-test
+test: install-test lint
 	$(BIN)/python -m pytest -q -ra
 
+# One style: ruff's lint rules and ruff format (pyproject.toml); `make format` applies it.
 lint: install-test
-	$(BIN)/ruff check kvshare tests
+	$(BIN)/ruff check kvshare tests scripts
+	$(BIN)/ruff format --check kvshare tests scripts
+
+format: install-test
+	$(BIN)/ruff format kvshare tests scripts
 
 install: $(VENV)/.installed
 

@@ -27,8 +27,12 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if (not action.option_strings or "default" in text or default in (None, False, "", ())
-                or default is argparse.SUPPRESS):
+        if (
+            not action.option_strings
+            or "default" in text
+            or default in (None, False, "", ())
+            or default is argparse.SUPPRESS
+        ):
             return text
         return f"{text} (default: %(default)s)"
 
@@ -63,9 +67,19 @@ def apply_conventions(parser: argparse.ArgumentParser, environ: Mapping[str, str
 
 def _env_default(action: argparse.Action, environ: Mapping[str, str]) -> bool:
     """Set `action`'s default from its KVSHARE_ variable; True when there was one."""
-    if (not action.option_strings or action.help == argparse.SUPPRESS
-            or isinstance(action, (argparse._HelpAction, argparse._VersionAction,
-                                   argparse._AppendAction, argparse._CountAction))):
+    if (
+        not action.option_strings
+        or action.help == argparse.SUPPRESS
+        or isinstance(
+            action,
+            (
+                argparse._HelpAction,
+                argparse._VersionAction,
+                argparse._AppendAction,
+                argparse._CountAction,
+            ),
+        )
+    ):
         return False
     name = env_name(action)
     value = environ.get(name)
@@ -95,7 +109,8 @@ def _one_of(choices: tuple, convert: object) -> object:
         value = convert(text) if callable(convert) else text
         if value not in choices:
             raise argparse.ArgumentTypeError(
-                f"invalid choice: {text!r} (choose from {', '.join(map(str, choices))})")
+                f"invalid choice: {text!r} (choose from {', '.join(map(str, choices))})"
+            )
         return value
 
     return checked

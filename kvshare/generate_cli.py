@@ -19,8 +19,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("prompt", help="the prompt text")
     parser.add_argument("--chat", action="store_true", help="apply the model's chat template")
     parser.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
-    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest token set of this probability")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)"
+    )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: smallest token set of this probability",
+    )
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     parser.add_argument("--kv-pool", default=None, help="unix:/path/to/pool.sock")
     add_require_pool_argument(parser)
@@ -36,12 +43,20 @@ def _generate(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, seed=args.seed)
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
         check_engine_fits(args)
         start = time.monotonic()
-        llm = LLM(args.model, kv_pool=args.kv_pool, require_kv_pool=args.require_kv_pool,
-                  **engine_options(args))  # type: ignore[arg-type]
+        llm = LLM(
+            args.model,
+            kv_pool=args.kv_pool,
+            require_kv_pool=args.require_kv_pool,
+            **engine_options(args),
+        )  # type: ignore[arg-type]
         console.print(f"[dim]loaded {llm.loaded.name} in {time.monotonic() - start:.1f} s[/dim]")
         start = time.monotonic()
         if args.chat:

@@ -37,19 +37,33 @@ class LLM:
     namespace); `generate(..., cache_salt=...)` isolates one call's requests (a tenant).
     """
 
-    def __init__(self, model: str, *, device: str = "cpu", dtype: str = "auto",
-                 kv_pool: str | KVConnector | None = None, require_kv_pool: bool = False,
-                 weights_seed: int = 0,
-                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, cache_salt: str = "",
-                 kv_pool_faults: FaultInjection | None = None,
-                 **engine_options: object) -> None:
+    def __init__(
+        self,
+        model: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "auto",
+        kv_pool: str | KVConnector | None = None,
+        require_kv_pool: bool = False,
+        weights_seed: int = 0,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        cache_salt: str = "",
+        kv_pool_faults: FaultInjection | None = None,
+        **engine_options: object,
+    ) -> None:
         self.config = EngineConfig(device=device, dtype=dtype, **engine_options)  # type: ignore[arg-type]
-        self.loaded: LoadedModel = load_model(model, device=device, dtype=self.config.resolved_dtype,
-                                              seed=weights_seed)
+        self.loaded: LoadedModel = load_model(
+            model, device=device, dtype=self.config.resolved_dtype, seed=weights_seed
+        )
         pool = None
         if isinstance(kv_pool, str):
-            pool = PoolConnector.for_model(kv_pool, self.loaded, chunk_tokens=chunk_tokens,
-                                           cache_salt=cache_salt, faults=kv_pool_faults)
+            pool = PoolConnector.for_model(
+                kv_pool,
+                self.loaded,
+                chunk_tokens=chunk_tokens,
+                cache_salt=cache_salt,
+                faults=kv_pool_faults,
+            )
         self.engine = LLMEngine(self.loaded, self.config, pool or kv_pool)  # binds the connector
         if pool is not None:
             self._check_pool_reached(pool, str(kv_pool), require_kv_pool)
@@ -60,10 +74,15 @@ class LLM:
             return
         if required:
             connector.close()
-            raise KVPoolUnreachable(f"kv pool {address} unreachable ({reason}) and a pool is required")
-        _log.warning("kv pool %s unreachable (%s): running without the pool until it answers; "
-                     "pass --require-kv-pool (LLM(require_kv_pool=True)) to make this an error",
-                     address, reason)
+            raise KVPoolUnreachable(
+                f"kv pool {address} unreachable ({reason}) and a pool is required"
+            )
+        _log.warning(
+            "kv pool %s unreachable (%s): running without the pool until it answers; "
+            "pass --require-kv-pool (LLM(require_kv_pool=True)) to make this an error",
+            address,
+            reason,
+        )
 
     @property
     def tokenizer(self):
@@ -76,16 +95,26 @@ class LLM:
             return self.loaded.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
-    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None, *,
-             cache_salt: str | None = None) -> RequestOutput:
+    def chat(
+        self,
+        messages: list[dict[str, str]],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> RequestOutput:
         if self.loaded.tokenizer is None:
             raise ValueError(f"model {self.loaded.name!r} has no tokenizer or chat template")
-        return self.generate([self.loaded.tokenizer.encode_chat(messages)], params,
-                             cache_salt=cache_salt)[0]
+        return self.generate(
+            [self.loaded.tokenizer.encode_chat(messages)], params, cache_salt=cache_salt
+        )[0]
 
-    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 cache_salt: str | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs come back in prompt order.
 
         `cache_salt` (a non-empty string, as in vLLM) isolates these prompts' prefix cache,

@@ -44,22 +44,35 @@ def check_device(device: str) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        build = f"a CPU build ({torch.__version__})" if torch.version.cuda is None else \
-            f"built for CUDA {torch.version.cuda}, but sees no GPU"
-        raise ValueError(f"--device {device}: no CUDA GPU is usable here (torch is {build}); "
-                         "use --device cpu")
+        build = (
+            f"a CPU build ({torch.__version__})"
+            if torch.version.cuda is None
+            else f"built for CUDA {torch.version.cuda}, but sees no GPU"
+        )
+        raise ValueError(
+            f"--device {device}: no CUDA GPU is usable here (torch is {build}); use --device cpu"
+        )
     if index and int(index) >= torch.cuda.device_count():
-        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA "
-                         f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+        raise ValueError(
+            f"--device {device}: this machine has {torch.cuda.device_count()} CUDA "
+            f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}"
+        )
 
 
-def memory_need(model: str, device: str, dtype: str, kv_cache_memory: int | None) -> MemoryNeed | None:
+def memory_need(
+    model: str, device: str, dtype: str, kv_cache_memory: int | None
+) -> MemoryNeed | None:
     """The estimate for `model` (shape:NAME or a local file/folder); None when it is unknown."""
-    resolved = dtype if dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    resolved = (
+        dtype if dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    )
     if resolved not in _ITEM_BYTES:
         return None
-    kv = kv_cache_memory if kv_cache_memory is not None else \
-        (0 if device.startswith("cuda") else CPU_KV_CACHE_BYTES)
+    kv = (
+        kv_cache_memory
+        if kv_cache_memory is not None
+        else (0 if device.startswith("cuda") else CPU_KV_CACHE_BYTES)
+    )
     if model.startswith("shape:"):
         from kvshare.models.presets import SHAPE_PRESETS
 
@@ -96,12 +109,14 @@ def check_up(config: UpConfig) -> None:
     from kvshare.engine.config import EngineConfig
 
     engine = EngineConfig.from_argv(config.engine_args)
-    check_model_fits(config.model, config.device, engine.dtype, engine.kv_cache_memory,
-                     engines=config.replicas)
+    check_model_fits(
+        config.model, config.device, engine.dtype, engine.kv_cache_memory, engines=config.replicas
+    )
 
 
-def check_model_fits(model: str, device: str, dtype: str, kv_cache_memory: int | None = None,
-                     engines: int = 1) -> None:
+def check_model_fits(
+    model: str, device: str, dtype: str, kv_cache_memory: int | None = None, engines: int = 1
+) -> None:
     """`engines` engines of `model` fit in `device`'s memory (estimated; unknown models pass)."""
     check_device(device)
     need = memory_need(model, device, dtype, kv_cache_memory)
@@ -116,4 +131,5 @@ def check_model_fits(model: str, device: str, dtype: str, kv_cache_memory: int |
     raise ValueError(
         f"{model} needs about {what}{format_size(need.total)} (weights {format_size(need.weights_bytes)} "
         f"in {need.dtype}{kv}) but {device} has {format_size(have)} {where}: use a smaller model, "
-        f"{'--dtype bfloat16, ' if need.dtype == 'float32' else ''}fewer replicas or another device")
+        f"{'--dtype bfloat16, ' if need.dtype == 'float32' else ''}fewer replicas or another device"
+    )

@@ -31,9 +31,15 @@ class Table:
         return table
 
     def markdown(self) -> str:
-        lines = [f"### {self.title}", "", "| " + " | ".join(self.headers) + " |",
-                 "|" + "|".join("---" if i < 2 else "---:" for i in range(len(self.headers))) + "|"]
-        lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in self.rows]
+        lines = [
+            f"### {self.title}",
+            "",
+            "| " + " | ".join(self.headers) + " |",
+            "|" + "|".join("---" if i < 2 else "---:" for i in range(len(self.headers))) + "|",
+        ]
+        lines += [
+            "| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in self.rows
+        ]
         return "\n".join(lines)
 
 

@@ -64,8 +64,9 @@ class Setup:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         block_size = 16
         self.num_pages = tokens // chunk_tokens
-        cache = KVCacheLayout.allocate(config, self.num_pages * chunk_tokens // block_size, block_size,
-                                       dtype, device)
+        cache = KVCacheLayout.allocate(
+            config, self.num_pages * chunk_tokens // block_size, block_size, dtype, device
+        )
         for slot in range(cache.num_slots):
             cache.kv[slot].normal_()
         self.device = device
@@ -81,19 +82,24 @@ class Setup:
                 status = cudart.cudaHostRegister(ptr, min(piece, self.arena.numel() - start), 0)
                 assert int(status) == 0, f"cudaHostRegister failed: {status}"
                 self.registered.append(ptr)
-        self.transfer: Transfer = (CudaTransfer(cache.kv, self.layout) if device.type == "cuda"
-                                   else ThreadTransfer(cache.kv, self.layout))
+        self.transfer: Transfer = (
+            CudaTransfer(cache.kv, self.layout)
+            if device.type == "cuda"
+            else ThreadTransfer(cache.kv, self.layout)
+        )
         self.transfer.set_arena(self.arena)
         bpp = self.layout.blocks_per_page
         self.keys = [p.to_bytes(8, "little") + b"gpu-csum" for p in range(self.num_pages)]
         self.blocks = [tuple(range(p * bpp, (p + 1) * bpp)) for p in range(self.num_pages)]
 
     def copies(self, nbytes: int) -> list[PageCopy]:
-        return [PageCopy(p * self.layout.payload_bytes, nbytes, self.blocks[p], self.keys[p])
-                for p in range(self.num_pages)]
+        return [
+            PageCopy(p * self.layout.payload_bytes, nbytes, self.blocks[p], self.keys[p])
+            for p in range(self.num_pages)
+        ]
 
     def page(self, p: int) -> torch.Tensor:
-        return self.arena[p * self.layout.payload_bytes:(p + 1) * self.layout.payload_bytes]
+        return self.arena[p * self.layout.payload_bytes : (p + 1) * self.layout.payload_bytes]
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -109,8 +115,10 @@ class Setup:
 
 def cpu_checksums(setup: Setup, p: int) -> list[bytes]:
     words, constants = payload_words(setup.page(p)), checksum_constants(setup.keys[p])
-    return [payload_checksum(words[lo // 8:hi // 8], constants, lo // 8).tobytes()
-            for lo, hi in setup.layout.segments(setup.layout.payload_bytes)]
+    return [
+        payload_checksum(words[lo // 8 : hi // 8], constants, lo // 8).tobytes()
+        for lo, hi in setup.layout.segments(setup.layout.payload_bytes)
+    ]
 
 
 def load_checksums(setup: Setup, nbytes: int) -> list[list[bytes]]:
@@ -137,8 +145,12 @@ def checks(setup: Setup) -> dict:
     store.wait()
     setup.sync()
     stored = store.checksums()
-    out: dict[str, object] = {"pages": setup.num_pages, "page_bytes": layout.payload_bytes,
-                              "global_bytes": layout.global_bytes, "segments": layout.num_segments}
+    out: dict[str, object] = {
+        "pages": setup.num_pages,
+        "page_bytes": layout.payload_bytes,
+        "global_bytes": layout.global_bytes,
+        "segments": layout.num_segments,
+    }
     last = setup.num_pages - 1
     out["device_equals_cpu"] = all(stored[p] == cpu_checksums(setup, p) for p in (0, last))
     out["load_verifies"] = load_checksums(setup, layout.payload_bytes) == stored
@@ -151,8 +163,12 @@ def checks(setup: Setup) -> dict:
     crafted, word = setup.num_pages // 2, 1000
     rewrite(setup, crafted, word, 0x1234_5678_9ABC_DEF1, 1)
     got = load_checksums(setup, layout.payload_bytes)
-    failed = {(p, s) for p in range(setup.num_pages) for s in range(layout.num_segments)
-              if got[p][s] != stored[p][s]}
+    failed = {
+        (p, s)
+        for p in range(setup.num_pages)
+        for s in range(layout.num_segments)
+        if got[p][s] != stored[p][s]
+    }
     expected = {(p, 0 if byte < layout.global_bytes else 1) for p, (byte, _) in corrupt.items()}
     expected.add((crafted, 0 if layout.global_bytes > 8 * (word + 2) else 1))
     out["corrupt_segments_failed"] = sorted(failed)
@@ -161,8 +177,15 @@ def checks(setup: Setup) -> dict:
         flip_bit(setup, p, byte, bit)
     rewrite(setup, crafted, word, 0x1234_5678_9ABC_DEF1, -1)
     out["restored_pages_verify"] = load_checksums(setup, layout.payload_bytes) == stored
-    out["passed"] = all(out[k] for k in ("device_equals_cpu", "load_verifies", "exactly_corrupt_fail",
-                                         "restored_pages_verify"))
+    out["passed"] = all(
+        out[k]
+        for k in (
+            "device_equals_cpu",
+            "load_verifies",
+            "exactly_corrupt_fail",
+            "restored_pages_verify",
+        )
+    )
     out["stored_checksums"] = stored  # for the timed loads' comparison; dropped from the JSON
     return out
 
@@ -196,6 +219,7 @@ def raw_copy(setup: Setup, nbytes: int) -> Callable[[], None]:
                     staging[p % 2].copy_(src, non_blocking=True)
         if stream is not None:
             stream.synchronize()
+
     return run
 
 
@@ -205,6 +229,7 @@ def verified_load(setup: Setup, nbytes: int, stored: list[list[bytes]]) -> Calla
     def run() -> None:
         got = load_checksums(setup, nbytes)
         assert all(g[:n] == s[:n] for g, s in zip(got, stored, strict=True)), "a good page failed"
+
     return run
 
 
@@ -222,7 +247,9 @@ def timings(setup: Setup, stored: list[list[bytes]], repeats: int) -> dict:
             kernel = setup.transfer.checksum_rows
             setup.transfer.checksum_rows = lambda *args, **kwargs: None
             try:
-                res["load_unverified_s"] = timed(setup, partial(load_checksums, setup, nbytes), repeats)
+                res["load_unverified_s"] = timed(
+                    setup, partial(load_checksums, setup, nbytes), repeats
+                )
             finally:
                 setup.transfer.checksum_rows = kernel
         for key in [k for k in res if k.endswith("_s")]:
@@ -243,9 +270,13 @@ def kernel_alone(setup: Setup, repeats: int) -> float:
 
     nbytes = setup.layout.payload_bytes
     row = setup.page(0).to(setup.device).view(1, nbytes)
-    constants = torch.from_numpy(checksum_constants(setup.keys[0]).view(np.int64)[None]).to(setup.device)
+    constants = torch.from_numpy(checksum_constants(setup.keys[0]).view(np.int64)[None]).to(
+        setup.device
+    )
     sums = torch.zeros(1, 2, 2, dtype=torch.int64, device=setup.device)
-    seconds = timed(setup, lambda: checksum_rows(row, constants, sums, setup.layout.global_bytes), repeats)
+    seconds = timed(
+        setup, lambda: checksum_rows(row, constants, sums, setup.layout.global_bytes), repeats
+    )
     return nbytes / seconds / 1e9
 
 
@@ -254,13 +285,17 @@ def table(results: dict) -> str:
     for name in ("full", "global"):
         res = results.get("timings", {}).get(name)
         if res:
-            lines.append(f"{name:<8} {res['raw_GBps']:>9.2f} {res['load_GBps']:>10.2f} "
-                         f"{res.get('load_unverified_GBps', float('nan')):>11.2f} {res['load_over_raw']:>9.3f}")
+            lines.append(
+                f"{name:<8} {res['raw_GBps']:>9.2f} {res['load_GBps']:>10.2f} "
+                f"{res.get('load_unverified_GBps', float('nan')):>11.2f} {res['load_over_raw']:>9.3f}"
+            )
     t = results.get("timings", {})
     if "kernel_alone_GBps" in t:
         lines.append(f"checksum kernel alone over one page: {t['kernel_alone_GBps']:.0f} GB/s")
     c = results.get("checks", {})
-    lines.append(f"checks passed: {c.get('passed')}   load/raw >= {TARGET_RATIO}: {t.get('meets_target')}")
+    lines.append(
+        f"checks passed: {c.get('passed')}   load/raw >= {TARGET_RATIO}: {t.get('meets_target')}"
+    )
     return "\n".join(lines)
 
 
@@ -271,7 +306,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=131072)
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true", help="CPU, tiny-gemma3, 2048 tokens: the script's logic only")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU, tiny-gemma3, 2048 tokens: the script's logic only",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -279,8 +318,13 @@ def main() -> None:
         device, args.shape, args.tokens = torch.device("cpu"), "tiny-gemma3", 2048
     else:
         device = torch.device("cuda")
-    results: dict[str, object] = {"shape": args.shape, "tokens": args.tokens, "chunk_tokens": args.chunk_tokens,
-                                  "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    results: dict[str, object] = {
+        "shape": args.shape,
+        "tokens": args.tokens,
+        "chunk_tokens": args.chunk_tokens,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     if device.type == "cuda":
         results["gpu"] = torch.cuda.get_device_name()
     start = time.perf_counter()

@@ -46,11 +46,27 @@ def validate(out: Path) -> int:
     (pages of 13.6 MiB; the bytes and corruption checks use the gemma3-27b page layout,
     124 MiB). Token-identical answers need float32: in bf16 a near-tied greedy token flips
     with the batch shape of the recomputed suffix even when the restored bytes are exact."""
-    up = ("--replicas 2 --model shape:gemma3-1b --dtype float32 --device cuda --gpu-memory-fraction 0.3 "
-          "--pool-size 8GiB --pool-preallocate")
-    done = subprocess.run(kvshare("validate", "all", "--device", "cuda", "--up", up, "--trials", "10",
-                                  "--json", str(out / "validate_all_cuda.json")),
-                          env=env(), cwd=REPO, timeout=540)
+    up = (
+        "--replicas 2 --model shape:gemma3-1b --dtype float32 --device cuda --gpu-memory-fraction 0.3 "
+        "--pool-size 8GiB --pool-preallocate"
+    )
+    done = subprocess.run(
+        kvshare(
+            "validate",
+            "all",
+            "--device",
+            "cuda",
+            "--up",
+            up,
+            "--trials",
+            "10",
+            "--json",
+            str(out / "validate_all_cuda.json"),
+        ),
+        env=env(),
+        cwd=REPO,
+        timeout=540,
+    )
     return done.returncode
 
 
@@ -74,8 +90,14 @@ def start_cluster(out: Path, port: int, *up_args: str) -> subprocess.Popen:
     """`kvshare up` on `port` with its log in out/cluster-PORT.log; returns once the router answers
     and every replica has registered the whole pool arena with CUDA."""
     log = (out / f"cluster-{port}.log").open("w")
-    up = subprocess.Popen(kvshare("up", "--device", "cuda", "--pool-preallocate", "--port", str(port), *up_args),
-                          env=env(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    up = subprocess.Popen(
+        kvshare("up", "--device", "cuda", "--pool-preallocate", "--port", str(port), *up_args),
+        env=env(),
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     start = time.monotonic()
     while time.monotonic() - start < 300:
@@ -89,7 +111,9 @@ def start_cluster(out: Path, port: int, *up_args: str) -> subprocess.Popen:
         time.sleep(1)
     print(f"cluster ready in {time.monotonic() - start:.0f} s", flush=True)
     for replica in httpx.get(f"{url}/admin/replicas", timeout=10).json():
-        print(f"arena registered after {wait_registered(replica['url'], 240):.0f} s more", flush=True)
+        print(
+            f"arena registered after {wait_registered(replica['url'], 240):.0f} s more", flush=True
+        )
     return up
 
 
@@ -109,22 +133,63 @@ def bench27b(out: Path, lengths: str, per_block: int, pool_size: str) -> int:
     (out / "ceiling.json").write_text(json.dumps(ceiling))
     print("ceiling", ceiling, flush=True)
     max_len = max(int(x) for x in lengths.split(",")) + 256
-    up = start_cluster(out, 8180, "--replicas", "1", "--model", "shape:gemma3-27b",
-                       "--gpu-memory-fraction", "0.96", "--max-num-batched-tokens", "16384",
-                       "--max-num-seqs", "8", "--max-model-len", str(min(max_len, 131072)),
-                       "--pool-size", pool_size)
+    up = start_cluster(
+        out,
+        8180,
+        "--replicas",
+        "1",
+        "--model",
+        "shape:gemma3-27b",
+        "--gpu-memory-fraction",
+        "0.96",
+        "--max-num-batched-tokens",
+        "16384",
+        "--max-num-seqs",
+        "8",
+        "--max-model-len",
+        str(min(max_len, 131072)),
+        "--pool-size",
+        pool_size,
+    )
     failed = 0
     try:
-        for length in lengths.split(","):  # one run per length: a late timeout keeps earlier results
+        for length in lengths.split(
+            ","
+        ):  # one run per length: a late timeout keeps earlier results
             name = f"bench27b_{length}"
             try:
                 done = subprocess.run(
-                    kvshare("bench", "cross-replica", "--target", "http://127.0.0.1:8180", "--lengths", length,
-                            "--requests-per-block", str(per_block), "--replica-a", "0", "--replica-b", "0",
-                            "--shared-context", "--question-tokens", "32", "--output-tokens", "8",
-                            "--settle-timeout", "30", "--json", str(out / f"{name}.json"),
-                            "--markdown", str(out / f"{name}.md"), "--plot", str(out / f"{name}.png")),
-                    env=env(), cwd=REPO, timeout=max(1.0, deadline - time.monotonic()))
+                    kvshare(
+                        "bench",
+                        "cross-replica",
+                        "--target",
+                        "http://127.0.0.1:8180",
+                        "--lengths",
+                        length,
+                        "--requests-per-block",
+                        str(per_block),
+                        "--replica-a",
+                        "0",
+                        "--replica-b",
+                        "0",
+                        "--shared-context",
+                        "--question-tokens",
+                        "32",
+                        "--output-tokens",
+                        "8",
+                        "--settle-timeout",
+                        "30",
+                        "--json",
+                        str(out / f"{name}.json"),
+                        "--markdown",
+                        str(out / f"{name}.md"),
+                        "--plot",
+                        str(out / f"{name}.png"),
+                    ),
+                    env=env(),
+                    cwd=REPO,
+                    timeout=max(1.0, deadline - time.monotonic()),
+                )
                 failed += done.returncode != 0
             except subprocess.TimeoutExpired:
                 print(f"{name}: out of time", flush=True)
@@ -140,17 +205,56 @@ def two_replicas(out: Path, sessions: int, context: int, pool_size: str) -> int:
 
 def sessions_bench(out: Path, sessions: int, context: int, pool_size: str) -> int:
     """The blocked six-turn sessions bench on two qwen3-8b replicas sharing the GPU."""
-    up = start_cluster(out, 8280, "--replicas", "2", "--model", "shape:qwen3-8b",
-                       "--gpu-memory-fraction", "0.45", "--max-num-batched-tokens", "16384",
-                       "--max-num-seqs", "16", "--max-model-len", str(context + 8192),
-                       "--pool-size", pool_size)
+    up = start_cluster(
+        out,
+        8280,
+        "--replicas",
+        "2",
+        "--model",
+        "shape:qwen3-8b",
+        "--gpu-memory-fraction",
+        "0.45",
+        "--max-num-batched-tokens",
+        "16384",
+        "--max-num-seqs",
+        "16",
+        "--max-model-len",
+        str(context + 8192),
+        "--pool-size",
+        pool_size,
+    )
     try:
         benched = subprocess.run(
-            kvshare("bench", "sessions", "--target", "http://127.0.0.1:8280", "--sessions", str(sessions),
-                    "--turns", "6", "--context", str(context), "--question-tokens", "64", "--output-tokens", "32",
-                    "--placement", "both", "--settle-timeout", "30", "--json", str(out / "sessions.json"),
-                    "--markdown", str(out / "sessions.md"), "--plot", str(out / "sessions.png")),
-            env=env(), cwd=REPO, timeout=400)
+            kvshare(
+                "bench",
+                "sessions",
+                "--target",
+                "http://127.0.0.1:8280",
+                "--sessions",
+                str(sessions),
+                "--turns",
+                "6",
+                "--context",
+                str(context),
+                "--question-tokens",
+                "64",
+                "--output-tokens",
+                "32",
+                "--placement",
+                "both",
+                "--settle-timeout",
+                "30",
+                "--json",
+                str(out / "sessions.json"),
+                "--markdown",
+                str(out / "sessions.md"),
+                "--plot",
+                str(out / "sessions.png"),
+            ),
+            env=env(),
+            cwd=REPO,
+            timeout=400,
+        )
     finally:
         stop_cluster(up)
     return benched.returncode
@@ -163,8 +267,12 @@ def main() -> int:
     parser.add_argument("--lengths", default="32768,130816")
     parser.add_argument("--per-block", type=int, default=8)
     parser.add_argument("--pool-size", default="88GiB")
-    parser.add_argument("--sessions", type=int, default=2, help="two-replicas: per placement per block")
-    parser.add_argument("--context", type=int, default=32768, help="two-replicas: first turn's tokens")
+    parser.add_argument(
+        "--sessions", type=int, default=2, help="two-replicas: per placement per block"
+    )
+    parser.add_argument(
+        "--context", type=int, default=32768, help="two-replicas: first turn's tokens"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.what == "validate":

@@ -37,11 +37,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 # Imports against the order that are known and owned by work in flight; each must still
 # exist (the test fails once it is gone, so the list only shrinks).
-KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset({
-    # check_up's type annotation (UpConfig); the check reads the launcher's argv, which
-    # the engine-option plumbing rework is reshaping.
-    ("kvshare.preflight", "kvshare.serve.launcher"),
-})
+KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset(
+    {
+        # check_up's type annotation (UpConfig); the check reads the launcher's argv, which
+        # the engine-option plumbing rework is reshaping.
+        ("kvshare.preflight", "kvshare.serve.launcher"),
+    }
+)
 
 
 def module_name(path: Path) -> str:
@@ -72,11 +74,13 @@ def rank_of(module: str) -> int:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
-def imports_of(path: Path, modules: dict[str, Path], *, eager_only: bool,
-               source: str | None = None) -> Iterator[tuple[int, str]]:
+def imports_of(
+    path: Path, modules: dict[str, Path], *, eager_only: bool, source: str | None = None
+) -> Iterator[tuple[int, str]]:
     """(line, imported kvshare module) for each import of the file; `eager_only`: only those
     that run at import time (not in a function, not under `if TYPE_CHECKING:`)."""
     me = module_name(path)
@@ -84,7 +88,9 @@ def imports_of(path: Path, modules: dict[str, Path], *, eager_only: bool,
 
     def visit(node: ast.AST) -> Iterator[tuple[int, str]]:
         for child in ast.iter_child_nodes(node):
-            if eager_only and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            if eager_only and isinstance(
+                child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+            ):
                 continue
             if eager_only and isinstance(child, ast.If) and _is_type_checking(child.test):
                 yield from (hit for stmt in child.orelse for hit in visit_stmt(stmt))
@@ -98,7 +104,7 @@ def imports_of(path: Path, modules: dict[str, Path], *, eager_only: bool,
         elif isinstance(child, ast.ImportFrom):
             base = child.module or ""
             if child.level:
-                anchor = package.split(".")[:len(package.split(".")) - (child.level - 1)]
+                anchor = package.split(".")[: len(package.split(".")) - (child.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
             for alias in child.names:
                 sub = f"{base}.{alias.name}"
@@ -120,16 +126,22 @@ def layer_violations() -> list[str]:
             if mine == theirs or (me, target) in KNOWN_EXCEPTIONS:
                 continue
             if rank_of(target) > rank_of(me):
-                found.append(f"{path.relative_to(PACKAGE_ROOT.parent)}:{line}: {me} ({mine}) imports "
-                             f"{target} ({theirs}), a higher layer")
+                found.append(
+                    f"{path.relative_to(PACKAGE_ROOT.parent)}:{line}: {me} ({mine}) imports "
+                    f"{target} ({theirs}), a higher layer"
+                )
     return found
 
 
 def import_cycles() -> list[list[str]]:
     """Strongly connected components of more than one file in the eager import graph."""
     modules = all_modules()
-    graph = {me: sorted({t for _, t in imports_of(path, modules, eager_only=True) if t in modules and t != me})
-             for me, path in modules.items()}
+    graph = {
+        me: sorted(
+            {t for _, t in imports_of(path, modules, eager_only=True) if t in modules and t != me}
+        )
+        for me, path in modules.items()
+    }
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -174,8 +186,11 @@ def test_no_import_points_up_the_layers() -> None:
 
 def test_known_exceptions_are_still_needed() -> None:
     modules = all_modules()
-    present = {(me, target) for me, path in modules.items()
-               for _, target in imports_of(path, modules, eager_only=False)}
+    present = {
+        (me, target)
+        for me, path in modules.items()
+        for _, target in imports_of(path, modules, eager_only=False)
+    }
     assert present >= KNOWN_EXCEPTIONS, "an exception is gone: remove it from KNOWN_EXCEPTIONS"
 
 
@@ -183,12 +198,18 @@ def test_no_import_cycle_between_files() -> None:
     assert import_cycles() == []
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("def f():\n    from kvshare.kvpool.connector import PoolConnector\n", True),
-    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvshare.kvpool import client\n", True),
-    ("import kvshare.serve.server\n", True),
-    ("from kvshare.models import loader\n", False),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("def f():\n    from kvshare.kvpool.connector import PoolConnector\n", True),
+        (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvshare.kvpool import client\n",
+            True,
+        ),
+        ("import kvshare.serve.server\n", True),
+        ("from kvshare.models import loader\n", False),
+    ],
+)
 def test_an_engine_import_of_a_higher_layer_is_seen(source: str, expected: bool) -> None:
     """The parser sees lazy and type-only imports (the old engine/llm.py -> kvpool import)."""
     fake = PACKAGE_ROOT / "engine" / "llm.py"
@@ -200,15 +221,27 @@ def test_an_engine_import_of_a_higher_layer_is_seen(source: str, expected: bool)
 def test_serve_reaches_the_pool_only_through_the_connector_interface() -> None:
     """serve asks the engine's KVConnector (wait_idle, close, pool admin), never PoolConnector."""
     modules = all_modules()
-    reaching = [f"{me} -> {target}" for me, path in modules.items() if unit_of(me) == "kvshare.serve"
-                for _, target in imports_of(path, modules, eager_only=False)
-                if target in ("kvshare.kvpool.connector", "kvshare.kvpool.client")]
+    reaching = [
+        f"{me} -> {target}"
+        for me, path in modules.items()
+        if unit_of(me) == "kvshare.serve"
+        for _, target in imports_of(path, modules, eager_only=False)
+        if target in ("kvshare.kvpool.connector", "kvshare.kvpool.client")
+    ]
     assert reaching == []
 
 
 # The fault-injection switches; production code reads them only off an injected object.
-FAULT_SWITCHES = frozenset({"break_order", "load_delay", "skip_checksums", "skip_state_restore",
-                            "keep_lost_lease_restores", "verify"})
+FAULT_SWITCHES = frozenset(
+    {
+        "break_order",
+        "load_delay",
+        "skip_checksums",
+        "skip_state_restore",
+        "keep_lost_lease_restores",
+        "verify",
+    }
+)
 # Where faults are built: their definition, the checks, and `kvshare serve`'s hidden flags.
 FAULT_OWNERS = ("kvshare.kvpool.faults", "kvshare.validate", "kvshare.serve.cli")
 
@@ -220,7 +253,9 @@ def switch_mentions(source: str) -> list[str]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Attribute):
             owner = node.value
-            owner_name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+            owner_name = (
+                owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+            )
             if node.attr in FAULT_SWITCHES and not owner_name.endswith("faults"):
                 found.append(f"{node.lineno}: .{node.attr}")
         elif isinstance(node, ast.Name) and node.id in FAULT_SWITCHES:
@@ -233,13 +268,18 @@ def switch_mentions(source: str) -> list[str]:
 
 
 def test_production_code_sees_fault_switches_only_through_the_injected_object() -> None:
-    offending = {me: hits for me, path in all_modules().items()
-                 if not any(me == o or me.startswith(o + ".") for o in FAULT_OWNERS)
-                 and (hits := switch_mentions(path.read_text()))}
+    offending = {
+        me: hits
+        for me, path in all_modules().items()
+        if not any(me == o or me.startswith(o + ".") for o in FAULT_OWNERS)
+        and (hits := switch_mentions(path.read_text()))
+    }
     assert offending == {}
 
 
 def test_a_switch_outside_the_injected_object_is_seen() -> None:
     assert switch_mentions("def f(verify=True):\n    return options.skip_state_restore\n") == [
-        "1: parameter verify", "2: .skip_state_restore"]
+        "1: parameter verify",
+        "2: .skip_state_restore",
+    ]
     assert switch_mentions("def f(self):\n    return self.faults.break_order\n") == []

@@ -27,24 +27,40 @@ def _int_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError as error:
-        raise argparse.ArgumentTypeError(f"expected integers joined by ',', got {text!r}") from error
+        raise argparse.ArgumentTypeError(
+            f"expected integers joined by ',', got {text!r}"
+        ) from error
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--target", metavar="URL", help="router URL of a running cluster")
-    target.add_argument("--up", metavar="ARGS",
-                        help='start a cluster with these `kvshare up` arguments and benchmark it '
-                             '(--up="" for the default; write --up="--flag" when ARGS starts with -)')
-    parser.add_argument("--model", help="model spec whose tokenizer builds the prompts "
-                                        "(default: the model id the server lists)")
-    parser.add_argument("--design", type=_design, default=Design.parse(DEFAULT_DESIGN),
-                        help=f"blocks in order, OFF or ON joined by '-' (default {DEFAULT_DESIGN})")
+    target.add_argument(
+        "--up",
+        metavar="ARGS",
+        help="start a cluster with these `kvshare up` arguments and benchmark it "
+        '(--up="" for the default; write --up="--flag" when ARGS starts with -)',
+    )
+    parser.add_argument(
+        "--model",
+        help="model spec whose tokenizer builds the prompts "
+        "(default: the model id the server lists)",
+    )
+    parser.add_argument(
+        "--design",
+        type=_design,
+        default=Design.parse(DEFAULT_DESIGN),
+        help=f"blocks in order, OFF or ON joined by '-' (default {DEFAULT_DESIGN})",
+    )
     parser.add_argument("--seed", type=int, default=0, help="prompts, request order and bootstrap")
     parser.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
-    parser.add_argument("--settle-timeout", type=float, default=10.0,
-                        help="longest wait, before a follow-up, for the pool's stores to commit")
+    parser.add_argument(
+        "--settle-timeout",
+        type=float,
+        default=10.0,
+        help="longest wait, before a follow-up, for the pool's stores to commit",
+    )
     parser.add_argument("--json", type=Path, help="write every request's timings and usage here")
     parser.add_argument("--markdown", type=Path, help="write a Markdown summary here")
     parser.add_argument("--plot", type=Path, help="write a PNG plot here")
@@ -53,50 +69,88 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
-        "bench", help="benchmark a cluster with the KV pool off and on (blocked design)",
+        "bench",
+        help="benchmark a cluster with the KV pool off and on (blocked design)",
         description="Run a workload in blocks (default OFF-ON-ON-OFF). At each block start the "
-                    "pool is switched on or off on every replica and cleared, and every GPU-local "
-                    "prefix cache is reset.")
+        "pool is switched on or off on every replica and cleared, and every GPU-local "
+        "prefix cache is reset.",
+    )
     workloads = bench.add_subparsers(dest="workload", required=True, metavar="WORKLOAD")
 
-    cross = workloads.add_parser("cross-replica", help="prefill on replica 0, measure the follow-up on 1")
+    cross = workloads.add_parser(
+        "cross-replica", help="prefill on replica 0, measure the follow-up on 1"
+    )
     _common(cross)
-    cross.add_argument("--lengths", type=_int_list, default=(1024, 2048, 4096), help="context tokens")
+    cross.add_argument(
+        "--lengths", type=_int_list, default=(1024, 2048, 4096), help="context tokens"
+    )
     cross.add_argument("--requests-per-block", type=int, default=8, help="follow-ups per length")
-    cross.add_argument("--question-tokens", type=int, default=32, help="tokens of each follow-up question")
+    cross.add_argument(
+        "--question-tokens", type=int, default=32, help="tokens of each follow-up question"
+    )
     cross.add_argument("--output-tokens", type=int, default=8, help="tokens each request generates")
-    cross.add_argument("--replica-a", type=int, default=0, help="replica A, which prefills the context")
-    cross.add_argument("--replica-b", type=int, default=1,
-                       help="replica B, which is measured (may equal A: caches are reset between)")
-    cross.add_argument("--shared-context", action="store_true",
-                       help="one context per length per block, prefilled once; each follow-up asks its own question")
+    cross.add_argument(
+        "--replica-a", type=int, default=0, help="replica A, which prefills the context"
+    )
+    cross.add_argument(
+        "--replica-b",
+        type=int,
+        default=1,
+        help="replica B, which is measured (may equal A: caches are reset between)",
+    )
+    cross.add_argument(
+        "--shared-context",
+        action="store_true",
+        help="one context per length per block, prefilled once; each follow-up asks its own question",
+    )
     cross.set_defaults(make_workload=_cross_replica)
 
-    sessions = workloads.add_parser("sessions", help="multi-turn sessions that resend their history")
+    sessions = workloads.add_parser(
+        "sessions", help="multi-turn sessions that resend their history"
+    )
     _common(sessions)
     sessions.add_argument("--sessions", type=int, default=4, help="per placement per block")
     sessions.add_argument("--turns", type=int, default=6, help="turns per session")
-    sessions.add_argument("--context", type=int, default=4096, help="tokens of the first turn's document")
-    sessions.add_argument("--question-tokens", type=int, default=32, help="tokens of each turn's question")
-    sessions.add_argument("--output-tokens", type=int, default=32, help="tokens each turn generates")
-    sessions.add_argument("--placement", choices=("alternate", "fixed", "both"), default="both",
-                          help="turns alternate between replicas, stay on one, or both kinds of session")
+    sessions.add_argument(
+        "--context", type=int, default=4096, help="tokens of the first turn's document"
+    )
+    sessions.add_argument(
+        "--question-tokens", type=int, default=32, help="tokens of each turn's question"
+    )
+    sessions.add_argument(
+        "--output-tokens", type=int, default=32, help="tokens each turn generates"
+    )
+    sessions.add_argument(
+        "--placement",
+        choices=("alternate", "fixed", "both"),
+        default="both",
+        help="turns alternate between replicas, stay on one, or both kinds of session",
+    )
     sessions.set_defaults(make_workload=_sessions)
 
-    shared = workloads.add_parser("shared-prefix", help="concurrent users over a few shared documents")
+    shared = workloads.add_parser(
+        "shared-prefix", help="concurrent users over a few shared documents"
+    )
     _common(shared)
     shared.add_argument("--documents", type=int, default=4, help="shared documents per block")
     shared.add_argument("--users", type=int, default=64, help="questions per block, one per user")
     shared.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     shared.add_argument("--doc-tokens", type=int, default=4096, help="tokens per document")
     shared.add_argument("--question-tokens", type=int, default=32, help="tokens of each question")
-    shared.add_argument("--output-tokens", type=int, default=16, help="tokens each answer generates")
+    shared.add_argument(
+        "--output-tokens", type=int, default=16, help="tokens each answer generates"
+    )
     shared.set_defaults(make_workload=_shared_prefix)
 
     demo = subparsers.add_parser(
-        "demo", help="start the default cluster and show what the shared pool does (minutes, CPU)")
-    demo.add_argument("--out", type=Path, default=Path("kvshare-demo"), help="folder for the results")
-    demo.add_argument("--up", metavar="ARGS", default="", help="`kvshare up` arguments (default: none)")
+        "demo", help="start the default cluster and show what the shared pool does (minutes, CPU)"
+    )
+    demo.add_argument(
+        "--out", type=Path, default=Path("kvshare-demo"), help="folder for the results"
+    )
+    demo.add_argument(
+        "--up", metavar="ARGS", default="", help="`kvshare up` arguments (default: none)"
+    )
     demo.add_argument("--seed", type=int, default=0, help="prompts and request order")
     demo.set_defaults(func=run_demo_command)
 
@@ -104,23 +158,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _cross_replica(args: argparse.Namespace) -> Workload:
     from kvshare.bench.cross_replica import CrossReplica
 
-    return CrossReplica(args.lengths, args.requests_per_block, args.question_tokens, args.output_tokens,
-                        args.replica_a, args.replica_b, args.shared_context)
+    return CrossReplica(
+        args.lengths,
+        args.requests_per_block,
+        args.question_tokens,
+        args.output_tokens,
+        args.replica_a,
+        args.replica_b,
+        args.shared_context,
+    )
 
 
 def _sessions(args: argparse.Namespace) -> Workload:
     from kvshare.bench.sessions import PLACEMENTS, Sessions
 
     placements = PLACEMENTS if args.placement == "both" else (args.placement,)
-    return Sessions(args.sessions, args.context, args.turns, args.question_tokens, args.output_tokens,
-                    placements)
+    return Sessions(
+        args.sessions,
+        args.context,
+        args.turns,
+        args.question_tokens,
+        args.output_tokens,
+        placements,
+    )
 
 
 def _shared_prefix(args: argparse.Namespace) -> Workload:
     from kvshare.bench.shared_prefix import SharedPrefix
 
-    return SharedPrefix(args.documents, args.users, args.concurrency, args.doc_tokens,
-                        args.question_tokens, args.output_tokens)
+    return SharedPrefix(
+        args.documents,
+        args.users,
+        args.concurrency,
+        args.doc_tokens,
+        args.question_tokens,
+        args.output_tokens,
+    )
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
@@ -142,20 +215,33 @@ def run_bench_command(args: argparse.Namespace) -> int:
         command = shlex.join(["kvshare", *sys.argv[1:]])
         if args.up is not None:
             check_up(up_config(args.up))  # before announcing a cluster that cannot start
-            console.print(f"starting the cluster (kvshare up {escape(args.up)}); its output goes to {log}",
-                          soft_wrap=True)
+            console.print(
+                f"starting the cluster (kvshare up {escape(args.up)}); its output goes to {log}",
+                soft_wrap=True,
+            )
         with cluster_target(args.target, args.up, log) as target:
-            options = BenchOptions(args.design, args.seed, spec, args.model or target.model,
-                                   args.timeout, command, args.settle_timeout)
+            options = BenchOptions(
+                args.design,
+                args.seed,
+                spec,
+                args.model or target.model,
+                args.timeout,
+                command,
+                args.settle_timeout,
+            )
             run = run_with_progress(workload, target.url, options, console)
         report(run, options, Outputs(args.json, args.markdown, args.plot), console)
     except BENCH_ERRORS as error:
-        console.print(f"[red]kvshare bench:[/red] {escape(str(error))}" + _log_note(log_dir, log),
-                      soft_wrap=True)
+        console.print(
+            f"[red]kvshare bench:[/red] {escape(str(error))}" + _log_note(log_dir, log),
+            soft_wrap=True,
+        )
         return 2 if isinstance(error, ValueError) else 1
     except RuntimeError as error:  # the cluster did not start (kvshare.serve.launcher)
-        console.print(f"[red]kvshare bench:[/red] {escape(str(error))}" + _log_note(log_dir, log),
-                      soft_wrap=True)
+        console.print(
+            f"[red]kvshare bench:[/red] {escape(str(error))}" + _log_note(log_dir, log),
+            soft_wrap=True,
+        )
         return 1
     if log_dir is not None:
         shutil.rmtree(log_dir, ignore_errors=True)

@@ -100,16 +100,29 @@ class BenchClient:
     async def complete(self, prompt: Prompt, options: RequestOptions) -> StreamResult:
         return await self._stream("/v1/completions", {"prompt": prompt}, options)
 
-    async def chat(self, messages: Sequence[Mapping[str, str]], options: RequestOptions) -> StreamResult:
+    async def chat(
+        self, messages: Sequence[Mapping[str, str]], options: RequestOptions
+    ) -> StreamResult:
         return await self._stream("/v1/chat/completions", {"messages": list(messages)}, options)
 
-    async def _stream(self, path: str, payload: dict[str, Any], options: RequestOptions) -> StreamResult:
+    async def _stream(
+        self, path: str, payload: dict[str, Any], options: RequestOptions
+    ) -> StreamResult:
         body = {
-            "model": self.model, **payload, "max_tokens": options.max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "model": self.model,
+            **payload,
+            "max_tokens": options.max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
         }
         data = json.dumps(body).encode()  # before the clock starts: a long prompt takes a while
-        headers = {"content-type": "application/json", **options.headers(), **self.keys.authorization(False)}
+        headers = {
+            "content-type": "application/json",
+            **options.headers(),
+            **self.keys.authorization(False),
+        }
         ttft = None
         texts: list[str] = []
         ids: list[int] = []
@@ -140,19 +153,24 @@ class BenchClient:
 
     async def replicas(self) -> list[str]:
         """Replica base URLs, in router index order (the index that REPLICA_HEADER pins)."""
-        replicas = await get_json(self.session, self.url + "/admin/replicas", self.keys.authorization(True))
+        replicas = await get_json(
+            self.session, self.url + "/admin/replicas", self.keys.authorization(True)
+        )
         return [r["url"].rstrip("/") for r in replicas]
 
     async def admin_all(self, action: str, body: Mapping[str, Any] | None = None) -> Any:
         """POST /admin/<action> on every replica, through the router."""
         path = f"/admin/all/{action}"
-        async with self.session.post(self.url + path, json=dict(body or {}),
-                                     headers=self.keys.authorization(True)) as resp:
+        async with self.session.post(
+            self.url + path, json=dict(body or {}), headers=self.keys.authorization(True)
+        ) as resp:
             await _check(resp, path)
             return await resp.json(content_type=None)
 
     async def stats(self, base_url: str) -> dict[str, Any]:
-        return await get_json(self.session, base_url + "/admin/stats", self.keys.authorization(True))
+        return await get_json(
+            self.session, base_url + "/admin/stats", self.keys.authorization(True)
+        )
 
 
 async def get_json(session: aiohttp.ClientSession, url: str, headers: Mapping[str, str]) -> Any:
@@ -162,7 +180,10 @@ async def get_json(session: aiohttp.ClientSession, url: str, headers: Mapping[st
 
 
 async def served_models(session: aiohttp.ClientSession, url: str, keys: AccessKeys) -> list[str]:
-    return [m["id"] for m in (await get_json(session, url + "/v1/models", keys.authorization(False)))["data"]]
+    return [
+        m["id"]
+        for m in (await get_json(session, url + "/v1/models", keys.authorization(False)))["data"]
+    ]
 
 
 async def _check(resp: aiohttp.ClientResponse, path: str) -> None:

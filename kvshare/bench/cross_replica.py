@@ -43,20 +43,30 @@ class CrossReplica:
         if self.requests_per_block < 1 or self.question_tokens < 1 or self.output_tokens < 1:
             raise ValueError("requests_per_block, question_tokens and output_tokens must be >= 1")
         if min(self.source, self.target) < 0:
-            raise ValueError(f"source and target must be replica indices, got {self.source}, {self.target}")
+            raise ValueError(
+                f"source and target must be replica indices, got {self.source}, {self.target}"
+            )
 
     def params(self) -> dict[str, Any]:
-        return {"lengths": list(self.lengths), "requests_per_block": self.requests_per_block,
-                "question_tokens": self.question_tokens, "output_tokens": self.output_tokens,
-                "source": self.source, "target": self.target, "shared_context": self.shared_context}
+        return {
+            "lengths": list(self.lengths),
+            "requests_per_block": self.requests_per_block,
+            "question_tokens": self.question_tokens,
+            "output_tokens": self.output_tokens,
+            "source": self.source,
+            "target": self.target,
+            "shared_context": self.shared_context,
+        }
 
     def planned_requests(self) -> int:
         return 2 * len(self.lengths) * self.requests_per_block
 
     def check(self, replicas: int) -> None:
         if max(self.source, self.target) >= replicas:
-            raise ValueError(f"{self.name} needs replicas {self.source} and {self.target}; "
-                             f"the router has {replicas}")
+            raise ValueError(
+                f"{self.name} needs replicas {self.source} and {self.target}; "
+                f"the router has {replicas}"
+            )
 
     def plan(self, seed: int, block: int) -> list[tuple[int, int]]:
         """(length, request) pairs in this block's random order."""
@@ -73,7 +83,9 @@ class CrossReplica:
                 shared[length] = ctx.model.prompt(length, rng)
                 if ctx.block.pool_enabled:
                     prefill = Tag(self.name, length, PREFILL, f"L{length}/prefill")
-                    records.append(await ctx.complete(shared[length], RequestOptions(1, self.source), prefill))
+                    records.append(
+                        await ctx.complete(shared[length], RequestOptions(1, self.source), prefill)
+                    )
         for length, i in self.plan(ctx.seed, ctx.block.index):
             rng = prompt_rng(ctx.seed, self.name, ctx.block.index, length, i)
             context = shared[length] if self.shared_context else ctx.model.prompt(length, rng)

@@ -45,7 +45,9 @@ class Design:
         """'OFF-ON-ON-OFF' (case-insensitive, '-' or ',' between blocks) -> Design."""
         names = [name.strip().upper() for name in text.replace(",", "-").split("-")]
         if not text.strip() or any(name not in CONDITIONS for name in names):
-            raise ValueError(f"design {text!r}: use blocks OFF and ON joined by '-', e.g. {DEFAULT_DESIGN}")
+            raise ValueError(
+                f"design {text!r}: use blocks OFF and ON joined by '-', e.g. {DEFAULT_DESIGN}"
+            )
         return cls(tuple(Block(i, name) for i, name in enumerate(names)))
 
     @property

@@ -55,47 +55,83 @@ class Outputs:
 
 
 def client_machine() -> dict[str, Any]:
-    return {"host": socket.gethostname(), "platform": platform.platform(),
-            "python": platform.python_version(), "cpus": os.cpu_count()}
+    return {
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+    }
 
 
 async def run_bench(
-    workload: Workload, url: str, options: BenchOptions, observer: Observer,
+    workload: Workload,
+    url: str,
+    options: BenchOptions,
+    observer: Observer,
     model: PromptModel | None = None,
 ) -> BenchRun:
     """Run `workload` against the router at `url`; `model` defaults to options.model's tokenizer."""
     url = url.rstrip("/")
     timeout = aiohttp.ClientTimeout(total=options.request_timeout_s)
     # No connection cap: a workload bounds its own concurrency.
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as session:
         keys = AccessKeys.from_environment()
         served = await served_models(session, url, keys)
         if not served:
             raise ValueError(f"{url} serves no model")
         model = model or load_prompt_model(options.model or served[0])
-        client = BenchClient(session, url, served[0], text_content=model.tokenizer is not None, keys=keys)
+        client = BenchClient(
+            session, url, served[0], text_content=model.tokenizer is not None, keys=keys
+        )
         replicas = tuple(await client.replicas())
         if not replicas:
             raise ValueError(f"{url} lists no replicas")
         started_at = datetime.now().astimezone().isoformat(timespec="seconds")
-        blocks = await run_design(workload, client, options.design, seed=options.seed, model=model,
-                                  replicas=replicas, observer=observer,
-                                  settle_timeout_s=options.settle_timeout_s)
-    info = RunInfo(workload.name, workload.x_label, workload.params(), options.design, options.seed,
-                   options.settle_timeout_s, url, model.spec, replicas, options.command, started_at,
-                   client_machine())
+        blocks = await run_design(
+            workload,
+            client,
+            options.design,
+            seed=options.seed,
+            model=model,
+            replicas=replicas,
+            observer=observer,
+            settle_timeout_s=options.settle_timeout_s,
+        )
+    info = RunInfo(
+        workload.name,
+        workload.x_label,
+        workload.params(),
+        options.design,
+        options.seed,
+        options.settle_timeout_s,
+        url,
+        model.spec,
+        replicas,
+        options.command,
+        started_at,
+        client_machine(),
+    )
     return BenchRun(info, blocks)
 
 
 def run_with_progress(
-    workload: Workload, url: str, options: BenchOptions, console: Console,
+    workload: Workload,
+    url: str,
+    options: BenchOptions,
+    console: Console,
     model: PromptModel | None = None,
 ) -> BenchRun:
     with new_progress(console) as progress:
-        return asyncio.run(run_bench(workload, url, options, RichObserver(progress, workload.name), model))
+        return asyncio.run(
+            run_bench(workload, url, options, RichObserver(progress, workload.name), model)
+        )
 
 
-def report(run: BenchRun, options: BenchOptions, outputs: Outputs, console: Console) -> list[Comparison]:
+def report(
+    run: BenchRun, options: BenchOptions, outputs: Outputs, console: Console
+) -> list[Comparison]:
     """Print the tables and write the files asked for; returns the comparisons."""
     comparisons = compare(run.blocks, run.info.design, options.bootstrap)
     for table in tables(run, comparisons, options.bootstrap):

@@ -35,18 +35,31 @@ class TimedRequest:
         its admission step, so a restored request's whole time is compute_s."""
         admit = self.step_ends_s[0] if len(self.step_ends_s) > 1 else 0.0
         before_token = self.step_ends_s[-2] if len(self.step_ends_s) > 1 else 0.0
-        return {"admit_s": admit, "wait_s": before_token - admit, "compute_s": self.ttft_s - before_token,
-                "steps": len(self.step_ends_s)}
+        return {
+            "admit_s": admit,
+            "wait_s": before_token - admit,
+            "compute_s": self.ttft_s - before_token,
+            "steps": len(self.step_ends_s),
+        }
 
 
-def first_token(llm: LLM, prompt: list[int], *, max_tokens: int = 1, logprobs: bool = False,
-                request_id: str = "timed") -> TimedRequest:
+def first_token(
+    llm: LLM,
+    prompt: list[int],
+    *,
+    max_tokens: int = 1,
+    logprobs: bool = False,
+    request_id: str = "timed",
+) -> TimedRequest:
     """Seconds from add_request to the first sampled token (synchronized), and the output
     after max_tokens greedy tokens."""
     _sync(llm)
     start = time.perf_counter()
-    llm.engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                              ignore_eos=True, logprobs=logprobs))
+    llm.engine.add_request(
+        request_id,
+        prompt,
+        SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs),
+    )
     ttft, final, ends = None, None, []
     while llm.engine.has_unfinished():
         outputs = llm.engine.step()
@@ -69,7 +82,9 @@ def prefill_seconds(llm: LLM, num_tokens: int, seed: int = 0) -> float:
     return first_token(llm, prompt, request_id=f"prefill-{seed}").ttft_s
 
 
-def restore_first_token(llm: LLM, prompt: list[int], request_id: str, **kwargs: object) -> dict[str, object]:
+def restore_first_token(
+    llm: LLM, prompt: list[int], request_id: str, **kwargs: object
+) -> dict[str, object]:
     """Time to first token of `prompt` with the GPU-local cache reset, so that its prefix can
     come only from the pool; with the pool's bytes loaded, the tokens hit and the phases."""
     connector = llm.engine.connector
@@ -78,19 +93,28 @@ def restore_first_token(llm: LLM, prompt: list[int], request_id: str, **kwargs: 
     loaded_before = connector.stats().get("loaded_bytes", 0)
     timed = first_token(llm, prompt, request_id=request_id, **kwargs)  # type: ignore[arg-type]
     out = timed.output
-    return {"ttft_s": timed.ttft_s, "pool_hit_tokens": out.pool_hit_tokens, "computed_tokens": out.computed_tokens,
-            "loaded_bytes": connector.stats().get("loaded_bytes", 0) - loaded_before, **timed.phases(),
-            "output": out}
+    return {
+        "ttft_s": timed.ttft_s,
+        "pool_hit_tokens": out.pool_hit_tokens,
+        "computed_tokens": out.computed_tokens,
+        "loaded_bytes": connector.stats().get("loaded_bytes", 0) - loaded_before,
+        **timed.phases(),
+        "output": out,
+    }
 
 
-def decode_throughput(llm: LLM, batch: int, context: int, steps: int = 32, seed: int = 0) -> dict[str, float]:
+def decode_throughput(
+    llm: LLM, batch: int, context: int, steps: int = 32, seed: int = 0
+) -> dict[str, float]:
     """Tokens/s of pure decode steps for `batch` sequences each at `context` tokens."""
     engine = llm.engine
     engine.reset_prefix_cache()
     vocab = llm.loaded.config.vocab_size
     params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"decode-{seed}-{i}", random_prompt(context, vocab, seed * 1000 + i), params)
+        engine.add_request(
+            f"decode-{seed}-{i}", random_prompt(context, vocab, seed * 1000 + i), params
+        )
     # Run until every sequence has its first token (prefill done), then time decode steps.
     produced: dict[str, int] = {}
     while len(produced) < batch:
@@ -105,8 +129,15 @@ def decode_throughput(llm: LLM, batch: int, context: int, steps: int = 32, seed:
     seconds = time.perf_counter() - start
     while engine.has_unfinished():
         engine.step()
-    return {"batch": batch, "context": context, "steps": steps, "tokens": tokens,
-            "seconds": seconds, "tokens_per_s": tokens / seconds, "step_ms": 1e3 * seconds / steps}
+    return {
+        "batch": batch,
+        "context": context,
+        "steps": steps,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "step_ms": 1e3 * seconds / steps,
+    }
 
 
 def decode_bytes_per_step(llm: LLM, batch: int, context: int) -> int:

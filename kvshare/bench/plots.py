@@ -46,25 +46,45 @@ def plot_figure(run: BenchRun, comparisons: Sequence[Comparison]) -> Figure:
 def _curves(ax: Axes, curves: Sequence[Comparison], log_x: bool) -> None:
     for series in dict.fromkeys(c.series for c in curves):
         for condition in CONDITIONS:
-            points = [(c, c.off if condition == OFF else c.on) for c in curves if c.series == series]
+            points = [
+                (c, c.off if condition == OFF else c.on) for c in curves if c.series == series
+            ]
             points = [(c, e) for c, e in points if e is not None]
             if not points:
                 continue
             xs = np.array([c.x for c, _ in points], dtype=float)
             ys = np.array([e.value for _, e in points])
-            err = np.array([[e.value - e.low for _, e in points], [e.high - e.value for _, e in points]])
-            ax.errorbar(xs, ys, yerr=err, capsize=3, label=f"{series}, pool {condition}",
-                        **_STYLE[condition])
+            err = np.array(
+                [[e.value - e.low for _, e in points], [e.high - e.value for _, e in points]]
+            )
+            ax.errorbar(
+                xs,
+                ys,
+                yerr=err,
+                capsize=3,
+                label=f"{series}, pool {condition}",
+                **_STYLE[condition],
+            )
             # Values on the points: a log axis labels few ticks, and a point may fall between them.
             n = 0 if condition == OFF else 1
             for (c, e), x in zip(points, xs):
-                ax.annotate(f"{e.value:.3g} s (n={c.counts[n]})", (x, e.value), textcoords="offset points",
-                            xytext=(6, 4 if condition == OFF else -12), fontsize=8)
+                ax.annotate(
+                    f"{e.value:.3g} s (n={c.counts[n]})",
+                    (x, e.value),
+                    textcoords="offset points",
+                    xytext=(6, 4 if condition == OFF else -12),
+                    fontsize=8,
+                )
         for c in curves:
             if c.series == series and c.ratio is not None and c.on is not None:
                 r = c.ratio
-                ax.annotate(f"ON/OFF {r.value:.3g} [{r.low:.3g}, {r.high:.3g}]", (float(c.x or 0), c.on.value),
-                            textcoords="offset points", xytext=(6, -24), fontsize=8)
+                ax.annotate(
+                    f"ON/OFF {r.value:.3g} [{r.low:.3g}, {r.high:.3g}]",
+                    (float(c.x or 0), c.on.value),
+                    textcoords="offset points",
+                    xytext=(6, -24),
+                    fontsize=8,
+                )
     xs = sorted({c.x for c in curves if c.x is not None})
     if log_x:
         ax.set_xscale("log", base=2)
@@ -83,8 +103,13 @@ def _ecdf(ax: Axes, run: BenchRun) -> None:
     for condition in CONDITIONS:
         ttfts = np.sort([s.value for s in values if s.metric == TTFT and s.condition == condition])
         if len(ttfts):
-            ax.step(ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), where="post",
-                    label=f"pool {condition}", linestyle=_STYLE[condition]["linestyle"])
+            ax.step(
+                ttfts,
+                np.arange(1, len(ttfts) + 1) / len(ttfts),
+                where="post",
+                label=f"pool {condition}",
+                linestyle=_STYLE[condition]["linestyle"],
+            )
     _log_seconds(ax, "x")
     ax.set_xlabel("TTFT, s")
     ax.set_ylabel("fraction of requests")

@@ -31,13 +31,20 @@ def _sync(device: torch.device) -> None:
 def _block_sums(kv: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """int64 sum per (slot, K|V, block): a cheap fingerprint of every block of every slot."""
     as_int = {2: torch.int16, 4: torch.int32}[kv.element_size()]
-    sums = [kv[slot].view(as_int).sum(dim=(2, 3, 4), dtype=torch.int64) for slot in range(kv.shape[0])]
+    sums = [
+        kv[slot].view(as_int).sum(dim=(2, 3, 4), dtype=torch.int64) for slot in range(kv.shape[0])
+    ]
     return torch.stack(sums).index_select(2, blocks)
 
 
-def measure_pool_bandwidth(pool: str, shape: str = "gemma3-27b", num_tokens: int = 131072,
-                           chunk_tokens: int = DEFAULT_CHUNK_TOKENS, block_size: int = 16,
-                           device: str = "cuda") -> dict[str, float]:
+def measure_pool_bandwidth(
+    pool: str,
+    shape: str = "gemma3-27b",
+    num_tokens: int = 131072,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    block_size: int = 16,
+    device: str = "cuda",
+) -> dict[str, float]:
     config = shape_preset(shape)
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -46,11 +53,17 @@ def measure_pool_bandwidth(pool: str, shape: str = "gemma3-27b", num_tokens: int
     for slot in range(layout.num_slots):
         layout.kv[slot].normal_()
     blocks = BlockManager(num_blocks, block_size, config.sliding_window)
-    namespace = Namespace(architecture=config.architecture, config_digest=config.digest(),
-                          weights_digest=f"pool-perf:{uuid.uuid4().hex}", kv_dtype=str(dtype),
-                          layout_version=LAYOUT_VERSION, chunk_tokens=chunk_tokens)
-    connector = PoolConnector(PoolClient(pool, timeout=30.0), namespace,
-                              ConnectorOptions(chunk_tokens=chunk_tokens))
+    namespace = Namespace(
+        architecture=config.architecture,
+        config_digest=config.digest(),
+        weights_digest=f"pool-perf:{uuid.uuid4().hex}",
+        kv_dtype=str(dtype),
+        layout_version=LAYOUT_VERSION,
+        chunk_tokens=chunk_tokens,
+    )
+    connector = PoolConnector(
+        PoolClient(pool, timeout=30.0), namespace, ConnectorOptions(chunk_tokens=chunk_tokens)
+    )
     connector.bind(PagedKVCache(layout, blocks))
     start = time.perf_counter()
     if connector.registration is not None:
@@ -84,18 +97,33 @@ def measure_pool_bandwidth(pool: str, shape: str = "gemma3-27b", num_tokens: int
     after = _block_sums(layout.kv, ids)
     # Sliding slots are restored only inside the window before the resume point.
     window = config.sliding_window
-    full_from = 0 if window is None else (max(0, hit - window + 1) // chunk_tokens) * chunk_tokens // block_size
+    full_from = (
+        0
+        if window is None
+        else (max(0, hit - window + 1) // chunk_tokens) * chunk_tokens // block_size
+    )
     expect_equal = torch.ones_like(before, dtype=torch.bool)
-    expect_equal[layout.num_global_slots:, :, :full_from] = False
+    expect_equal[layout.num_global_slots :, :, :full_from] = False
     mismatched_blocks = int(((before != after) & expect_equal).sum())
     registered = connector.registration.registered_bytes if connector.registration else 0
     connector.close()
     return {
-        "shape": shape, "tokens": num_tokens, "hit_tokens": hit, "load_ok": bool(ok),
+        "shape": shape,
+        "tokens": num_tokens,
+        "hit_tokens": hit,
+        "load_ok": bool(ok),
         "register_s": register_s,
-        "registered_bytes": registered, "load_match_s": match_s, "load_enqueue_s": enqueue_s,
-        "store_s": store_s, "store_enqueue_s": store_enqueue_s, "stored_bytes": stored, "store_GBps": stored / store_s / 1e9,
-        "load_s": load_s, "loaded_bytes": loaded, "load_GBps": loaded / load_s / 1e9,
-        "mismatched_blocks": mismatched_blocks, "checksum_failures": connector.counters["checksum_failures"],
+        "registered_bytes": registered,
+        "load_match_s": match_s,
+        "load_enqueue_s": enqueue_s,
+        "store_s": store_s,
+        "store_enqueue_s": store_enqueue_s,
+        "stored_bytes": stored,
+        "store_GBps": stored / store_s / 1e9,
+        "load_s": load_s,
+        "loaded_bytes": loaded,
+        "load_GBps": loaded / load_s / 1e9,
+        "mismatched_blocks": mismatched_blocks,
+        "checksum_failures": connector.counters["checksum_failures"],
         "page_bytes": connector.layout.payload_bytes if connector.layout else 0,
     }

@@ -19,8 +19,14 @@ from kvshare.bench.summary import block_row
 
 
 def new_progress(console: Console) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), TextColumn("{task.fields[note]}"), console=console)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[note]}"),
+        console=console,
+    )
 
 
 class RichObserver:
@@ -33,7 +39,9 @@ class RichObserver:
 
     def block_started(self, block: Block, planned_requests: int) -> None:
         self._task = self._progress.add_task(
-            f"{self._name} block {block.index} pool {block.condition:>3}", total=planned_requests, note=""
+            f"{self._name} block {block.index} pool {block.condition:>3}",
+            total=planned_requests,
+            note="",
         )
 
     def request_done(self, record: RequestRecord) -> None:

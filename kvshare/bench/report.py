@@ -35,51 +35,109 @@ def size(value: int | None) -> str:
     return "-" if value is None else format_size(value)
 
 
-def comparison_table(run: BenchRun, comparisons: Sequence[Comparison], spec: BootstrapSpec) -> Table:
+def comparison_table(
+    run: BenchRun, comparisons: Sequence[Comparison], spec: BootstrapSpec
+) -> Table:
     level = f"{100 * spec.level:g}%"
-    headers = ("metric", "series", run.info.x_label, f"OFF median [{level}]", f"ON median [{level}]",
-               f"ON/OFF [{level}]", "block medians", "n OFF/ON", "pool hit OFF/ON")
+    headers = (
+        "metric",
+        "series",
+        run.info.x_label,
+        f"OFF median [{level}]",
+        f"ON median [{level}]",
+        f"ON/OFF [{level}]",
+        "block medians",
+        "n OFF/ON",
+        "pool hit OFF/ON",
+    )
     rows = tuple(
-        (c.metric, c.series, "-" if c.x is None else str(c.x), estimate(c.off), estimate(c.on),
-         estimate(c.ratio), " ".join(seconds(m) for m in c.block_medians), f"{c.counts[0]}/{c.counts[1]}",
-         f"{percent(c.hit_rates[0])}/{percent(c.hit_rates[1])}")
+        (
+            c.metric,
+            c.series,
+            "-" if c.x is None else str(c.x),
+            estimate(c.off),
+            estimate(c.on),
+            estimate(c.ratio),
+            " ".join(seconds(m) for m in c.block_medians),
+            f"{c.counts[0]}/{c.counts[1]}",
+            f"{percent(c.hit_rates[0])}/{percent(c.hit_rates[1])}",
+        )
         for c in comparisons
     )
-    return Table(f"{run.info.workload}: ON vs OFF (seconds; design {run.info.design.label})", headers, rows)
+    return Table(
+        f"{run.info.workload}: ON vs OFF (seconds; design {run.info.design.label})", headers, rows
+    )
 
 
 def blocks_table(rows: Sequence[BlockRow]) -> Table:
-    headers = ("block", "pool", "requests", "median TTFT", "span s", "req/s", "tok/s",
-               "out tok/s", "pool hit", "loaded", "stored", "settle s", "no content")
+    headers = (
+        "block",
+        "pool",
+        "requests",
+        "median TTFT",
+        "span s",
+        "req/s",
+        "tok/s",
+        "out tok/s",
+        "pool hit",
+        "loaded",
+        "stored",
+        "settle s",
+        "no content",
+    )
     cells = tuple(
-        (str(r.index), r.condition, str(r.requests), seconds(r.median_ttft_s), f"{r.span_s:.2f}",
-         f"{r.requests_per_s:.2f}", f"{r.tokens_per_s:.0f}", f"{r.output_tokens_per_s:.1f}",
-         percent(r.pool_hit_rate), size(r.loaded_bytes), size(r.stored_bytes), f"{r.settle_s:.2f}",
-         str(r.no_content))
+        (
+            str(r.index),
+            r.condition,
+            str(r.requests),
+            seconds(r.median_ttft_s),
+            f"{r.span_s:.2f}",
+            f"{r.requests_per_s:.2f}",
+            f"{r.tokens_per_s:.0f}",
+            f"{r.output_tokens_per_s:.1f}",
+            percent(r.pool_hit_rate),
+            size(r.loaded_bytes),
+            size(r.stored_bytes),
+            f"{r.settle_s:.2f}",
+            str(r.no_content),
+        )
         for r in rows
     )
     return Table("blocks (in run order)", headers, cells)
 
 
 def tables(run: BenchRun, comparisons: Sequence[Comparison], spec: BootstrapSpec) -> list[Table]:
-    return [comparison_table(run, comparisons, spec), blocks_table([block_row(b) for b in run.blocks])]
+    return [
+        comparison_table(run, comparisons, spec),
+        blocks_table([block_row(b) for b in run.blocks]),
+    ]
 
 
 def unsettled_warning(run: BenchRun) -> str | None:
     if not (n := run.unsettled()):
         return None
-    return (f"warning: {n} requests were sent after waiting the whole settle timeout "
-            f"({run.info.settle_timeout_s:g} s) with pool stores still in flight: a replica is not "
-            "committing what it stores, so pool hits are missing")
+    return (
+        f"warning: {n} requests were sent after waiting the whole settle timeout "
+        f"({run.info.settle_timeout_s:g} s) with pool stores still in flight: a replica is not "
+        "committing what it stores, so pool hits are missing"
+    )
 
 
 def _record_json(record: RequestRecord) -> dict[str, Any]:
-    return {"block": record.block, "condition": record.condition, **dataclasses.asdict(record.tag),
-            "replica": record.replica, "start_s": record.start_s, "settle_s": record.settle_s,
-            **dataclasses.asdict(record.result)}
+    return {
+        "block": record.block,
+        "condition": record.condition,
+        **dataclasses.asdict(record.tag),
+        "replica": record.replica,
+        "start_s": record.start_s,
+        "settle_s": record.settle_s,
+        **dataclasses.asdict(record.result),
+    }
 
 
-def to_json(run: BenchRun, comparisons: Sequence[Comparison], spec: BootstrapSpec) -> dict[str, Any]:
+def to_json(
+    run: BenchRun, comparisons: Sequence[Comparison], spec: BootstrapSpec
+) -> dict[str, Any]:
     info = dataclasses.asdict(run.info)
     info["design"] = run.info.design.label
     return {
@@ -88,16 +146,23 @@ def to_json(run: BenchRun, comparisons: Sequence[Comparison], spec: BootstrapSpe
         "bootstrap": dataclasses.asdict(spec),
         "comparisons": [dataclasses.asdict(c) for c in comparisons],
         "blocks": [
-            {"index": b.block.index, "condition": b.block.condition, "wall_s": b.wall_s,
-             "summary": dataclasses.asdict(block_row(b)),
-             "stats_before": list(b.stats_before), "stats_after": list(b.stats_after)}
+            {
+                "index": b.block.index,
+                "condition": b.block.condition,
+                "wall_s": b.wall_s,
+                "summary": dataclasses.asdict(block_row(b)),
+                "stats_before": list(b.stats_before),
+                "stats_after": list(b.stats_after),
+            }
             for b in run.blocks
         ],
         "requests": [_record_json(r) for r in run.records()],
     }
 
 
-def write_json(path: Path, run: BenchRun, comparisons: Sequence[Comparison], spec: BootstrapSpec) -> None:
+def write_json(
+    path: Path, run: BenchRun, comparisons: Sequence[Comparison], spec: BootstrapSpec
+) -> None:
     path.write_text(json.dumps(to_json(run, comparisons, spec), indent=1) + "\n")
 
 
@@ -108,7 +173,8 @@ def markdown(
     params = ", ".join(f"{k}={v}" for k, v in info.params.items())
     machine = ", ".join(f"{k} {v}" for k, v in info.machine.items())
     lines = [
-        f"# kvshare bench: {info.workload}", "",
+        f"# kvshare bench: {info.workload}",
+        "",
         f"- command: `{info.command}`",
         f"- date: {info.started_at}",
         f"- client machine: {machine}",
@@ -123,7 +189,9 @@ def markdown(
         f"store in flight, at most {info.settle_timeout_s:g} s",
     ]
     if any(c.metric == SESSION for c in comparisons):
-        lines.append("- session_s: a session's time waiting for answers (sum of its requests' total times)")
+        lines.append(
+            "- session_s: a session's time waiting for answers (sum of its requests' total times)"
+        )
     if warning := unsettled_warning(run):
         lines.append(f"- **{warning}**")
     for table in tables(run, comparisons, spec):

@@ -45,7 +45,10 @@ class BlockContext:
         return await self._timed(self.client.complete(prompt, options), options, tag, settle_s)
 
     async def chat(
-        self, messages: Sequence[Mapping[str, str]], options: RequestOptions, tag: Tag,
+        self,
+        messages: Sequence[Mapping[str, str]],
+        options: RequestOptions,
+        tag: Tag,
         settle_s: float | None = None,
     ) -> RequestRecord:
         return await self._timed(self.client.chat(messages, options), options, tag, settle_s)
@@ -57,14 +60,19 @@ class BlockContext:
         return await settle(self.client, self.replicas[0], self.settle_timeout_s)
 
     async def _timed(
-        self, request: Awaitable[StreamResult], options: RequestOptions, tag: Tag,
+        self,
+        request: Awaitable[StreamResult],
+        options: RequestOptions,
+        tag: Tag,
         settle_s: float | None,
     ) -> RequestRecord:
         start = time.perf_counter() - self.started
         result = await request
         if options.replica is not None and result.served_by not in (None, str(options.replica)):
-            raise BenchError(f"{tag.label} was pinned to replica {options.replica}, "
-                             f"but replica {result.served_by} served it")
+            raise BenchError(
+                f"{tag.label} was pinned to replica {options.replica}, "
+                f"but replica {result.served_by} served it"
+            )
         record = RequestRecord(
             self.block.index, self.block.condition, tag, options.replica, start, result, settle_s
         )
@@ -82,7 +90,9 @@ class Workload(Protocol):
     async def run_block(self, ctx: BlockContext) -> list[RequestRecord]: ...
 
 
-async def settle(client: BenchClient, replica: str, timeout_s: float, poll_s: float = 0.01) -> float:
+async def settle(
+    client: BenchClient, replica: str, timeout_s: float, poll_s: float = 0.01
+) -> float:
     """Wait until the pool holds no reservation: every store begun has committed or aborted.
 
     A replica stores a prompt's chunks after computing them and commits each once its copy
@@ -99,7 +109,9 @@ async def settle(client: BenchClient, replica: str, timeout_s: float, poll_s: fl
     return waited
 
 
-async def prepare_block(client: BenchClient, block: Block, replica: str, settle_timeout_s: float) -> None:
+async def prepare_block(
+    client: BenchClient, block: Block, replica: str, settle_timeout_s: float
+) -> None:
     # Settle, toggle, clear, reset: the block starts with the pool in its setting and empty
     # (no store of the previous block lands later), and every GPU-local prefix cache cold.
     # (Every replica clears the one pool: idempotent.)
@@ -131,7 +143,9 @@ async def run_design(
         before = await all_stats(client, replicas)
         observer.block_started(block, workload.planned_requests())
         started = time.perf_counter()
-        ctx = BlockContext(client, block, seed, model, replicas, observer, started, settle_timeout_s)
+        ctx = BlockContext(
+            client, block, seed, model, replicas, observer, started, settle_timeout_s
+        )
         records = await workload.run_block(ctx)
         wall = time.perf_counter() - started
         result = BlockResult(block, wall, before, await all_stats(client, replicas), tuple(records))

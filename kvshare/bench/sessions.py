@@ -50,9 +50,14 @@ class Sessions:
             raise ValueError(f"placements must be among {PLACEMENTS}, got {self.placements}")
 
     def params(self) -> dict[str, Any]:
-        return {"sessions": self.sessions, "turns": self.turns, "context_tokens": self.context_tokens,
-                "question_tokens": self.question_tokens, "output_tokens": self.output_tokens,
-                "placements": list(self.placements)}
+        return {
+            "sessions": self.sessions,
+            "turns": self.turns,
+            "context_tokens": self.context_tokens,
+            "question_tokens": self.question_tokens,
+            "output_tokens": self.output_tokens,
+            "placements": list(self.placements),
+        }
 
     def planned_requests(self) -> int:
         return self.sessions * self.turns * len(self.placements)
@@ -80,10 +85,15 @@ class Sessions:
         return Tag(placement, turn, MEASURE, f"{label}/turn{turn}", session=label)
 
     def _options(self, block: int, placement: str, session: int, turn: int) -> RequestOptions:
-        return RequestOptions(self.output_tokens, replica_for(placement, turn),
-                              session_id=f"block{block}-{placement}-{session}")
+        return RequestOptions(
+            self.output_tokens,
+            replica_for(placement, turn),
+            session_id=f"block{block}-{placement}-{session}",
+        )
 
-    async def _chat_session(self, ctx: BlockContext, placement: str, session: int) -> list[RequestRecord]:
+    async def _chat_session(
+        self, ctx: BlockContext, placement: str, session: int
+    ) -> list[RequestRecord]:
         rng = prompt_rng(ctx.seed, self.name, ctx.block.index, placement, session)
         context = ctx.model.prompt(self.context_tokens, rng)
         messages: list[dict[str, str]] = []
@@ -100,7 +110,9 @@ class Sessions:
             records.append(record)
         return records
 
-    async def _id_session(self, ctx: BlockContext, placement: str, session: int) -> list[RequestRecord]:
+    async def _id_session(
+        self, ctx: BlockContext, placement: str, session: int
+    ) -> list[RequestRecord]:
         rng = prompt_rng(ctx.seed, self.name, ctx.block.index, placement, session)
         history = list(ctx.model.prompt(self.context_tokens, rng))
         records: list[RequestRecord] = []
@@ -108,10 +120,13 @@ class Sessions:
             history += ctx.model.prompt(self.question_tokens, rng)
             settled = await ctx.settle() if records else None
             options = self._options(ctx.block.index, placement, session, turn)
-            record = await ctx.complete(list(history), options, self._tag(placement, session, turn),
-                                        settled)
+            record = await ctx.complete(
+                list(history), options, self._tag(placement, session, turn), settled
+            )
             if not record.result.token_ids:
-                raise BenchError("token-id sessions need the answer's ids; the server streamed none")
+                raise BenchError(
+                    "token-id sessions need the answer's ids; the server streamed none"
+                )
             history += record.result.token_ids
             records.append(record)
         return records

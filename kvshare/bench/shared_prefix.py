@@ -31,15 +31,26 @@ class SharedPrefix:
     output_tokens: int = 16
 
     def __post_init__(self) -> None:
-        values = (self.documents, self.users, self.concurrency, self.doc_tokens,
-                  self.question_tokens, self.output_tokens)
+        values = (
+            self.documents,
+            self.users,
+            self.concurrency,
+            self.doc_tokens,
+            self.question_tokens,
+            self.output_tokens,
+        )
         if min(values) < 1:
             raise ValueError("documents, users, concurrency and token counts must be >= 1")
 
     def params(self) -> dict[str, Any]:
-        return {"documents": self.documents, "users": self.users, "concurrency": self.concurrency,
-                "doc_tokens": self.doc_tokens, "question_tokens": self.question_tokens,
-                "output_tokens": self.output_tokens}
+        return {
+            "documents": self.documents,
+            "users": self.users,
+            "concurrency": self.concurrency,
+            "doc_tokens": self.doc_tokens,
+            "question_tokens": self.question_tokens,
+            "output_tokens": self.output_tokens,
+        }
 
     def planned_requests(self) -> int:
         return self.users
@@ -58,10 +69,16 @@ class SharedPrefix:
         # Every prompt is drawn before the first request: tokenizing while requests are in flight
         # would stall the event loop and delay other requests' chunks (inflating their TTFT).
         block = ctx.block.index
-        docs = [ctx.model.prompt(self.doc_tokens, prompt_rng(ctx.seed, self.name, block, "doc", d))
-                for d in range(self.documents)]
-        questions = [ctx.model.prompt(self.question_tokens, prompt_rng(ctx.seed, self.name, block, "user", u))
-                     for u in range(self.users)]
+        docs = [
+            ctx.model.prompt(self.doc_tokens, prompt_rng(ctx.seed, self.name, block, "doc", d))
+            for d in range(self.documents)
+        ]
+        questions = [
+            ctx.model.prompt(
+                self.question_tokens, prompt_rng(ctx.seed, self.name, block, "user", u)
+            )
+            for u in range(self.users)
+        ]
         slots = asyncio.Semaphore(self.concurrency)
 
         async def ask(user: int) -> RequestRecord:
@@ -72,4 +89,6 @@ class SharedPrefix:
                 return await ctx.complete(prompt, RequestOptions(self.output_tokens), tag)
 
         # Tasks are created in plan order and the semaphore wakes waiters first-in first-out.
-        return list(await asyncio.gather(*(ask(user) for user in self.plan(ctx.seed, ctx.block.index))))
+        return list(
+            await asyncio.gather(*(ask(user) for user in self.plan(ctx.seed, ctx.block.index)))
+        )

@@ -80,7 +80,9 @@ def median_interval(strata: Sequence[Sequence[float]], spec: BootstrapSpec) -> E
 
 
 def ratio_interval(
-    numerator: Sequence[Sequence[float]], denominator: Sequence[Sequence[float]], spec: BootstrapSpec
+    numerator: Sequence[Sequence[float]],
+    denominator: Sequence[Sequence[float]],
+    spec: BootstrapSpec,
 ) -> Estimate:
     """median(numerator) / median(denominator), both resampled independently per replicate."""
     rng = np.random.default_rng(spec.seed)
@@ -122,5 +124,7 @@ def geometric_mean_interval(values: Sequence[float], level: float = DEFAULT_LEVE
         raise ValueError(f"need at least 2 positive values, got {list(values)}")
     logs = np.log(np.asarray(values, dtype=np.float64))
     center = float(logs.mean())
-    half = t_quantile(0.5 + level / 2, len(logs) - 1) * float(logs.std(ddof=1)) / math.sqrt(len(logs))
+    half = (
+        t_quantile(0.5 + level / 2, len(logs) - 1) * float(logs.std(ddof=1)) / math.sqrt(len(logs))
+    )
     return Estimate(math.exp(center), math.exp(center - half), math.exp(center + half))

@@ -89,54 +89,78 @@ class Comparison:
 def paired_ratios(comparison: Comparison, design: Design) -> list[float]:
     """ON / OFF block median of each back-to-back pair of blocks (Design.pairs) that has both."""
     medians = comparison.block_medians
-    return [on / off for off, on in ((medians[i], medians[j]) for i, j in design.pairs())
-            if off and on is not None]
+    return [
+        on / off
+        for off, on in ((medians[i], medians[j]) for i, j in design.pairs())
+        if off and on is not None
+    ]
 
 
 def condition_medians(comparison: Comparison, design: Design, condition: str) -> list[float]:
     """The block medians of the blocks with `condition` that have a sample."""
-    return [m for b, m in zip(design.blocks, comparison.block_medians)
-            if b.condition == condition and m is not None]
+    return [
+        m
+        for b, m in zip(design.blocks, comparison.block_medians)
+        if b.condition == condition and m is not None
+    ]
 
 
 def _strata(samples: Sequence[Sample], design: Design, condition: str) -> list[list[float]]:
-    return [[s.value for s in samples if s.block == b.index]
-            for b in design.blocks if b.condition == condition]
+    return [
+        [s.value for s in samples if s.block == b.index]
+        for b in design.blocks
+        if b.condition == condition
+    ]
 
 
-def compare(
-    blocks: Sequence[BlockResult], design: Design, spec: BootstrapSpec
-) -> list[Comparison]:
+def compare(blocks: Sequence[BlockResult], design: Design, spec: BootstrapSpec) -> list[Comparison]:
     """One comparison per (metric, series, x), in metric order, then first appearance, then x."""
     records = [r for b in blocks for r in b.records]
     by_point: dict[Point, list[Sample]] = defaultdict(list)
     for s in samples(records):
         by_point[s.point].append(s)
     series_order = list(dict.fromkeys(r.tag.series for r in records))
-    ordered = sorted(by_point, key=lambda p: (METRICS.index(p[0]), series_order.index(p[1]),
-                                              -1 if p[2] is None else p[2]))
+    ordered = sorted(
+        by_point,
+        key=lambda p: (METRICS.index(p[0]), series_order.index(p[1]), -1 if p[2] is None else p[2]),
+    )
     return [_compare(point, by_point[point], records, design, spec) for point in ordered]
 
 
 def _compare(
-    point: Point, group: list[Sample], records: list[RequestRecord], design: Design, spec: BootstrapSpec
+    point: Point,
+    group: list[Sample],
+    records: list[RequestRecord],
+    design: Design,
+    spec: BootstrapSpec,
 ) -> Comparison:
     metric, series, x = point
     medians = tuple(
-        float(np.median(values)) if (values := [s.value for s in group if s.block == b.index]) else None
+        float(np.median(values))
+        if (values := [s.value for s in group if s.block == b.index])
+        else None
         for b in design.blocks
     )
     off, on = _strata(group, design, OFF), _strata(group, design, ON)
     n_off, n_on = sum(map(len, off)), sum(map(len, on))
-    mine = [r for r in records if r.measured and r.tag.series == series
-            and (metric == SESSION or r.tag.x == x)]
+    mine = [
+        r
+        for r in records
+        if r.measured and r.tag.series == series and (metric == SESSION or r.tag.x == x)
+    ]
     return Comparison(
-        metric, series, x, medians, (n_off, n_on),
+        metric,
+        series,
+        x,
+        medians,
+        (n_off, n_on),
         off=median_interval(off, spec) if n_off else None,
         on=median_interval(on, spec) if n_on else None,
         ratio=ratio_interval(on, off, spec) if n_off and n_on else None,
-        hit_rates=(pool_hit_rate(r for r in mine if r.condition == OFF),
-                   pool_hit_rate(r for r in mine if r.condition == ON)),
+        hit_rates=(
+            pool_hit_rate(r for r in mine if r.condition == OFF),
+            pool_hit_rate(r for r in mine if r.condition == ON),
+        ),
     )
 
 
@@ -165,7 +189,9 @@ def block_row(result: BlockResult) -> BlockRow:
     prompt = sum(r.usage_int("prompt_tokens") for r in records)
     output = sum(r.usage_int("completion_tokens") for r in records)
     return BlockRow(
-        index=result.block.index, condition=result.block.condition, requests=len(records),
+        index=result.block.index,
+        condition=result.block.condition,
+        requests=len(records),
         no_content=len(measured) - len(ttfts),
         median_ttft_s=float(np.median(ttfts)) if ttfts else None,
         span_s=span,

@@ -88,7 +88,9 @@ def words(rng: random.Random, count: int) -> str:
     return " ".join(out)
 
 
-def exact_text(tokenizer: Tokenizer, num_tokens: int, rng: random.Random, max_draws: int = 16) -> str:
+def exact_text(
+    tokenizer: Tokenizer, num_tokens: int, rng: random.Random, max_draws: int = 16
+) -> str:
     """Text that `tokenizer.encode` turns into exactly `num_tokens` ids.
 
     The text is cut after `keep` of its ids, for `keep` near `num_tokens`, until the cut text
@@ -101,14 +103,18 @@ def exact_text(tokenizer: Tokenizer, num_tokens: int, rng: random.Random, max_dr
     for _ in range(max_draws):
         ids = tokenizer.encode(text)
         while len(ids) < num_tokens + _CUT_REACH:
-            text = " ".join(filter(None, (text, words(rng, max(num_tokens + _CUT_REACH - len(ids), 4)))))
+            text = " ".join(
+                filter(None, (text, words(rng, max(num_tokens + _CUT_REACH - len(ids), 4))))
+            )
             ids = tokenizer.encode(text)
         for keep in _cuts_near(num_tokens):
             candidate = tokenizer.decode(ids[:keep])
             if len(tokenizer.encode(candidate)) == num_tokens:
                 return candidate
         text = tokenizer.decode(ids[: max(0, num_tokens - 4 * _CUT_REACH)])
-    raise RuntimeError(f"could not build a text of exactly {num_tokens} tokens in {max_draws} draws")
+    raise RuntimeError(
+        f"could not build a text of exactly {num_tokens} tokens in {max_draws} draws"
+    )
 
 
 _CUT_REACH = 8  # how far from the target a cut is tried (a re-encode differs by a token or two)
@@ -125,12 +131,12 @@ def load_prompt_model(spec: str) -> PromptModel:
     if spec.startswith(SHAPE_PREFIX):
         from kvshare.models.presets import shape_preset
 
-        return PromptModel(spec, None, shape_preset(spec[len(SHAPE_PREFIX):]).vocab_size)
+        return PromptModel(spec, None, shape_preset(spec[len(SHAPE_PREFIX) :]).vocab_size)
     from kvshare.models.loader import load_tokenizer  # here: the loader imports torch
 
     tokenizer = load_tokenizer(spec)
     if tokenizer is None:
-        raise ValueError(f"{spec} has no tokenizer (neither a .gguf file nor a directory with tokenizer.json)")
+        raise ValueError(
+            f"{spec} has no tokenizer (neither a .gguf file nor a directory with tokenizer.json)"
+        )
     return PromptModel(spec, tokenizer, tokenizer.vocab_size)
-
-

@@ -53,9 +53,13 @@ class StepMeta:
     _paged: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        slots = [self._slots(i, c - q, c) for i, (q, c) in enumerate(zip(self.q_lens, self.ctx_lens))]
+        slots = [
+            self._slots(i, c - q, c) for i, (q, c) in enumerate(zip(self.q_lens, self.ctx_lens))
+        ]
         self.slot_mapping = host_to_device(np.concatenate(slots), self.device)
-        self.cu_seqlens_q = host_to_device(np.cumsum((0, *self.q_lens), dtype=np.int32), self.device)
+        self.cu_seqlens_q = host_to_device(
+            np.cumsum((0, *self.q_lens), dtype=np.int32), self.device
+        )
 
     @property
     def num_seqs(self) -> int:
@@ -82,11 +86,15 @@ class StepMeta:
                 for q, c in zip(self.q_lens, self.ctx_lens)
             )
             lens = tuple(c - s for s, c in zip(starts, self.ctx_lens))
-            slots = np.concatenate([self._slots(i, s, c) for i, (s, c) in enumerate(zip(starts, self.ctx_lens))])
+            slots = np.concatenate(
+                [self._slots(i, s, c) for i, (s, c) in enumerate(zip(starts, self.ctx_lens))]
+            )
             self._key_ranges[window] = KeyRange(
                 slots=host_to_device(slots, self.device),
                 cu_seqlens=host_to_device(np.cumsum((0, *lens), dtype=np.int32), self.device),
-                starts=starts, lens=lens, max_len=max(lens),
+                starts=starts,
+                lens=lens,
+                max_len=max(lens),
             )
         return self._key_ranges[window]
 
@@ -96,9 +104,11 @@ class StepMeta:
             width = max(len(t) for t in self.block_tables)
             tables = np.zeros((self.num_seqs, width), dtype=np.int32)
             for i, t in enumerate(self.block_tables):
-                tables[i, :len(t)] = t
-            self._paged = (host_to_device(tables, self.device),
-                           host_to_device(np.asarray(self.ctx_lens, dtype=np.int32), self.device))
+                tables[i, : len(t)] = t
+            self._paged = (
+                host_to_device(tables, self.device),
+                host_to_device(np.asarray(self.ctx_lens, dtype=np.int32), self.device),
+            )
         return self._paged
 
 
@@ -112,34 +122,51 @@ def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 class AttentionBackend(ABC):
     @abstractmethod
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: StepMeta, scale: float, window: int | None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: StepMeta,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
         """q [T, Hq, D]; caches [num_blocks * block_size, Hkv, D] already hold this step's keys."""
 
 
 class SDPABackend(AttentionBackend):
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: StepMeta, scale: float, window: int | None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: StepMeta,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
         keys = meta.key_range(window)
         out = torch.empty_like(q)
         q_start = 0
         k_start = 0
         for i in range(meta.num_seqs):
             n, m = meta.q_lens[i], keys.lens[i]
-            idx = keys.slots[k_start:k_start + m]
-            qi = q[q_start:q_start + n].transpose(0, 1)[None]
+            idx = keys.slots[k_start : k_start + m]
+            qi = q[q_start : q_start + n].transpose(0, 1)[None]
             ki = k_cache[idx].transpose(0, 1)[None].to(q.dtype)
             vi = v_cache[idx].transpose(0, 1)[None].to(q.dtype)
             mask = _causal_mask(meta.ctx_lens[i], n, keys.starts[i], m, window, q.device)
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-            out[q_start:q_start + n] = o[0].transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+            out[q_start : q_start + n] = o[0].transpose(0, 1)
             q_start += n
             k_start += m
         return out
 
 
-def _causal_mask(ctx: int, n: int, key_start: int, m: int, window: int | None,
-                 device: torch.device) -> torch.Tensor | None:
+def _causal_mask(
+    ctx: int, n: int, key_start: int, m: int, window: int | None, device: torch.device
+) -> torch.Tensor | None:
     """Query j sits at position ctx - n + j; key i at key_start + i."""
     if n == 1 and (window is None or m <= window):
         return None
@@ -169,27 +196,52 @@ class VarlenBackend(AttentionBackend):
 
             self._paged = paged
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: StepMeta, scale: float, window: int | None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: StepMeta,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
         paged = self._paged
         # Decode first, reading only decode_only/paged()/block_size: the captured graph step
         # (cuda_graphs.GraphStepMeta) has nothing else, and its splits must depend only on
         # static shapes (the tables' width), not on this step's context lengths.
         if paged is not None and meta.decode_only:
             tables, ctx = meta.paged()
-            return paged.paged_decode_attention(q, k_cache, v_cache, tables, ctx, meta.block_size,
-                                                scale, window)
+            return paged.paged_decode_attention(
+                q, k_cache, v_cache, tables, ctx, meta.block_size, scale, window
+            )
         if paged is not None and meta.max_q <= paged.MAX_QUERY:
             tables, ctx = meta.paged()
-            return paged.paged_attention(q, k_cache, v_cache, tables, ctx, meta.block_size, scale,
-                                         window, cu_seqlens_q=meta.cu_seqlens_q, max_q=meta.max_q,
-                                         max_context=max(meta.ctx_lens))
+            return paged.paged_attention(
+                q,
+                k_cache,
+                v_cache,
+                tables,
+                ctx,
+                meta.block_size,
+                scale,
+                window,
+                cu_seqlens_q=meta.cu_seqlens_q,
+                max_q=meta.max_q,
+                max_context=max(meta.ctx_lens),
+            )
         keys = meta.key_range(window)
         k = k_cache.index_select(0, keys.slots)
         v = v_cache.index_select(0, keys.slots)
         return self._varlen_attn(
-            q, k, v, meta.cu_seqlens_q, keys.cu_seqlens, meta.max_q, keys.max_len,
-            scale=scale, window_size=(-1 if window is None else window - 1, 0),
+            q,
+            k,
+            v,
+            meta.cu_seqlens_q,
+            keys.cu_seqlens,
+            meta.max_q,
+            keys.max_len,
+            scale=scale,
+            window_size=(-1 if window is None else window - 1, 0),
         )
 
 
@@ -197,9 +249,15 @@ class PagedAttention:
     """The models' AttentionContext over the engine's paged cache for one step; for hybrid
     models also their RecurrentStateContext over the sequences' state slots."""
 
-    def __init__(self, kv: torch.Tensor, layer_slot: tuple[int, ...], meta: StepMeta,
-                 backend: AttentionBackend, states: RecurrentStates | None = None,
-                 state_slots: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        layer_slot: tuple[int, ...],
+        meta: StepMeta,
+        backend: AttentionBackend,
+        states: RecurrentStates | None = None,
+        state_slots: torch.Tensor | None = None,
+    ) -> None:
         self.kv = kv
         self.layer_slot = layer_slot
         self.meta = meta
@@ -213,8 +271,16 @@ class PagedAttention:
         step's meta has no per-step lengths, and hybrid models are not captured)."""
         return self.meta.q_lens  # type: ignore[attr-defined]
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-               scale: float, window: int | None) -> torch.Tensor:
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
         cache = self.kv[self.layer_slot[layer]]
         k_cache = cache[0].flatten(0, 1)
         v_cache = cache[1].flatten(0, 1)
@@ -226,6 +292,8 @@ class PagedAttention:
         assert self.states is not None and self.state_slots is not None
         return self.states.load(layer, self.state_slots)
 
-    def save_state(self, layer: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
+    def save_state(
+        self, layer: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor
+    ) -> None:
         assert self.states is not None and self.state_slots is not None
         self.states.save(layer, self.state_slots, conv_state, recurrent_state)

@@ -39,8 +39,9 @@ def check_cache_salt(cache_salt: object) -> str | None:
     if not cache_salt:
         raise ValueError("cache_salt must be a non-empty string (leave it out for no salt)")
     if len(cache_salt) > MAX_CACHE_SALT_CHARS:
-        raise ValueError(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, "
-                         f"got {len(cache_salt)}")
+        raise ValueError(
+            f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, got {len(cache_salt)}"
+        )
     try:
         cache_salt.encode()
     except UnicodeEncodeError:
@@ -56,17 +57,18 @@ def salted_root(root: bytes, cache_salt: str | None) -> bytes:
     return xxhash.xxh3_128_digest(_SALT_DOMAIN + root + b"\0" + cache_salt.encode())
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, start: int = 0,
-                 parent: bytes = ROOT_HASH) -> list[bytes]:
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, start: int = 0, parent: bytes = ROOT_HASH
+) -> list[bytes]:
     """Chained hashes of the full blocks of token_ids from block `start` on."""
     # Only the blocks hashed are converted, and sliced as bytes: a decode step that fills a
     # block of a 130k-token sequence must not convert the whole sequence again.
     end = len(token_ids) // block_size * block_size
-    data = np.asarray(token_ids[start * block_size:end], dtype=np.int32).tobytes()
+    data = np.asarray(token_ids[start * block_size : end], dtype=np.int32).tobytes()
     step = block_size * 4
     out = []
     for i in range(0, len(data), step):
-        parent = xxhash.xxh3_128_digest(parent + data[i:i + step])
+        parent = xxhash.xxh3_128_digest(parent + data[i : i + step])
         out.append(parent)
     return out
 
@@ -74,10 +76,17 @@ def block_hashes(token_ids: Sequence[int], block_size: int, start: int = 0,
 class BlockManager:
     """Owns block ids 0..num_blocks-1. Not thread-safe: the engine loop is its only user."""
 
-    def __init__(self, num_blocks: int, block_size: int, sliding_window: int | None = None,
-                 enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        sliding_window: int | None = None,
+        enable_prefix_caching: bool = True,
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+            raise ValueError(
+                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.sliding_window = sliding_window

@@ -57,18 +57,25 @@ class EngineConfig:
     device: str = flag("cpu", "cpu or cuda[:N]")
     dtype: str = flag("auto", "auto, float32, bfloat16, float16")
     block_size: int = flag(16, "tokens per KV cache block (a power of two)", parse=int)
-    max_num_batched_tokens: int = flag(4096, "token budget of one engine step (prefill chunk size)",
-                                       parse=int)
+    max_num_batched_tokens: int = flag(
+        4096, "token budget of one engine step (prefill chunk size)", parse=int
+    )
     max_num_seqs: int = flag(64, "most sequences in one engine step", parse=int)
     max_model_len: int | None = flag(
-        None, "longest prompt + output in tokens (default: the model's context length)", parse=int)
+        None, "longest prompt + output in tokens (default: the model's context length)", parse=int
+    )
     kv_cache_memory: int | None = flag(None, "KV cache size, e.g. 2GiB", parse=_size)
-    gpu_memory_fraction: float = flag(0.9, "share of the GPU this replica may use (weights + cache)",
-                                      parse=float, render=repr)
-    enable_prefix_caching: bool = flag(True, "reuse the KV of prompt prefixes already on the device")
+    gpu_memory_fraction: float = flag(
+        0.9, "share of the GPU this replica may use (weights + cache)", parse=float, render=repr
+    )
+    enable_prefix_caching: bool = flag(
+        True, "reuse the KV of prompt prefixes already on the device"
+    )
     attention_backend: AttentionBackendName = flag(
-        "auto", "attention kernel (auto: varlen on CUDA in bfloat16/float16, else sdpa)",
-        choices=ATTENTION_BACKENDS)
+        "auto",
+        "attention kernel (auto: varlen on CUDA in bfloat16/float16, else sdpa)",
+        choices=ATTENTION_BACKENDS,
+    )
     cuda_graphs: bool = flag(True, "capture decode steps as CUDA graphs (CUDA only)")
     seed: int = 0
     # Hybrid (linear-attention) models: recurrent-state snapshots kept on the device for
@@ -86,11 +93,15 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if not 0.05 <= self.gpu_memory_fraction <= 1.0:
-            raise ValueError(f"gpu_memory_fraction must be in [0.05, 1], got {self.gpu_memory_fraction}")
+            raise ValueError(
+                f"gpu_memory_fraction must be in [0.05, 1], got {self.gpu_memory_fraction}"
+            )
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be positive")
         if self.num_state_snapshots < 0 or self.snapshot_interval_tokens < self.block_size:
-            raise ValueError("num_state_snapshots must be >= 0 and snapshot_interval_tokens >= block_size")
+            raise ValueError(
+                "num_state_snapshots must be >= 0 and snapshot_interval_tokens >= block_size"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {self.attention_backend!r}")
 
@@ -106,11 +117,13 @@ class EngineConfig:
         for each, how in _flags():
             name = "--" + each.name.replace("_", "-")
             if each.type in (bool, "bool"):
-                parser.add_argument(name, action=argparse.BooleanOptionalAction, default=each.default,
-                                    help=how.help)
+                parser.add_argument(
+                    name, action=argparse.BooleanOptionalAction, default=each.default, help=how.help
+                )
             else:
-                parser.add_argument(name, type=how.parse, default=each.default, choices=how.choices,
-                                    help=how.help)
+                parser.add_argument(
+                    name, type=how.parse, default=each.default, choices=how.choices, help=how.help
+                )
 
     @classmethod
     def flag_values(cls, source: object) -> dict[str, Any]:
@@ -152,5 +165,8 @@ class EngineConfig:
 
 
 def _flags() -> list[tuple[dataclasses.Field, Flag]]:
-    return [(each, each.metadata[_FLAG]) for each in dataclasses.fields(EngineConfig)
-            if _FLAG in each.metadata]
+    return [
+        (each, each.metadata[_FLAG])
+        for each in dataclasses.fields(EngineConfig)
+        if _FLAG in each.metadata
+    ]

@@ -48,8 +48,14 @@ class KVCacheLayout:
     sliding_window: int | None
 
     @classmethod
-    def allocate(cls, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> KVCacheLayout:
+    def allocate(
+        cls,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> KVCacheLayout:
         """One slot per attention layer (linear-attention layers keep state, not KV)."""
         global_layers = [i for i, k in enumerate(config.layer_kinds) if k == "full"]
         sliding_layers = [i for i, k in enumerate(config.layer_kinds) if k == "sliding"]
@@ -58,11 +64,16 @@ class KVCacheLayout:
         # and masked garbage must stay finite (0 x NaN is NaN in the value product).
         kv = torch.zeros(
             (len(slot_of), 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
-            dtype=dtype, device=device,
+            dtype=dtype,
+            device=device,
         )
-        return cls(kv=kv, block_size=block_size,
-                   layer_slot=tuple(slot_of.get(i, -1) for i in range(config.num_layers)),
-                   num_global_slots=len(global_layers), sliding_window=config.sliding_window)
+        return cls(
+            kv=kv,
+            block_size=block_size,
+            layer_slot=tuple(slot_of.get(i, -1) for i in range(config.num_layers)),
+            num_global_slots=len(global_layers),
+            sliding_window=config.sliding_window,
+        )
 
     @property
     def num_slots(self) -> int:
@@ -103,12 +114,20 @@ class KVConnector(ABC):
         """Attach to the engine's cache; called once before any other method."""
 
     @abstractmethod
-    def match(self, request_id: str, token_ids: Sequence[int], num_local_tokens: int, *,
-              cache_salt: str | None = None) -> PoolMatch:
+    def match(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_local_tokens: int,
+        *,
+        cache_salt: str | None = None,
+    ) -> PoolMatch:
         """Pin the longest restorable run past num_local_tokens (never the last token)."""
 
     @abstractmethod
-    def load(self, request_id: str, block_table: Sequence[int], state_slot: int | None = None) -> bool:
+    def load(
+        self, request_id: str, block_table: Sequence[int], state_slot: int | None = None
+    ) -> bool:
         """Start restoring the matched range into block_table (the request's whole table)
         and, for hybrid models, the state at the range's end into state_slot; order the
         current stream after the copies. False: nothing was started (compute the range)."""
@@ -124,13 +143,27 @@ class KVConnector(ABC):
         """Drop a match that will not be loaded."""
 
     @abstractmethod
-    def store(self, request_id: str, token_ids: Sequence[int], block_table: Sequence[int],
-              num_computed_tokens: int, *, cache_salt: str | None = None) -> None:
+    def store(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        block_table: Sequence[int],
+        num_computed_tokens: int,
+        *,
+        cache_salt: str | None = None,
+    ) -> None:
         """Store the full chunks of token_ids[:num_computed_tokens] not stored yet."""
 
     @abstractmethod
-    def store_state(self, request_id: str, token_ids: Sequence[int], boundary: int,
-                    snapshot_slot: int, *, cache_salt: str | None = None) -> None:
+    def store_state(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        boundary: int,
+        snapshot_slot: int,
+        *,
+        cache_salt: str | None = None,
+    ) -> None:
         """Store the recurrent-state snapshot (an immutable snapshot slot) taken after
         token_ids[:boundary], a chunk boundary (hybrid models)."""
 

@@ -43,8 +43,15 @@ def graph_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, layout: KVCacheLayout, backend: AttentionBackend,
-                 trash_block: int, max_batch: int, max_blocks_per_seq: int) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        layout: KVCacheLayout,
+        backend: AttentionBackend,
+        trash_block: int,
+        max_batch: int,
+        max_blocks_per_seq: int,
+    ) -> None:
         self.model = model
         self.layout = layout
         self.block_size = layout.block_size
@@ -54,7 +61,9 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.slots = torch.full((max_batch,), self.trash_slot, dtype=torch.int64, device=device)
-        self.tables = torch.full((max_batch, max_blocks_per_seq), trash_block, dtype=torch.int32, device=device)
+        self.tables = torch.full(
+            (max_batch, max_blocks_per_seq), trash_block, dtype=torch.int32, device=device
+        )
         self.context_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.buckets = graph_buckets(max_batch)
@@ -78,10 +87,13 @@ class DecodeGraphs:
                 hidden = self.model(*args)
             self.graphs[batch] = (graph, hidden)
 
-    def _args(self, batch: int, backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor, PagedAttention]:
+    def _args(
+        self, batch: int, backend: AttentionBackend
+    ) -> tuple[torch.Tensor, torch.Tensor, PagedAttention]:
         """The model's inputs for a `batch`-row step: views of the static buffers."""
-        meta = GraphStepMeta(self.slots[:batch], self.tables[:batch], self.context_lens[:batch],
-                             self.block_size)
+        meta = GraphStepMeta(
+            self.slots[:batch], self.tables[:batch], self.context_lens[:batch], self.block_size
+        )
         ctx = PagedAttention(self.layout.kv, self.layout.layer_slot, meta, backend)
         return self.input_ids[:batch], self.positions[:batch], ctx
 
@@ -90,15 +102,21 @@ class DecodeGraphs:
         graph.replay()
         return hidden
 
-    def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-            block_tables: list[tuple[int, ...]], context_lens: np.ndarray) -> torch.Tensor:
+    def run(
+        self,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        block_tables: list[tuple[int, ...]],
+        context_lens: np.ndarray,
+    ) -> torch.Tensor:
         """One decode step of len(input_ids) sequences; returns their hidden states."""
         n = len(input_ids)
         batch = next(b for b in self.buckets if b >= n)
         width = max(len(t) for t in block_tables)
         tables = np.full((batch, width), self.trash_block, dtype=np.int32)
         for i, table in enumerate(block_tables):
-            tables[i, :len(table)] = table
+            tables[i, : len(table)] = table
         pad = batch - n
         self._upload(self.input_ids[:batch], np.pad(input_ids, (0, pad)))
         self._upload(self.positions[:batch], np.pad(positions, (0, pad)))
@@ -109,6 +127,7 @@ class DecodeGraphs:
 
     @staticmethod
     def _upload(dest: torch.Tensor, array: np.ndarray) -> None:
-        src = torch.from_numpy(np.ascontiguousarray(array).astype(
-            np.int64 if dest.dtype == torch.int64 else np.int32))
+        src = torch.from_numpy(
+            np.ascontiguousarray(array).astype(np.int64 if dest.dtype == torch.int64 else np.int32)
+        )
         dest.copy_(src.pin_memory() if dest.is_cuda else src, non_blocking=True)

@@ -76,22 +76,30 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig,
-                 connector: KVConnector | None = None) -> None:
+    def __init__(
+        self, loaded: LoadedModel, config: EngineConfig, connector: KVConnector | None = None
+    ) -> None:
         self.loaded = loaded
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.runner = ModelRunner(loaded, config)
-        self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
-                                   loaded.config.sliding_window, config.enable_prefix_caching)
+        self.blocks = BlockManager(
+            self.runner.num_blocks,
+            config.block_size,
+            loaded.config.sliding_window,
+            config.enable_prefix_caching,
+        )
         self.max_model_len = self.runner.max_model_len
         self.connector = connector
         if connector is not None:
             connector.bind(PagedKVCache(self.runner.layout, self.blocks, self.runner.states))
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len),
-            self.blocks, connector, self.runner.states,
-            connector.chunk_tokens if connector is not None else DEFAULT_CHUNK_TOKENS, config.snapshot_interval_tokens,
+            self.blocks,
+            connector,
+            self.runner.states,
+            connector.chunk_tokens if connector is not None else DEFAULT_CHUNK_TOKENS,
+            config.snapshot_interval_tokens,
         )
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
         self.requests: dict[str, _Request] = {}
@@ -100,8 +108,13 @@ class LLMEngine:
             self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         )
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...],
-                    params: SamplingParams, cache_salt: str | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int] | tuple[int, ...],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> None:
         """Queue a request. Raises ValueError for an empty, too long or out-of-vocab prompt,
         or a malformed `cache_salt` (see `check_cache_salt`).
 
@@ -122,8 +135,12 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos)
-        self.requests[request_id] = _Request(seq, tuple(prompt_token_ids), detok, generator, stop_ids)
+        stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self._eos
+        )
+        self.requests[request_id] = _Request(
+            seq, tuple(prompt_token_ids), detok, generator, stop_ids
+        )
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False when it is unknown or already done."""
@@ -160,9 +177,12 @@ class LLMEngine:
             chunks = [c for c in chunks if c.seq.request_id not in failed]
         tokens = []
         if logits is not None:
-            tokens = sample(logits, [c.seq.params for c in sampling],
-                            [self.requests[c.seq.request_id].generator for c in sampling],
-                            self.generator)
+            tokens = sample(
+                logits,
+                [c.seq.params for c in sampling],
+                [self.requests[c.seq.request_id].generator for c in sampling],
+                self.generator,
+            )
         logprobs = self._logprobs(logits, sampling, tokens)
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
@@ -171,8 +191,13 @@ class LLMEngine:
         for chunk, token, logprob in zip(sampling, tokens, logprobs):
             req = self.requests[chunk.seq.request_id]
             if token is None:
-                outputs.append(self._fail(req, "the model's next-token distribution for this "
-                                               "request holds NaN or inf: it cannot be sampled"))
+                outputs.append(
+                    self._fail(
+                        req,
+                        "the model's next-token distribution for this "
+                        "request holds NaN or inf: it cannot be sampled",
+                    )
+                )
                 continue
             if logprob is not None:
                 req.logprobs.append(logprob[0])
@@ -197,11 +222,14 @@ class LLMEngine:
         return self._output(req, ())
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor | None, sampling: list[ScheduledChunk],
-                  tokens: list[int | None]) -> list[tuple[float, TopLogprobs] | None]:
+    def _logprobs(
+        logits: torch.Tensor | None, sampling: list[ScheduledChunk], tokens: list[int | None]
+    ) -> list[tuple[float, TopLogprobs] | None]:
         """Per sampled row that asked: the chosen token's log-probability and the top ones,
         from the raw model distribution (before temperature, top-k and top-p)."""
-        wanted = [i for i, c in enumerate(sampling) if c.seq.params.logprobs and tokens[i] is not None]
+        wanted = [
+            i for i, c in enumerate(sampling) if c.seq.params.logprobs and tokens[i] is not None
+        ]
         out: list[tuple[float, TopLogprobs] | None] = [None] * len(sampling)
         if not wanted or logits is None:
             return out
@@ -225,8 +253,13 @@ class LLMEngine:
                 self.blocks.register(seq.block_table[start:full], seq.block_hashes[start:full])
                 seq.num_registered_blocks = full
             if self.connector is not None:
-                self.connector.store(seq.request_id, seq.token_ids, seq.block_table,
-                                     seq.num_computed_tokens, cache_salt=seq.cache_salt)
+                self.connector.store(
+                    seq.request_id,
+                    seq.token_ids,
+                    seq.block_table,
+                    seq.num_computed_tokens,
+                    cache_salt=seq.cache_salt,
+                )
             if seq.num_computed_tokens in seq.snapshot_boundaries:
                 self._snapshot(seq)
 
@@ -235,16 +268,21 @@ class LLMEngine:
         states = self.runner.states
         assert states is not None and seq.state_slot is not None
         boundary = seq.num_computed_tokens
-        slot = states.snapshot(seq.block_hashes[boundary // self.config.block_size - 1], seq.state_slot)
+        slot = states.snapshot(
+            seq.block_hashes[boundary // self.config.block_size - 1], seq.state_slot
+        )
         if slot is not None and self.connector is not None:
-            self.connector.store_state(seq.request_id, seq.token_ids, boundary, slot,
-                                       cache_salt=seq.cache_salt)
+            self.connector.store_state(
+                seq.request_id, seq.token_ids, boundary, slot, cache_salt=seq.cache_salt
+            )
 
     def _append_token(self, req: _Request, token: int, now: float) -> RequestOutput:
         seq = req.seq
         if seq.first_token_time is None:
             seq.first_token_time = now
-            seq.kv.computed_tokens = seq.num_prompt_tokens - seq.kv.gpu_hit_tokens - seq.kv.pool_hit_tokens
+            seq.kv.computed_tokens = (
+                seq.num_prompt_tokens - seq.kv.gpu_hit_tokens - seq.kv.pool_hit_tokens
+            )
         seq.token_ids.append(token)
         seq.update_block_hashes(self.config.block_size)
         reason = None
@@ -256,8 +294,9 @@ class LLMEngine:
             seq.text += req.detokenizer.feed(token)
         if reason is None and seq.params.stop:
             reason = self._check_stop_strings(req)
-        if reason is None and (seq.num_output_tokens >= seq.params.max_tokens
-                               or seq.num_tokens >= self.max_model_len):
+        if reason is None and (
+            seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
             reason = "length"
             seq.text += req.detokenizer.flush() if req.detokenizer else ""
         if reason is not None:
@@ -270,12 +309,15 @@ class LLMEngine:
         longest = max(len(s) for s in seq.params.stop)
         search_from = max(0, req.emitted_text - longest)
         # The earliest match wins (one new piece of text may complete several stop strings).
-        found = [(at, len(stop)) for stop in seq.params.stop
-                 if (at := seq.text.find(stop, search_from)) >= 0]
+        found = [
+            (at, len(stop))
+            for stop in seq.params.stop
+            if (at := seq.text.find(stop, search_from)) >= 0
+        ]
         if not found:
             return None
         at, length = min(found)
-        seq.text = seq.text[:at + length if seq.params.include_stop_str_in_output else at]
+        seq.text = seq.text[: at + length if seq.params.include_stop_str_in_output else at]
         return "stop"
 
     def _finish(self, req: _Request, reason: str, emit: bool = True) -> None:
@@ -289,8 +331,10 @@ class LLMEngine:
         # Hold back text that may be the start of a stop string until it is decided.
         visible = len(seq.text)
         if seq.params.stop and not seq.is_finished:
-            visible = max(req.emitted_text, len(seq.text) - max(len(s) for s in seq.params.stop) + 1)
-        new_text = seq.text[req.emitted_text:visible]
+            visible = max(
+                req.emitted_text, len(seq.text) - max(len(s) for s in seq.params.stop) + 1
+            )
+        new_text = seq.text[req.emitted_text : visible]
         req.emitted_text = visible
         return RequestOutput(
             request_id=seq.request_id,

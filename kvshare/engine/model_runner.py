@@ -37,18 +37,31 @@ class ModelRunner:
         self.num_blocks = self.layout.kv.shape[2] - 1
         self.states: RecurrentStates | None = None
         if loaded.config.linear_layers:
-            self.states = RecurrentStates(loaded.config, config.max_num_seqs, config.num_state_snapshots,
-                                          self.dtype, self.device)
+            self.states = RecurrentStates(
+                loaded.config,
+                config.max_num_seqs,
+                config.num_state_snapshots,
+                self.dtype,
+                self.device,
+            )
         self.graphs: DecodeGraphs | None = None
         # Hybrid decode steps are not captured: their state slots are not static buffers yet.
         # Capped at what the KV cache holds: a sequence that outgrew the whole cache would
         # be preempted and readmitted forever (the engine stops it with "length" instead).
-        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
-                                 loaded.config.max_position_embeddings, self.num_blocks * config.block_size)
+        self.max_model_len = min(
+            config.max_model_len or loaded.config.max_position_embeddings,
+            loaded.config.max_position_embeddings,
+            self.num_blocks * config.block_size,
+        )
         if config.cuda_graphs and isinstance(self.backend, VarlenBackend) and self.states is None:
-            self.graphs = DecodeGraphs(self.model, self.layout, self.backend, trash_block=self.num_blocks,
-                                       max_batch=config.max_num_seqs,
-                                       max_blocks_per_seq=-(-self.max_model_len // config.block_size))
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.layout,
+                self.backend,
+                trash_block=self.num_blocks,
+                max_batch=config.max_num_seqs,
+                max_blocks_per_seq=-(-self.max_model_len // config.block_size),
+            )
 
     def _choose_backend(self) -> AttentionBackend:
         name = self.config.attention_backend
@@ -62,7 +75,14 @@ class ModelRunner:
     def _kv_bytes_per_block(self) -> int:
         c = self.model_config
         item = torch.empty((), dtype=self.dtype).element_size()
-        return len(c.attention_layers) * 2 * self.config.block_size * c.num_kv_heads * c.head_dim * item
+        return (
+            len(c.attention_layers)
+            * 2
+            * self.config.block_size
+            * c.num_kv_heads
+            * c.head_dim
+            * item
+        )
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory is not None:
@@ -78,8 +98,11 @@ class ModelRunner:
         c = self.model_config
         tokens = self.config.max_num_batched_tokens
         item = torch.empty((), dtype=self.dtype).element_size()
-        per_token = (6 * c.hidden_size + 3 * c.intermediate_size
-                     + 4 * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim) * item
+        per_token = (
+            6 * c.hidden_size
+            + 3 * c.intermediate_size
+            + 4 * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        ) * item
         logits = self.config.max_num_seqs * c.vocab_size * 4 * 3
         return tokens * per_token + logits + (2 << 30)
 
@@ -91,19 +114,26 @@ class ModelRunner:
                 f"no room for a KV cache: {self._kv_budget()} bytes available, "
                 f"{self._kv_bytes_per_block()} per block"
             )
-        return KVCacheLayout.allocate(c, num_blocks, self.config.block_size, self.dtype, self.device)
+        return KVCacheLayout.allocate(
+            c, num_blocks, self.config.block_size, self.dtype, self.device
+        )
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
         """Run one step; return float32 logits for the chunks that sample, in order."""
-        if (self.graphs is not None and len(chunks) <= self.graphs.max_batch
-                and all(c.num_new_tokens == 1 for c in chunks)):
+        if (
+            self.graphs is not None
+            and len(chunks) <= self.graphs.max_batch
+            and all(c.num_new_tokens == 1 for c in chunks)
+        ):
             return self._execute_graph(chunks)
         ids, positions, sample_rows = [], [], []
         row = 0
         for chunk in chunks:
             seq, start = chunk.seq, chunk.seq.num_computed_tokens
-            ids.append(np.asarray(seq.token_ids[start:start + chunk.num_new_tokens], dtype=np.int64))
+            ids.append(
+                np.asarray(seq.token_ids[start : start + chunk.num_new_tokens], dtype=np.int64)
+            )
             positions.append(np.arange(start, start + chunk.num_new_tokens, dtype=np.int64))
             row += chunk.num_new_tokens
             if chunk.samples:
@@ -112,19 +142,25 @@ class ModelRunner:
             q_lens=tuple(c.num_new_tokens for c in chunks),
             ctx_lens=tuple(c.seq.num_computed_tokens + c.num_new_tokens for c in chunks),
             block_tables=tuple(tuple(c.seq.block_table) for c in chunks),
-            block_size=self.config.block_size, device=self.device,
+            block_size=self.config.block_size,
+            device=self.device,
         )
         input_ids = host_to_device(np.concatenate(ids), self.device)
         pos = host_to_device(np.concatenate(positions), self.device)
         state_slots = None
         if self.states is not None:
-            state_slots = host_to_device(np.asarray([c.seq.state_slot for c in chunks], dtype=np.int64), self.device)
-        ctx = PagedAttention(self.layout.kv, self.layout.layer_slot, meta, self.backend,
-                             self.states, state_slots)
+            state_slots = host_to_device(
+                np.asarray([c.seq.state_slot for c in chunks], dtype=np.int64), self.device
+            )
+        ctx = PagedAttention(
+            self.layout.kv, self.layout.layer_slot, meta, self.backend, self.states, state_slots
+        )
         hidden = self.model(input_ids, pos, ctx)
         if not sample_rows:
             return None
-        return self.model.compute_logits(hidden[host_to_device(np.asarray(sample_rows), self.device)])
+        return self.model.compute_logits(
+            hidden[host_to_device(np.asarray(sample_rows), self.device)]
+        )
 
     def _execute_graph(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """A decode step (one new token per sequence, every one samples) from a graph."""
@@ -132,8 +168,9 @@ class ModelRunner:
         bs = self.config.block_size
         positions = np.asarray([c.seq.num_computed_tokens for c in chunks], dtype=np.int64)
         tables = [tuple(c.seq.block_table) for c in chunks]
-        slots = np.asarray([t[p // bs] * bs + p % bs for t, p in zip(tables, positions)], dtype=np.int64)
+        slots = np.asarray(
+            [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)], dtype=np.int64
+        )
         ids = np.asarray([c.seq.token_ids[p] for c, p in zip(chunks, positions)], dtype=np.int64)
         hidden = self.graphs.run(ids, positions, slots, tables, positions + 1)
         return self.model.compute_logits(hidden)
-

@@ -20,16 +20,34 @@ import triton
 import triton.language as tl
 
 TILE = 64  # keys per loop iteration
-MAX_QUERY = 64  # most new tokens per sequence the paged path serves; longer chunks go to varlen flash
+MAX_QUERY = (
+    64  # most new tokens per sequence the paged path serves; longer chunks go to varlen flash
+)
 MAX_ROWS = 64  # query rows (token x group head) per program when several tokens per sequence
 
 
 @triton.jit
 def _split_kernel(
-    Q, K, V, TABLES, CTX, CU_Q, ACC, MAX, SUM,
-    scale, window, table_stride, num_splits, q_blocks,
-    GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+    Q,
+    K,
+    V,
+    TABLES,
+    CTX,
+    CU_Q,
+    ACC,
+    MAX,
+    SUM,
+    scale,
+    window,
+    table_stride,
+    num_splits,
+    q_blocks,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
@@ -86,13 +104,17 @@ def _split_kernel(
         pos = t + tl.arange(0, TILE)
         valid = pos < hi
         block = tl.load(TABLES + seq * table_stride + pos // BLOCK_SIZE, mask=valid, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # int64: caches pass 2**31 elements
+        slot = (
+            block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        )  # int64: caches pass 2**31 elements
         offs = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
         k = tl.load(K + offs, mask=valid[:, None], other=0.0)
         v = tl.load(V + offs, mask=valid[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
         if VARLEN:  # per-row causal and window bounds; decode's single row is covered by [lo, hi)
-            seen = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= q_lo[:, None])
+            seen = (
+                valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= q_lo[:, None])
+            )
         else:
             seen = valid[None, :]
         scores = tl.where(seen, scores, float("-inf"))
@@ -112,16 +134,18 @@ def _split_kernel(
 
 
 @triton.jit
-def _merge_kernel(ACC, MAX, SUM, OUT, num_splits,
-                  HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+def _merge_kernel(ACC, MAX, SUM, OUT, num_splits, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # (query token, query head)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
     valid = s < num_splits
     m = tl.load(MAX + row * num_splits + s, mask=valid, other=float("-inf"))
     l_s = tl.load(SUM + row * num_splits + s, mask=valid, other=0.0)
-    acc = tl.load(ACC + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
-                  mask=valid[:, None], other=0.0)
+    acc = tl.load(
+        ACC + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
     # Every query sees at least its own key, so some split has m > -inf.
     m_max = tl.max(m, 0)
     w = tl.where(valid & (m > float("-inf")), tl.exp(m - m_max), 0.0)
@@ -144,10 +168,18 @@ def query_rows(group: int, max_q: int) -> int:
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-    scale: float, window: int | None, cu_seqlens_q: torch.Tensor | None = None,
-    max_q: int = 1, num_splits: int | None = None, max_context: int | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    window: int | None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    max_q: int = 1,
+    num_splits: int | None = None,
+    max_context: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a step's new tokens over the paged cache, keys read in place.
 
@@ -173,28 +205,64 @@ def paged_attention(
     m = torch.empty(n, dtype=torch.float32, device=q.device)
     s = torch.empty(n, dtype=torch.float32, device=q.device)
     _split_kernel[(batch * q_blocks, num_kv_heads, num_splits)](
-        q.contiguous(), k_cache, v_cache, block_tables, context_lens,
+        q.contiguous(),
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
         context_lens if cu_seqlens_q is None else cu_seqlens_q,  # unread when not VARLEN
-        acc, m, s, scale, window or 0, block_tables.stride(0), num_splits, q_blocks,
-        GROUP=group, ROWS=rows, HEAD_DIM=head_dim, NUM_KV_HEADS=num_kv_heads,
-        BLOCK_SIZE=block_size, TILE=TILE, VARLEN=cu_seqlens_q is not None,
+        acc,
+        m,
+        s,
+        scale,
+        window or 0,
+        block_tables.stride(0),
+        num_splits,
+        q_blocks,
+        GROUP=group,
+        ROWS=rows,
+        HEAD_DIM=head_dim,
+        NUM_KV_HEADS=num_kv_heads,
+        BLOCK_SIZE=block_size,
+        TILE=TILE,
+        VARLEN=cu_seqlens_q is not None,
         # 8 warps once a chunk's fp32 accumulator passes 32 KB (128 regs a thread at 4): no
         # spills on sm_90 for 64 rows x head dim 256. Decode keeps the default 4.
         num_warps=8 if cu_seqlens_q is not None and rows * head_dim > 64 * 128 else 4,
     )
     out = torch.empty_like(q)
     _merge_kernel[(num_tokens * num_heads,)](
-        acc, m, s, out, num_splits, HEAD_DIM=head_dim,
+        acc,
+        m,
+        s,
+        out,
+        num_splits,
+        HEAD_DIM=head_dim,
         SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
     )
     return out
 
 
 def paged_decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-    scale: float, window: int | None, num_splits: int | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    window: int | None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one query per sequence); caches [slots, Hkv, D]; returns [B, Hq, D]."""
-    return paged_attention(q, k_cache, v_cache, block_tables, context_lens, block_size,
-                           scale, window, num_splits=num_splits)
+    return paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        block_size,
+        scale,
+        window,
+        num_splits=num_splits,
+    )

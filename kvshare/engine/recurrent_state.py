@@ -21,8 +21,14 @@ from kvshare.models.config import ModelConfig
 
 
 class RecurrentStates:
-    def __init__(self, config: ModelConfig, num_sequence_slots: int, num_snapshots: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_sequence_slots: int,
+        num_snapshots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.layers = config.linear_layers
         self.linear_index = {layer: i for i, layer in enumerate(self.layers)}
         item = torch.empty((), dtype=dtype).element_size()
@@ -41,15 +47,21 @@ class RecurrentStates:
 
     def _views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         base = self.linear_index[layer] * (self.conv_bytes + self.rec_bytes)
-        conv = self.rows[:, base:base + self.conv_bytes].view(self.dtype).unflatten(1, self.conv_shape)
-        rec = self.rows[:, base + self.conv_bytes:base + self.conv_bytes + self.rec_bytes]
+        conv = (
+            self.rows[:, base : base + self.conv_bytes]
+            .view(self.dtype)
+            .unflatten(1, self.conv_shape)
+        )
+        rec = self.rows[:, base + self.conv_bytes : base + self.conv_bytes + self.rec_bytes]
         return conv, rec.view(torch.float32).unflatten(1, self.rec_shape)
 
     def load(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         conv, rec = self._views(layer)
         return conv.index_select(0, slots), rec.index_select(0, slots)
 
-    def save(self, layer: int, slots: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor) -> None:
+    def save(
+        self, layer: int, slots: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor
+    ) -> None:
         conv, rec = self._views(layer)
         conv.index_copy_(0, slots, conv_state.to(conv.dtype))
         rec.index_copy_(0, slots, rec_state.float())

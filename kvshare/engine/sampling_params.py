@@ -47,15 +47,21 @@ class SamplingParams:
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if 0.0 < self.temperature < MIN_TEMPERATURE:
-            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, "
-                             f"got {self.temperature}")
+            raise ValueError(
+                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, "
+                f"got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_p < MIN_TOP_P:
-            raise ValueError(f"top_p must be at least {MIN_TOP_P:.3g} (float32's smallest normal "
-                             f"number), got {self.top_p}")
+            raise ValueError(
+                f"top_p must be at least {MIN_TOP_P:.3g} (float32's smallest normal "
+                f"number), got {self.top_p}"
+            )
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+            raise ValueError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
         if any(not s for s in self.stop):

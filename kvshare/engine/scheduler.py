@@ -55,15 +55,23 @@ class Scheduler:
     chunk boundary of `state_chunk_tokens` with a state snapshot, prefill steps end on the
     sequence's snapshot boundaries, and every admitted sequence holds one state slot."""
 
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager,
-                 connector: KVConnector | None = None, states: RecurrentStates | None = None,
-                 state_chunk_tokens: int = DEFAULT_CHUNK_TOKENS, snapshot_interval: int = 16384) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        blocks: BlockManager,
+        connector: KVConnector | None = None,
+        states: RecurrentStates | None = None,
+        state_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        snapshot_interval: int = 16384,
+    ) -> None:
         self.config = config
         self.blocks = blocks
         self.connector = connector
         self.states = states
         self.state_chunk = state_chunk_tokens
-        self.snapshot_interval = max(state_chunk_tokens, snapshot_interval // state_chunk_tokens * state_chunk_tokens)
+        self.snapshot_interval = max(
+            state_chunk_tokens, snapshot_interval // state_chunk_tokens * state_chunk_tokens
+        )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.restoring: list[Sequence] = []  # admitted this step with an unverified pool restore
@@ -172,7 +180,7 @@ class Scheduler:
         while boundary > 0:
             slot = self.states.find(seq.block_hashes[boundary // bs - 1])
             if slot is not None:
-                return cached[:boundary // bs], slot
+                return cached[: boundary // bs], slot
             boundary -= self.state_chunk
         return [], None
 
@@ -235,14 +243,19 @@ class Scheduler:
         local_tokens = len(cached) * bs
         match = None
         if self.connector is not None and seq.use_pool:
-            match = self.connector.match(seq.request_id, seq.token_ids, local_tokens,
-                                         cache_salt=seq.cache_salt)
+            match = self.connector.match(
+                seq.request_id, seq.token_ids, local_tokens, cache_salt=seq.cache_salt
+            )
         pool_tokens = match.num_tokens if match else 0
         # The first chunk's blocks too: a restored sequence computes in its admission step.
-        first_chunk = min(seq.num_tokens - local_tokens - pool_tokens, self.config.max_num_batched_tokens)
+        first_chunk = min(
+            seq.num_tokens - local_tokens - pool_tokens, self.config.max_num_batched_tokens
+        )
         fresh = self.blocks.blocks_needed(local_tokens + pool_tokens + first_chunk) - len(cached)
         # Cached blocks that are free still count as free until acquired.
-        free_after = self.blocks.num_free_blocks - sum(self.blocks.ref_count[b] == 0 for b in cached)
+        free_after = self.blocks.num_free_blocks - sum(
+            self.blocks.ref_count[b] == 0 for b in cached
+        )
         if fresh > free_after:
             if pool_tokens and self.connector is not None:
                 self.connector.cancel(seq.request_id)

@@ -64,7 +64,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -77,10 +77,17 @@ class Sequence:
     def update_block_hashes(self, block_size: int) -> None:
         full = self.num_tokens // block_size
         if full > len(self.block_hashes):
-            parent = (self.block_hashes[-1] if self.block_hashes
-                      else salted_root(ROOT_HASH, self.cache_salt))
-            self.block_hashes += block_hashes(self.token_ids[:full * block_size], block_size,
-                                              start=len(self.block_hashes), parent=parent)
+            parent = (
+                self.block_hashes[-1]
+                if self.block_hashes
+                else salted_root(ROOT_HASH, self.cache_salt)
+            )
+            self.block_hashes += block_hashes(
+                self.token_ids[: full * block_size],
+                block_size,
+                start=len(self.block_hashes),
+                parent=parent,
+            )
 
     @property
     def is_finished(self) -> bool:

@@ -85,8 +85,13 @@ class Arena:
         return self.geometry.size_bytes
 
     @classmethod
-    def create(cls, path: str, size_bytes: int, slab_bytes: int = DEFAULT_SLAB_BYTES,
-               preallocate: bool = False) -> Arena:
+    def create(
+        cls,
+        path: str,
+        size_bytes: int,
+        slab_bytes: int = DEFAULT_SLAB_BYTES,
+        preallocate: bool = False,
+    ) -> Arena:
         """Create the file (FileExistsError if it exists) with mode 0600 and exactly
         `size_bytes`, map it, and hold its flock until `close`.
 

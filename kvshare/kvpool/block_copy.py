@@ -27,8 +27,15 @@ import triton.language as tl
 
 @triton.jit(do_not_specialize=["first_page"])
 def _copy_blocks_kernel(
-    KV, ROWS, PAIRS, first_page, row_stride, num_blocks,
-    BLOCKS_PER_PAGE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    KV,
+    ROWS,
+    PAIRS,
+    first_page,
+    row_stride,
+    num_blocks,
+    BLOCKS_PER_PAGE: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
     TO_CACHE: tl.constexpr,
 ):
     # One program: chunk (slot * 2 + kv) of one pair, CHUNK words. Offsets are int64 from
@@ -56,7 +63,9 @@ class BlockCopy:
     def __init__(self, kv: torch.Tensor, blocks_per_page: int, block_words: int = 1024) -> None:
         assert kv.is_contiguous() and kv.dim() == 6 and kv.shape[1] == 2
         chunk_bytes = math.prod(kv.shape[3:]) * kv.element_size()
-        assert chunk_bytes % 4 == 0, f"a block chunk ({chunk_bytes} bytes) must be whole 32-bit words"
+        assert chunk_bytes % 4 == 0, (
+            f"a block chunk ({chunk_bytes} bytes) must be whole 32-bit words"
+        )
         self.word = torch.int64 if chunk_bytes % 8 == 0 else torch.int32
         self.kv_words = kv.view(-1).view(torch.uint8).view(self.word)
         self.num_slots, _, self.num_blocks = kv.shape[:3]
@@ -65,8 +74,9 @@ class BlockCopy:
         self.slot_bytes = 2 * blocks_per_page * chunk_bytes
         self.block_words = min(block_words, triton.next_power_of_2(self.chunk_words))
 
-    def pairs(self, blocks: Sequence[Sequence[int]],
-              first_blocks: Sequence[int]) -> tuple[np.ndarray, list[int]]:
+    def pairs(
+        self, blocks: Sequence[Sequence[int]], first_blocks: Sequence[int]
+    ) -> tuple[np.ndarray, list[int]]:
         """(page, j, block) for every page and j in range(first_block, blocks_per_page), as
         int64 [n, 3] in page order, and offsets: page p's pairs are offsets[p]:offsets[p + 1]."""
         pages, bpp = len(blocks), self.blocks_per_page
@@ -82,7 +92,9 @@ class BlockCopy:
         np.cumsum(bpp - np.minimum(firsts, bpp), out=offsets[1:])
         return table, offsets.tolist()
 
-    def __call__(self, rows: torch.Tensor, pairs: torch.Tensor, first_page: int, to_cache: bool) -> None:
+    def __call__(
+        self, rows: torch.Tensor, pairs: torch.Tensor, first_page: int, to_cache: bool
+    ) -> None:
         """Copy the chunks of every pair (a slice of a `pairs` table) between row
         rows[page - first_page] of uint8 rows [pages, nbytes] and the cache: into the cache
         when to_cache, else out of it. One launch on the current stream; every row holds the
@@ -94,7 +106,14 @@ class BlockCopy:
             return
         words = rows.view(self.word)
         _copy_blocks_kernel[(len(pairs), 2 * slots)](
-            self.kv_words, words, pairs, first_page, words.stride(0), self.num_blocks,
-            BLOCKS_PER_PAGE=self.blocks_per_page, CHUNK=self.chunk_words, BLOCK=self.block_words,
+            self.kv_words,
+            words,
+            pairs,
+            first_page,
+            words.stride(0),
+            self.num_blocks,
+            BLOCKS_PER_PAGE=self.blocks_per_page,
+            CHUNK=self.chunk_words,
+            BLOCK=self.block_words,
             TO_CACHE=to_cache,
         )

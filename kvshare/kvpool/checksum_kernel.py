@@ -31,8 +31,16 @@ def _fmix64(x, M1: tl.constexpr, M2: tl.constexpr):
 
 @triton.jit
 def _checksum_kernel(
-    ROWS, CONSTANTS, SUMS, row_stride, num_words, split,
-    TILE: tl.constexpr, BLOCK: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr,
+    ROWS,
+    CONSTANTS,
+    SUMS,
+    row_stride,
+    num_words,
+    split,
+    TILE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    M1: tl.constexpr,
+    M2: tl.constexpr,
 ):
     # Program (page, tile). ROWS: int64 words; CONSTANTS: int64 [pages, 4] (k0..k3 as
     # bits); SUMS: int64 [pages, 2 segments, 2 lanes], added to.
@@ -66,8 +74,14 @@ def _checksum_kernel(
     tl.atomic_add(out + 3, tl.sum(b1).to(tl.int64, bitcast=True))
 
 
-def checksum_rows(rows: torch.Tensor, constants: torch.Tensor, sums: torch.Tensor, split_bytes: int,
-                  block_words: int = 1024, tile_blocks: int = 16) -> None:
+def checksum_rows(
+    rows: torch.Tensor,
+    constants: torch.Tensor,
+    sums: torch.Tensor,
+    split_bytes: int,
+    block_words: int = 1024,
+    tile_blocks: int = 16,
+) -> None:
     """Add the checksums of uint8 rows [pages, nbytes] (row stride a multiple of 8 bytes)
     to `sums` (int64 [pages, 2, 2], zeroed by the caller): segment 0 is bytes
     [0, split_bytes), segment 1 the rest. `constants` is int64 [pages, 4], one page's
@@ -75,7 +89,11 @@ def checksum_rows(rows: torch.Tensor, constants: torch.Tensor, sums: torch.Tenso
     tile_blocks iterations of block_words words (a power of two)."""
     pages, nbytes = rows.shape
     assert rows.dtype == torch.uint8 and nbytes % 8 == 0 and split_bytes % 8 == 0
-    assert constants.shape == (pages, 4) and constants.dtype == torch.int64 and constants.is_contiguous()
+    assert (
+        constants.shape == (pages, 4)
+        and constants.dtype == torch.int64
+        and constants.is_contiguous()
+    )
     assert sums.shape == (pages, 2, 2) and sums.dtype == torch.int64 and sums.is_contiguous()
     if not pages or not nbytes:
         return
@@ -84,6 +102,14 @@ def checksum_rows(rows: torch.Tensor, constants: torch.Tensor, sums: torch.Tenso
     block = min(block_words, triton.next_power_of_2(num_words))
     tile = block * min(tile_blocks, triton.cdiv(num_words, block))
     _checksum_kernel[(pages, triton.cdiv(num_words, tile))](
-        words, constants, sums, words.stride(0), num_words, split_bytes // 8,
-        TILE=tile, BLOCK=block, M1=FMIX64_M1, M2=FMIX64_M2,
+        words,
+        constants,
+        sums,
+        words.stride(0),
+        num_words,
+        split_bytes // 8,
+        TILE=tile,
+        BLOCK=block,
+        M1=FMIX64_M1,
+        M2=FMIX64_M2,
     )

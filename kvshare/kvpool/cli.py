@@ -30,29 +30,52 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     pool.add_argument("--size", help="arena size, e.g. 4GiB, 512MiB, 10GB (required to serve)")
     pool.add_argument("--socket", help="socket path (default: per-user runtime folder)")
-    pool.add_argument("--arena",
-                      help="arena file (default: /dev/shm/kvshare-<uid>-<random>.arena)")
+    pool.add_argument("--arena", help="arena file (default: /dev/shm/kvshare-<uid>-<random>.arena)")
     pool.add_argument("--slab-size", default="1GiB", help="slab size (default: 1GiB)")
-    pool.add_argument("--preallocate", action="store_true",
-                      help="allocate the whole arena at start (reserves the memory; faster CUDA registration)")
-    pool.add_argument("--max-client-fraction", type=float, default=0.5,
-                      help="share of the pool one client may hold reserved or pinned (default: 0.5)")
-    pool.add_argument("--max-clients", type=int, default=64,
-                      help="connections served at once; more are refused (default: 64)")
-    pool.add_argument("--runtime-dir",
-                      help="per-user folder for the published address and dead daemons' "
-                      "leftovers (default: $XDG_RUNTIME_DIR/kvshare or /tmp/kvshare-<uid>)")
-    pool.add_argument("--no-runtime-dir", action="store_true",
-                      help="neither publish the address nor clean the runtime folder")
-    pool.add_argument("--cleanup", action="store_true",
-                      help="remove the socket, arena and lock file of dead daemons (in the "
-                      "runtime folder, or --socket's) and exit; live daemons are left alone")
-    pool.add_argument("--log-level", default="INFO", choices=_LOG_LEVELS, help="daemon log verbosity")
+    pool.add_argument(
+        "--preallocate",
+        action="store_true",
+        help="allocate the whole arena at start (reserves the memory; faster CUDA registration)",
+    )
+    pool.add_argument(
+        "--max-client-fraction",
+        type=float,
+        default=0.5,
+        help="share of the pool one client may hold reserved or pinned (default: 0.5)",
+    )
+    pool.add_argument(
+        "--max-clients",
+        type=int,
+        default=64,
+        help="connections served at once; more are refused (default: 64)",
+    )
+    pool.add_argument(
+        "--runtime-dir",
+        help="per-user folder for the published address and dead daemons' "
+        "leftovers (default: $XDG_RUNTIME_DIR/kvshare or /tmp/kvshare-<uid>)",
+    )
+    pool.add_argument(
+        "--no-runtime-dir",
+        action="store_true",
+        help="neither publish the address nor clean the runtime folder",
+    )
+    pool.add_argument(
+        "--cleanup",
+        action="store_true",
+        help="remove the socket, arena and lock file of dead daemons (in the "
+        "runtime folder, or --socket's) and exit; live daemons are left alone",
+    )
+    pool.add_argument(
+        "--log-level", default="INFO", choices=_LOG_LEVELS, help="daemon log verbosity"
+    )
     pool.set_defaults(func=run_pool)
 
     stats = subparsers.add_parser("pool-stats", help="show the pool daemon's counters")
-    stats.add_argument("--socket", help="socket path (default: the address the running daemon "
-                       "published in the per-user runtime folder)")
+    stats.add_argument(
+        "--socket",
+        help="socket path (default: the address the running daemon "
+        "published in the per-user runtime folder)",
+    )
     stats.add_argument("--json", action="store_true", help="print JSON instead of tables")
     stats.set_defaults(func=show_stats)
 
@@ -72,7 +95,8 @@ def run_pool(args: argparse.Namespace) -> int:
             size_bytes=parse_size(args.size),
             slab_bytes=parse_size(args.slab_size),
             preallocate=args.preallocate,
-            socket_path=args.socket or os.path.join(runtime_dir or defaults.runtime_dir, "pool.sock"),
+            socket_path=args.socket
+            or os.path.join(runtime_dir or defaults.runtime_dir, "pool.sock"),
             arena_path=args.arena or defaults.arena_path,
             max_client_fraction=args.max_client_fraction,
             max_clients=args.max_clients,
@@ -116,11 +140,16 @@ def _cleanup(socket_path: str | None, runtime_dir: str | None) -> int:
         for path in report.removed:
             print(f"kvshare pool: removed {path}")
         for record in report.live:
-            print(f"kvshare pool: left alone the live daemon (pid {record.pid}) at "
-                  f"{record.socket_path}, arena {record.arena_path}")
+            print(
+                f"kvshare pool: left alone the live daemon (pid {record.pid}) at "
+                f"{record.socket_path}, arena {record.arena_path}"
+            )
             if record.socket_path == socket_path:
-                print(f"kvshare pool: {socket_path} belongs to a live daemon (pid "
-                      f"{record.pid}): refusing to clean it", file=sys.stderr)
+                print(
+                    f"kvshare pool: {socket_path} belongs to a live daemon (pid "
+                    f"{record.pid}): refusing to clean it",
+                    file=sys.stderr,
+                )
                 status = 1
         if not report.removed:
             print(f"kvshare pool: nothing to clean in {folder}")
@@ -154,15 +183,28 @@ def _print_stats_tables(stats: dict[str, Any]) -> None:
 
     summary = [
         ("arena", f"{stats['arena_path']} ({format_size(stats['arena_bytes'])})"),
-        ("slabs free / total",
-         f"{stats['free_slabs']} / {stats['slab_count']} x {format_size(stats['slab_bytes'])}"),
+        (
+            "slabs free / total",
+            f"{stats['free_slabs']} / {stats['slab_count']} x {format_size(stats['slab_bytes'])}",
+        ),
     ]
-    occupancy = ("pages", "free", "reserved", "committed", "invalid", "pinned", "leases",
-                 "connections", "refused_connections")
+    occupancy = (
+        "pages",
+        "free",
+        "reserved",
+        "committed",
+        "invalid",
+        "pinned",
+        "leases",
+        "connections",
+        "refused_connections",
+    )
     summary += [(name.replace("_", " "), f"{stats[name]:,}") for name in (*occupancy, *COUNTERS)]
     columns = ("slabs", "pages", "free", "reserved", "committed", "pinned")
-    classes = [(format_size(c["slot_bytes"]), *(f"{c[name]:,}" for name in columns))
-               for c in stats["classes"]]
+    classes = [
+        (format_size(c["slot_bytes"]), *(f"{c[name]:,}" for name in columns))
+        for c in stats["classes"]
+    ]
     console = Console()
     print_table(console, Table("kvshare pool", ("counter", "value"), tuple(summary)))
     print_table(console, Table("page classes", ("slot", *columns), tuple(classes)))

@@ -157,8 +157,9 @@ class PoolClient:
 
     # -- operations -------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes],
-               states: Sequence[tuple[int, bytes]] | None = None) -> LookupResult:
+    def lookup(
+        self, keys: Sequence[bytes], states: Sequence[tuple[int, bytes]] | None = None
+    ) -> LookupResult:
         """The longest committed run from keys[0], pinned. With `states` ([(chunk index,
         state key)]), the run ends after a chunk with a committed state page, which is
         the last page of the result (see PoolIndex.lookup)."""
@@ -196,7 +197,9 @@ class PoolClient:
         with self._lock:
             if lease not in self._leases:
                 return 0
-            return self._request_locked({"op": "invalidate", "lease": lease, "keys": list(keys)})["invalidated"]
+            return self._request_locked({"op": "invalidate", "lease": lease, "keys": list(keys)})[
+                "invalidated"
+            ]
 
     def reserve(self, keys: Sequence[bytes], payload_bytes: int) -> Reservation:
         response = self._request(
@@ -323,8 +326,10 @@ class PoolClient:
             return
         if stat.S_ISSOCK(info.st_mode) and info.st_uid in self._trusted_uids:
             return
-        message = (f"{self.socket_path} is not a socket of this user (uid {os.getuid()}) or "
-                   f"root (owner uid {info.st_uid}): refusing to talk to it")
+        message = (
+            f"{self.socket_path} is not a socket of this user (uid {os.getuid()}) or "
+            f"root (owner uid {info.st_uid}): refusing to talk to it"
+        )
         log.error("refusing the pool at %s: %s", self.socket_path, message)
         raise PoolUnavailable(message)
 

@@ -121,8 +121,13 @@ class _Request:
 class PoolConnector(KVConnector):
     """`faults` (checks and tests only; None in production) breaks a guarantee on purpose."""
 
-    def __init__(self, client: PoolClient, namespace: Namespace,
-                 options: ConnectorOptions | None = None, faults: FaultInjection | None = None) -> None:
+    def __init__(
+        self,
+        client: PoolClient,
+        namespace: Namespace,
+        options: ConnectorOptions | None = None,
+        faults: FaultInjection | None = None,
+    ) -> None:
         self.client = client
         self.faults = faults
         self.namespace = namespace
@@ -147,8 +152,15 @@ class PoolConnector(KVConnector):
         self.bind_failure: str | None = None
 
     @classmethod
-    def for_model(cls, address: str, loaded: LoadedModel, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                  cache_salt: str = "", faults: FaultInjection | None = None) -> PoolConnector:
+    def for_model(
+        cls,
+        address: str,
+        loaded: LoadedModel,
+        *,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        cache_salt: str = "",
+        faults: FaultInjection | None = None,
+    ) -> PoolConnector:
         dtype = next(loaded.model.parameters()).dtype
         namespace = Namespace(
             architecture=loaded.config.architecture,
@@ -159,7 +171,9 @@ class PoolConnector(KVConnector):
             chunk_tokens=chunk_tokens,
             cache_salt=cache_salt,
         )
-        return cls(PoolClient(address), namespace, ConnectorOptions(chunk_tokens=chunk_tokens), faults)
+        return cls(
+            PoolClient(address), namespace, ConnectorOptions(chunk_tokens=chunk_tokens), faults
+        )
 
     # ------------------------------------------------------------------ set-up
 
@@ -231,15 +245,23 @@ class PoolConnector(KVConnector):
 
     # ------------------------------------------------------------------ lookup and load
 
-    def _keys(self, req: _Request, token_ids: Sequence[int], num_chunks: int,
-              cache_salt: str | None) -> list[bytes]:
+    def _keys(
+        self, req: _Request, token_ids: Sequence[int], num_chunks: int, cache_salt: str | None
+    ) -> list[bytes]:
         if len(req.keys) < num_chunks:
-            req.keys = chunk_keys(self.namespace, token_ids[:num_chunks * self.chunk_tokens],
-                                  cache_salt)
+            req.keys = chunk_keys(
+                self.namespace, token_ids[: num_chunks * self.chunk_tokens], cache_salt
+            )
         return req.keys[:num_chunks]
 
-    def match(self, request_id: str, token_ids: Sequence[int], num_local_tokens: int, *,
-              cache_salt: str | None = None) -> PoolMatch:
+    def match(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_local_tokens: int,
+        *,
+        cache_salt: str | None = None,
+    ) -> PoolMatch:
         req = self._requests.setdefault(request_id, _Request())
         usable_chunks = (len(token_ids) - 1) // self.chunk_tokens
         if not self._usable() or usable_chunks * self.chunk_tokens <= num_local_tokens:
@@ -275,26 +297,45 @@ class PoolConnector(KVConnector):
             self._release(req.match.lease)
             req.match = None
 
-    def load(self, request_id: str, block_table: Sequence[int], state_slot: int | None = None) -> bool:
+    def load(
+        self, request_id: str, block_table: Sequence[int], state_slot: int | None = None
+    ) -> bool:
         assert self.cache is not None and self.layout is not None and self.transfer is not None
         req = self._requests[request_id]
         match, req.match = req.match, None
         assert match is not None, "load() without a match"
-        plan = plan_load(match.pages, match.local_tokens, block_table, self.layout,
-                         self.cache.layout.sliding_window)
+        plan = plan_load(
+            match.pages,
+            match.local_tokens,
+            block_table,
+            self.layout,
+            self.cache.layout.sliding_window,
+        )
         self.cache.blocks.acquire(plan.held)
         self.cache.blocks.mark_incomplete(plan.incomplete)
-        pending = _Load(request_id, None, match.lease, plan.pages, plan.segments, plan.nbytes,
-                        plan.resume_chunks, plan.hit_tokens, plan.held, plan.incomplete)
+        pending = _Load(
+            request_id,
+            None,
+            match.lease,
+            plan.pages,
+            plan.segments,
+            plan.nbytes,
+            plan.resume_chunks,
+            plan.hit_tokens,
+            plan.held,
+            plan.incomplete,
+        )
         try:
             pending.job = self.transfer.load(list(plan.copies))
             if match.state is not None and not (self.faults and self.faults.skip_state_restore):
                 assert self.cache.states is not None and state_slot is not None
                 pending.state_page = match.state
                 pending.nbytes += match.state.payload_bytes
-                pending.state_job = self.transfer.load_raw(match.state.offset + HEADER_BYTES,
-                                                           self.cache.states.rows[state_slot],
-                                                           match.state.key)
+                pending.state_job = self.transfer.load_raw(
+                    match.state.offset + HEADER_BYTES,
+                    self.cache.states.rows[state_slot],
+                    match.state.key,
+                )
         except Exception:  # a broken copy is a miss, never an engine crash
             _log.exception("pool load failed to start")
             pending.wait()
@@ -304,9 +345,12 @@ class PoolConnector(KVConnector):
             if job is not None:
                 self.transfer.consume(job)
         # Checked while the copies run: the lease keeps the slots from changing meanwhile.
-        pending.bad_headers = [p for p in plan.pages if not self._header_ok(p, self.layout.payload_bytes)]
-        if pending.state_page is not None and not self._header_ok(pending.state_page,
-                                                                 pending.state_page.payload_bytes):
+        pending.bad_headers = [
+            p for p in plan.pages if not self._header_ok(p, self.layout.payload_bytes)
+        ]
+        if pending.state_page is not None and not self._header_ok(
+            pending.state_page, pending.state_page.payload_bytes
+        ):
             pending.bad_headers.append(pending.state_page)
         self._loads[request_id] = pending
         return True
@@ -365,8 +409,12 @@ class PoolConnector(KVConnector):
             return False
         if not released:
             self.counters["lost_leases"] += 1
-            self._count_error("release", PoolUnavailable(
-                f"lease {lease} was lost before its release (daemon restarted or the link broke)"))
+            self._count_error(
+                "release",
+                PoolUnavailable(
+                    f"lease {lease} was lost before its release (daemon restarted or the link broke)"
+                ),
+            )
         return released
 
     def _invalidate(self, lease: int, keys: list[bytes]) -> None:
@@ -378,17 +426,29 @@ class PoolConnector(KVConnector):
 
     # ------------------------------------------------------------------ store
 
-    def store(self, request_id: str, token_ids: Sequence[int], block_table: Sequence[int],
-              num_computed_tokens: int, ready: threading.Event | None = None, *,
-              cache_salt: str | None = None) -> None:
+    def store(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        block_table: Sequence[int],
+        num_computed_tokens: int,
+        ready: threading.Event | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> None:
         req = self._requests.setdefault(request_id, _Request())
         full = num_computed_tokens // self.chunk_tokens
         if not self._usable() or full <= req.stored_chunks:
             return
         assert self.cache is not None and self.layout is not None and self.transfer is not None
         keys = self._keys(req, token_ids, full, cache_salt)
-        chunks = storable_chunks(req.stored_chunks, full, block_table, self.layout.blocks_per_page,
-                                 self.cache.blocks.all_complete)
+        chunks = storable_chunks(
+            req.stored_chunks,
+            full,
+            block_table,
+            self.layout.blocks_per_page,
+            self.cache.blocks.all_complete,
+        )
         req.stored_chunks = full
         if not chunks:
             return
@@ -400,8 +460,14 @@ class PoolConnector(KVConnector):
             return
         self.counters["store_dedup_pages"] += len(reservation.present)
         self.counters["store_dropped_pages"] += reservation.dropped
-        plan = plan_store(chunks, keys, {page.key: page for page in reservation.pages}, block_table,
-                          self.layout, chain_seed(self.namespace, cache_salt))
+        plan = plan_store(
+            chunks,
+            keys,
+            {page.key: page for page in reservation.pages},
+            block_table,
+            self.layout,
+            chain_seed(self.namespace, cache_salt),
+        )
         if not plan.copies:
             return
         self.cache.blocks.acquire(plan.held)
@@ -412,13 +478,24 @@ class PoolConnector(KVConnector):
             self.cache.blocks.release(plan.held)
             self._abort([p.key for p in plan.pages])
             return
-        self._stores.append(_Store(job, plan.pages, plan.parents, plan.held, self.layout.payload_bytes))
+        self._stores.append(
+            _Store(job, plan.pages, plan.parents, plan.held, self.layout.payload_bytes)
+        )
 
-    def store_state(self, request_id: str, token_ids: Sequence[int], boundary: int,
-                    snapshot_slot: int, *, cache_salt: str | None = None) -> None:
+    def store_state(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        boundary: int,
+        snapshot_slot: int,
+        *,
+        cache_salt: str | None = None,
+    ) -> None:
         if not self._usable() or boundary % self.chunk_tokens or boundary == 0:
             return
-        assert self.cache is not None and self.cache.states is not None and self.transfer is not None
+        assert (
+            self.cache is not None and self.cache.states is not None and self.transfer is not None
+        )
         req = self._requests.setdefault(request_id, _Request())
         chunk = self._keys(req, token_ids, boundary // self.chunk_tokens, cache_salt)[-1]
         row = self.cache.states.rows[snapshot_slot]
@@ -452,7 +529,9 @@ class PoolConnector(KVConnector):
             checksums = [b"".join(parts) for parts in store.job.checksums()]
             try:
                 for page, parent, checksum in zip(store.pages, store.parents, checksums):
-                    header = PageHeader(LAYOUT_VERSION, page.key, parent, store.payload_bytes, checksum)
+                    header = PageHeader(
+                        LAYOUT_VERSION, page.key, parent, store.payload_bytes, checksum
+                    )
                     self.client.arena.view(page.offset, HEADER_BYTES)[:] = header.pack()
                 self.client.commit(keys, checksums, [p.offset for p in store.pages])
                 self.counters["stored_pages"] += len(keys)

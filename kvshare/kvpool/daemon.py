@@ -226,10 +226,13 @@ class PoolDaemon:
         """Answer the first request of a connection over `max_clients` with an error
         (the client takes the pool as down: recompute), then close it."""
         self.refused_connections += 1
-        log.warning("refusing a connection: %d clients connected, the limit",
-                    self.config.max_clients)
-        error = (f"pool daemon refuses the connection: it serves at most "
-                 f"{self.config.max_clients} clients")
+        log.warning(
+            "refusing a connection: %d clients connected, the limit", self.config.max_clients
+        )
+        error = (
+            f"pool daemon refuses the connection: it serves at most "
+            f"{self.config.max_clients} clients"
+        )
         try:
             header = await asyncio.wait_for(reader.readexactly(LENGTH.size), _REFUSAL_READ_S)
             body = await asyncio.wait_for(reader.readexactly(frame_length(header)), _REFUSAL_READ_S)
@@ -382,6 +385,7 @@ def _socket_answers(path: str) -> bool:
 def _create_arena(config: PoolConfig) -> Arena:
     """Create the arena file. One left by a daemon that died (nobody holds its flock) is
     replaced; one a live daemon holds means PoolInUseError, and it is left alone."""
+
     def create() -> Arena:
         return Arena.create(
             config.arena_path, config.size_bytes, config.slab_bytes, config.preallocate
@@ -402,4 +406,6 @@ def _create_arena(config: PoolConfig) -> Arena:
     try:
         return create()
     except FileExistsError as error:
-        raise PoolInUseError(f"arena {config.arena_path} was just created by another daemon") from error
+        raise PoolInUseError(
+            f"arena {config.arena_path} was just created by another daemon"
+        ) from error

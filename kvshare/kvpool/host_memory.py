@@ -38,9 +38,13 @@ class HostRegistration:
         self._arena = arena.as_tensor()  # keeps the mapping alive while registered
         base = self._arena.data_ptr()
         geometry = arena.geometry
-        slabs = [(base + geometry.slab_offset(i), geometry.slab_bytes) for i in range(geometry.slab_count)]
-        self._thread = threading.Thread(target=self._register_all, args=(slabs,),
-                                        name="kvshare-host-register", daemon=True)
+        slabs = [
+            (base + geometry.slab_offset(i), geometry.slab_bytes)
+            for i in range(geometry.slab_count)
+        ]
+        self._thread = threading.Thread(
+            target=self._register_all, args=(slabs,), name="kvshare-host-register", daemon=True
+        )
         self._thread.start()
 
     def wait(self) -> None:
@@ -55,7 +59,9 @@ class HostRegistration:
                 return
             status = cudart.cudaHostRegister(ptr, nbytes, 0)
             if int(status) != 0:
-                _log.warning("cudaHostRegister failed (%s): copies from this slab stay slow", status)
+                _log.warning(
+                    "cudaHostRegister failed (%s): copies from this slab stay slow", status
+                )
                 continue
             with self._lock:
                 self._ranges.append((ptr, nbytes))

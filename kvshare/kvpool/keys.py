@@ -100,8 +100,9 @@ def chain_seed(namespace: Namespace, cache_salt: str | None = None) -> bytes:
     return xxhash.xxh3_128_digest(_REQUEST_SALT_DOMAIN + namespace.digest() + cache_salt.encode())
 
 
-def chunk_keys(namespace: Namespace, token_ids: Sequence[int] | np.ndarray,
-               cache_salt: str | None = None) -> list[bytes]:
+def chunk_keys(
+    namespace: Namespace, token_ids: Sequence[int] | np.ndarray, cache_salt: str | None = None
+) -> list[bytes]:
     """Return one 16-byte key per *full* chunk of `token_ids` (the tail is not keyed),
     chained from `chain_seed(namespace, cache_salt)`.
 

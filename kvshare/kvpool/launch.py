@@ -79,7 +79,9 @@ class PoolProcess:
         """Start the child and wait for its ready line; RuntimeError if it never comes."""
         if self._process is not None and self._process.poll() is None:
             raise RuntimeError("pool process is already running")
-        self._process = subprocess.Popen(pool_command(self.config), stdout=subprocess.PIPE, env=_child_env())
+        self._process = subprocess.Popen(
+            pool_command(self.config), stdout=subprocess.PIPE, env=_child_env()
+        )
         try:
             self._wait_ready(self._process)
         except BaseException:

@@ -126,10 +126,12 @@ def payload_checksum(words: np.ndarray, constants: np.ndarray, first_word: int =
     n = min(len(words), _CPU_CHUNK_WORDS)
     index, mixed, scratch = (np.empty(n, dtype=np.uint64) for _ in range(3))
     for start in range(0, len(words), _CPU_CHUNK_WORDS):
-        chunk = words[start:start + _CPU_CHUNK_WORDS]
+        chunk = words[start : start + _CPU_CHUNK_WORDS]
         m = len(chunk)
         index[:m] = np.arange(first_word + start, first_word + start + m, dtype=np.uint64)
-        for lane, (k_xor, k_mul) in enumerate(((constants[0], constants[1]), (constants[2], constants[3]))):
+        for lane, (k_xor, k_mul) in enumerate(
+            ((constants[0], constants[1]), (constants[2], constants[3]))
+        ):
             np.bitwise_xor(chunk, k_xor, out=mixed[:m])
             np.multiply(index[:m], k_mul, out=scratch[:m])
             mixed[:m] += scratch[:m]
@@ -143,4 +145,3 @@ def payload_words(data: torch.Tensor) -> np.ndarray:
     """A contiguous CPU byte tensor (a multiple of 8 bytes) as little-endian uint64 words,
     without a copy."""
     return data.numpy().view("<u8")
-

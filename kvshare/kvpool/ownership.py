@@ -75,7 +75,10 @@ def lock_exclusive(path: str, create: bool) -> int | None:
         except BaseException:
             os.close(fd)
             raise
-        if current is not None and (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino):
+        if current is not None and (current.st_dev, current.st_ino) == (
+            opened.st_dev,
+            opened.st_ino,
+        ):
             return fd
         os.close(fd)
         if current is None and not create:
@@ -146,7 +149,9 @@ def claim_socket(socket_path: str, arena_path: str) -> int:
     lock_path = lock_path_for(socket_path)
     fd = lock_exclusive(lock_path, create=True)
     if fd is None:
-        raise PoolInUseError(f"a pool daemon is already serving at {socket_path} ({lock_path} is held)")
+        raise PoolInUseError(
+            f"a pool daemon is already serving at {socket_path} ({lock_path} is held)"
+        )
     try:
         previous = read_record(fd, lock_path)
         if previous is not None:
@@ -232,7 +237,9 @@ def publish_address(folder: str, socket_path: str) -> str:
     """Write `unix:<socket>` to the folder's address file, atomically; returns its path."""
     path = os.path.join(folder, ADDRESS_FILE)
     temporary = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = os.open(
+        temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+    )
     try:
         os.write(fd, f"unix:{socket_path}\n".encode())
     finally:

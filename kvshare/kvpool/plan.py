@@ -35,8 +35,13 @@ class LoadPlan:
         return sum(c.nbytes for c in self.copies)
 
 
-def plan_load(pages: Sequence[PageRef], local_tokens: int, block_table: Sequence[int],
-              layout: PageLayout, sliding_window: int | None) -> LoadPlan:
+def plan_load(
+    pages: Sequence[PageRef],
+    local_tokens: int,
+    block_table: Sequence[int],
+    layout: PageLayout,
+    sliding_window: int | None,
+) -> LoadPlan:
     """Copy pages[j] (chunk j) into its blocks of `block_table`, for the chunks past
     `local_tokens` (the GPU-local prefix, which may end inside a chunk)."""
     chunk, bpp = layout.chunk_tokens, layout.blocks_per_page
@@ -47,7 +52,7 @@ def plan_load(pages: Sequence[PageRef], local_tokens: int, block_table: Sequence
     for j in range(local_tokens // chunk, len(pages)):
         page = pages[j]
         nbytes = layout.payload_bytes if j >= full_from else layout.global_bytes
-        blocks = tuple(block_table[j * bpp:(j + 1) * bpp])
+        blocks = tuple(block_table[j * bpp : (j + 1) * bpp])
         first = max(0, (local_tokens - j * chunk) // layout.block_size)
         copies.append(PageCopy(page.offset + HEADER_BYTES, nbytes, blocks, page.key, first))
         copied.append(page)
@@ -55,15 +60,27 @@ def plan_load(pages: Sequence[PageRef], local_tokens: int, block_table: Sequence
         held += blocks[first:]
         if nbytes < layout.payload_bytes:
             incomplete += blocks[first:]
-    return LoadPlan(tuple(copies), tuple(copied), tuple(segments), tuple(held), tuple(incomplete),
-                    len(pages), resume - local_tokens)
+    return LoadPlan(
+        tuple(copies),
+        tuple(copied),
+        tuple(segments),
+        tuple(held),
+        tuple(incomplete),
+        len(pages),
+        resume - local_tokens,
+    )
 
 
-def storable_chunks(first: int, end: int, block_table: Sequence[int], blocks_per_page: int,
-                    all_complete: Callable[[Sequence[int]], bool]) -> list[int]:
+def storable_chunks(
+    first: int,
+    end: int,
+    block_table: Sequence[int],
+    blocks_per_page: int,
+    all_complete: Callable[[Sequence[int]], bool],
+) -> list[int]:
     """The chunks in [first, end) whose blocks are all complete."""
     bpp = blocks_per_page
-    return [j for j in range(first, end) if all_complete(block_table[j * bpp:(j + 1) * bpp])]
+    return [j for j in range(first, end) if all_complete(block_table[j * bpp : (j + 1) * bpp])]
 
 
 @dataclass(frozen=True)
@@ -74,8 +91,14 @@ class StorePlan:
     held: tuple[int, ...]  # blocks read: held by the connector until the copy completed
 
 
-def plan_store(chunks: Sequence[int], keys: Sequence[bytes], reserved: Mapping[bytes, PageRef],
-               block_table: Sequence[int], layout: PageLayout, chain_seed: bytes) -> StorePlan:
+def plan_store(
+    chunks: Sequence[int],
+    keys: Sequence[bytes],
+    reserved: Mapping[bytes, PageRef],
+    block_table: Sequence[int],
+    layout: PageLayout,
+    chain_seed: bytes,
+) -> StorePlan:
     """Copy each chunk of `chunks` that got a reserved page (others are present already or
     were dropped); `keys[j]` is chunk j's key."""
     bpp = layout.blocks_per_page
@@ -84,7 +107,7 @@ def plan_store(chunks: Sequence[int], keys: Sequence[bytes], reserved: Mapping[b
         page = reserved.get(keys[j])
         if page is None:
             continue
-        blocks = tuple(block_table[j * bpp:(j + 1) * bpp])
+        blocks = tuple(block_table[j * bpp : (j + 1) * bpp])
         copies.append(PageCopy(page.offset + HEADER_BYTES, layout.payload_bytes, blocks, page.key))
         pages.append(page)
         parents.append(keys[j - 1] if j else chain_seed)

@@ -70,11 +70,16 @@ class TransferJob(ABC):
     def checksums(self) -> list[list[bytes]]:
         """Per page, the 16-byte checksum of each segment copied. Valid once done()."""
         values = self._checksum_array().astype("<i8")
-        return [[values[p, s].tobytes() for s in range(self.num_segments)] for p in range(self.num_pages)]
+        return [
+            [values[p, s].tobytes() for s in range(self.num_segments)]
+            for p in range(self.num_pages)
+        ]
 
 
 class Transfer(ABC):
-    def __init__(self, kv: torch.Tensor, layout: PageLayout, faults: FaultInjection | None = None) -> None:
+    def __init__(
+        self, kv: torch.Tensor, layout: PageLayout, faults: FaultInjection | None = None
+    ) -> None:
         self.kv = kv
         self.layout = layout
         self.faults = faults  # None: no fault (production)
@@ -87,7 +92,9 @@ class Transfer(ABC):
     def load(self, copies: Sequence[PageCopy]) -> TransferJob: ...
 
     @abstractmethod
-    def store(self, copies: Sequence[PageCopy], ready: threading.Event | None = None) -> TransferJob: ...
+    def store(
+        self, copies: Sequence[PageCopy], ready: threading.Event | None = None
+    ) -> TransferJob: ...
 
     @abstractmethod
     def load_raw(self, offset: int, row: torch.Tensor, key: bytes) -> TransferJob:
@@ -95,8 +102,9 @@ class Transfer(ABC):
         row (a recurrent-state slot), one checksummed segment."""
 
     @abstractmethod
-    def store_raw(self, offset: int, row: torch.Tensor, key: bytes,
-                  ready: threading.Event | None = None) -> TransferJob:
+    def store_raw(
+        self, offset: int, row: torch.Tensor, key: bytes, ready: threading.Event | None = None
+    ) -> TransferJob:
         """Copy a contiguous uint8 row into the payload of page `key` at `offset`, after
         the compute work already issued (or `ready`), one checksummed segment."""
 
@@ -115,8 +123,12 @@ def page_groups(copies: Sequence[PageCopy], staging_bytes: int, max_pages: int =
     groups, start = [], 0
     for i in range(1, len(copies) + 1):
         size = copies[start].nbytes
-        if (i == len(copies) or copies[i].nbytes != size or i - start == max_pages
-                or (i - start + 1) * size > staging_bytes):
+        if (
+            i == len(copies)
+            or copies[i].nbytes != size
+            or i - start == max_pages
+            or (i - start + 1) * size > staging_bytes
+        ):
             groups.append(range(start, i))
             start = i
     return groups

@@ -39,7 +39,9 @@ class _ThreadJob(TransferJob):
 class ThreadTransfer(Transfer):
     """CPU: one worker thread runs jobs in order, reading/writing the arena directly."""
 
-    def __init__(self, kv: torch.Tensor, layout: PageLayout, faults: FaultInjection | None = None) -> None:
+    def __init__(
+        self, kv: torch.Tensor, layout: PageLayout, faults: FaultInjection | None = None
+    ) -> None:
         super().__init__(kv, layout, faults)
         self.delay_seconds = injected_delay(faults)
         self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -54,18 +56,24 @@ class ThreadTransfer(Transfer):
         """Bytes of a page as [slots, K|V, blocks, block_size, kv_heads, head_dim]."""
         kv = self.kv
         slots = nbytes // self.layout.slot_bytes
-        return data[:nbytes].view(kv.dtype).view(slots, 2, self.layout.blocks_per_page, *kv.shape[3:])
+        return (
+            data[:nbytes].view(kv.dtype).view(slots, 2, self.layout.blocks_per_page, *kv.shape[3:])
+        )
 
     def _page(self, c: PageCopy) -> torch.Tensor:
         assert self.arena is not None
-        return self.arena[c.offset:c.offset + c.nbytes]
+        return self.arena[c.offset : c.offset + c.nbytes]
 
     def _checksums(self, job: _ThreadJob, i: int, data: torch.Tensor, key: bytes) -> None:
         constants, words = checksum_constants(key), payload_words(data)
         for s, (lo, hi) in enumerate(self.layout.segments(data.numel())):
-            job.sums[i, s] = payload_checksum(words[lo // 8:hi // 8], constants, lo // 8).view(np.int64)
+            job.sums[i, s] = payload_checksum(words[lo // 8 : hi // 8], constants, lo // 8).view(
+                np.int64
+            )
 
-    def _submit(self, job: _ThreadJob, work: Callable[[], None], ready: threading.Event | None = None) -> None:
+    def _submit(
+        self, job: _ThreadJob, work: Callable[[], None], ready: threading.Event | None = None
+    ) -> None:
         """Run work() on the worker after `ready` (unless store ordering is broken); a
         failure marks the job failed and never kills the worker."""
 
@@ -83,7 +91,9 @@ class ThreadTransfer(Transfer):
         self.jobs.put(run)
 
     def load(self, copies: Sequence[PageCopy]) -> TransferJob:
-        job = _ThreadJob(len(copies), copied_segments(self.layout, copies), breaks(self.faults, "load"))
+        job = _ThreadJob(
+            len(copies), copied_segments(self.layout, copies), breaks(self.faults, "load")
+        )
 
         def work() -> None:
             if self.delay_seconds:
@@ -92,13 +102,15 @@ class ThreadTransfer(Transfer):
                 data = self._page(c)
                 self._checksums(job, i, data, c.key)
                 view = self.page_view(data, c.nbytes)
-                idx = torch.tensor(c.blocks[c.first_block:], dtype=torch.int64)
-                self.kv[:view.shape[0]].index_copy_(2, idx, view[:, :, c.first_block:])
+                idx = torch.tensor(c.blocks[c.first_block :], dtype=torch.int64)
+                self.kv[: view.shape[0]].index_copy_(2, idx, view[:, :, c.first_block :])
 
         self._submit(job, work)
         return job
 
-    def store(self, copies: Sequence[PageCopy], ready: threading.Event | None = None) -> TransferJob:
+    def store(
+        self, copies: Sequence[PageCopy], ready: threading.Event | None = None
+    ) -> TransferJob:
         job = _ThreadJob(len(copies), copied_segments(self.layout, copies), False)
 
         def work() -> None:
@@ -106,15 +118,18 @@ class ThreadTransfer(Transfer):
                 data = self._page(c)
                 # Only the page's slots: index_select resizes `out` to its input's slots.
                 view = self.page_view(data, c.nbytes)
-                torch.index_select(self.kv[:view.shape[0]], 2, torch.tensor(c.blocks, dtype=torch.int64),
-                                   out=view)
+                torch.index_select(
+                    self.kv[: view.shape[0]], 2, torch.tensor(c.blocks, dtype=torch.int64), out=view
+                )
                 self._checksums(job, i, data, c.key)
 
         self._submit(job, work, ready)
         return job
 
     def _raw_checksum(self, job: _ThreadJob, data: torch.Tensor, key: bytes) -> None:
-        job.sums[0, 0] = payload_checksum(payload_words(data), checksum_constants(key)).view(np.int64)
+        job.sums[0, 0] = payload_checksum(payload_words(data), checksum_constants(key)).view(
+            np.int64
+        )
 
     def load_raw(self, offset: int, row: torch.Tensor, key: bytes) -> TransferJob:
         job = _ThreadJob(1, 1, breaks(self.faults, "load"))
@@ -128,8 +143,9 @@ class ThreadTransfer(Transfer):
         self._submit(job, work)
         return job
 
-    def store_raw(self, offset: int, row: torch.Tensor, key: bytes,
-                  ready: threading.Event | None = None) -> TransferJob:
+    def store_raw(
+        self, offset: int, row: torch.Tensor, key: bytes, ready: threading.Event | None = None
+    ) -> TransferJob:
         job = _ThreadJob(1, 1, False)
         page = self._page(PageCopy(offset, row.numel(), (), key))
         self._submit(job, lambda: self._raw_checksum(job, page.copy_(row), key), ready)

@@ -30,8 +30,14 @@ if TYPE_CHECKING:
 
 
 class _CudaJob(TransferJob):
-    def __init__(self, num_pages: int, num_segments: int, event: torch.cuda.Event,
-                 host_checksums: torch.Tensor, always_done: bool) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        num_segments: int,
+        event: torch.cuda.Event,
+        host_checksums: torch.Tensor,
+        always_done: bool,
+    ) -> None:
         super().__init__(num_pages, num_segments, always_done)
         self.event = event
         self.host_checksums = host_checksums
@@ -47,18 +53,24 @@ class _CudaJob(TransferJob):
 
 
 class CudaTransfer(Transfer):
-    def __init__(self, kv: torch.Tensor, layout: PageLayout, faults: FaultInjection | None = None) -> None:
+    def __init__(
+        self, kv: torch.Tensor, layout: PageLayout, faults: FaultInjection | None = None
+    ) -> None:
         super().__init__(kv, layout, faults)
         self.device = kv.device
         # ~1.5 GHz SM clock: a lower bound of the injected delay is enough
         self.delay_cycles = int(injected_delay(faults) * 1.5e9)
-        self.streams = {name: torch.cuda.Stream(self.device) for name in
-                        ("load_copy", "load_scatter", "store_gather", "store_copy")}
+        self.streams = {
+            name: torch.cuda.Stream(self.device)
+            for name in ("load_copy", "load_scatter", "store_gather", "store_copy")
+        }
         # A staging buffer holds one whole page, or several (128 MiB): loads of global layers
         # only copy a part of each page, so more of them fit.
         nbytes = self.staging_bytes = max(layout.payload_bytes, 128 << 20)
-        self.staging = {d: [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
-                        for d in ("load", "store")}
+        self.staging = {
+            d: [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+            for d in ("load", "store")
+        }
         # filled[d][b]: staging buffer b holds data; free[d][b]: its consumer is done with it.
         self.filled = {d: [torch.cuda.Event() for _ in range(2)] for d in ("load", "store")}
         self.free = {d: [torch.cuda.Event() for _ in range(2)] for d in ("load", "store")}
@@ -68,16 +80,22 @@ class CudaTransfer(Transfer):
         self.blocks: BlockCopy = BlockCopy(kv, layout.blocks_per_page)
         self.checksum_rows = checksum_rows
 
-    def _pipeline(self, direction: str, copies: Sequence[PageCopy],
-                  first: torch.cuda.Stream, fill: Callable[[torch.Tensor, range], None],
-                  second: torch.cuda.Stream, drain: Callable[[torch.Tensor, range], None]) -> None:
+    def _pipeline(
+        self,
+        direction: str,
+        copies: Sequence[PageCopy],
+        first: torch.cuda.Stream,
+        fill: Callable[[torch.Tensor, range], None],
+        second: torch.cuda.Stream,
+        drain: Callable[[torch.Tensor, range], None],
+    ) -> None:
         """Each page group through the direction's two staging buffers: fill(rows, group) on
         `first` once `second` is done with the buffer, then drain(rows, group) on `second`
         once `first` filled it. Rows are the buffer as one row of bytes per page."""
         for k, group in enumerate(page_groups(copies, self.staging_bytes)):
             b = k % 2
             nbytes = copies[group.start].nbytes
-            rows = self.staging[direction][b][:len(group) * nbytes].view(len(group), nbytes)
+            rows = self.staging[direction][b][: len(group) * nbytes].view(len(group), nbytes)
             first.wait_event(self.free[direction][b])
             with torch.cuda.stream(first):
                 fill(rows, group)
@@ -96,16 +114,21 @@ class CudaTransfer(Transfer):
         """Each key's checksum constants (int64 [len(keys), 4]) on the device."""
         return self._upload(np.stack([checksum_constants(k) for k in keys]).view(np.int64), stream)
 
-    def _checksum_group(self, rows: torch.Tensor, constants: torch.Tensor, sums: torch.Tensor) -> None:
+    def _checksum_group(
+        self, rows: torch.Tensor, constants: torch.Tensor, sums: torch.Tensor
+    ) -> None:
         self.checksum_rows(rows, constants, sums, min(self.layout.global_bytes, rows.shape[1]))
 
-    def _pairs(self, copies: Sequence[PageCopy],
-               stream: torch.cuda.Stream) -> Callable[[range], torch.Tensor]:
+    def _pairs(
+        self, copies: Sequence[PageCopy], stream: torch.cuda.Stream
+    ) -> Callable[[range], torch.Tensor]:
         """The (page, j, block) pairs of every copy, uploaded once on `stream`; returns the
         device pairs of a group (a slice: no GPU work)."""
-        table, offsets = self.blocks.pairs([c.blocks for c in copies], [c.first_block for c in copies])
+        table, offsets = self.blocks.pairs(
+            [c.blocks for c in copies], [c.first_block for c in copies]
+        )
         pairs = self._upload(table, stream)
-        return lambda group: pairs[offsets[group.start]:offsets[group.stop]]
+        return lambda group: pairs[offsets[group.start] : offsets[group.stop]]
 
     def load(self, copies: Sequence[PageCopy]) -> TransferJob:
         assert self.arena is not None
@@ -121,16 +144,20 @@ class CudaTransfer(Transfer):
         def fill(rows: torch.Tensor, group: range) -> None:
             for row, i in zip(rows, group):
                 c = copies[i]
-                row.copy_(self.arena[c.offset:c.offset + c.nbytes], non_blocking=True)
+                row.copy_(self.arena[c.offset : c.offset + c.nbytes], non_blocking=True)
 
         def drain(rows: torch.Tensor, group: range) -> None:
-            self._checksum_group(rows, constants[group.start:group.stop], sums[group.start:group.stop])
+            self._checksum_group(
+                rows, constants[group.start : group.stop], sums[group.start : group.stop]
+            )
             self.blocks(rows, pairs(group), group.start, to_cache=True)
 
         self._pipeline("load", copies, copy_s, fill, scatter_s, drain)
         return self._finish(copies, sums, scatter_s, always_done=breaks(self.faults, "load"))
 
-    def store(self, copies: Sequence[PageCopy], ready: threading.Event | None = None) -> TransferJob:
+    def store(
+        self, copies: Sequence[PageCopy], ready: threading.Event | None = None
+    ) -> TransferJob:
         assert self.arena is not None
         gather_s, copy_s = self.streams["store_gather"], self.streams["store_copy"]
         produced = torch.cuda.Event()
@@ -144,18 +171,22 @@ class CudaTransfer(Transfer):
 
         def fill(rows: torch.Tensor, group: range) -> None:
             self.blocks(rows, pairs(group), group.start, to_cache=False)
-            self._checksum_group(rows, constants[group.start:group.stop], sums[group.start:group.stop])
+            self._checksum_group(
+                rows, constants[group.start : group.stop], sums[group.start : group.stop]
+            )
 
         def drain(rows: torch.Tensor, group: range) -> None:
             for row, i in zip(rows, group):
                 c = copies[i]
-                self.arena[c.offset:c.offset + c.nbytes].copy_(row, non_blocking=True)
+                self.arena[c.offset : c.offset + c.nbytes].copy_(row, non_blocking=True)
 
         self._pipeline("store", copies, gather_s, fill, copy_s, drain)
         copy_s.wait_stream(gather_s)
         return self._finish(copies, sums, copy_s, always_done=False)
 
-    def _raw_checksum(self, row: torch.Tensor, key: bytes, stream: torch.cuda.Stream) -> torch.Tensor:
+    def _raw_checksum(
+        self, row: torch.Tensor, key: bytes, stream: torch.cuda.Stream
+    ) -> torch.Tensor:
         """Enqueue a row's checksum, one segment, on `stream`; returns its sums."""
         constants = self._constants([key], stream)
         with torch.cuda.stream(stream):
@@ -167,12 +198,13 @@ class CudaTransfer(Transfer):
         assert self.arena is not None
         stream = self.streams["load_copy"]
         with torch.cuda.stream(stream):
-            row.copy_(self.arena[offset:offset + row.numel()], non_blocking=True)
+            row.copy_(self.arena[offset : offset + row.numel()], non_blocking=True)
         sums = self._raw_checksum(row, key, stream)
         return self._job(sums, stream, 1, 1, always_done=breaks(self.faults, "load"))
 
-    def store_raw(self, offset: int, row: torch.Tensor, key: bytes,
-                  ready: threading.Event | None = None) -> TransferJob:
+    def store_raw(
+        self, offset: int, row: torch.Tensor, key: bytes, ready: threading.Event | None = None
+    ) -> TransferJob:
         assert self.arena is not None
         stream = self.streams["store_copy"]
         produced = torch.cuda.Event()
@@ -181,15 +213,28 @@ class CudaTransfer(Transfer):
             stream.wait_event(produced)
         sums = self._raw_checksum(row, key, stream)
         with torch.cuda.stream(stream):
-            self.arena[offset:offset + row.numel()].copy_(row, non_blocking=True)
+            self.arena[offset : offset + row.numel()].copy_(row, non_blocking=True)
         return self._job(sums, stream, 1, 1, always_done=False)
 
-    def _finish(self, copies: Sequence[PageCopy], sums: torch.Tensor, stream: torch.cuda.Stream,
-                always_done: bool) -> TransferJob:
-        return self._job(sums, stream, len(copies), copied_segments(self.layout, copies), always_done)
+    def _finish(
+        self,
+        copies: Sequence[PageCopy],
+        sums: torch.Tensor,
+        stream: torch.cuda.Stream,
+        always_done: bool,
+    ) -> TransferJob:
+        return self._job(
+            sums, stream, len(copies), copied_segments(self.layout, copies), always_done
+        )
 
-    def _job(self, sums: torch.Tensor, stream: torch.cuda.Stream, num_pages: int, num_segments: int,
-             always_done: bool) -> TransferJob:
+    def _job(
+        self,
+        sums: torch.Tensor,
+        stream: torch.cuda.Stream,
+        num_pages: int,
+        num_segments: int,
+        always_done: bool,
+    ) -> TransferJob:
         host = torch.empty(sums.shape, dtype=torch.int64, pin_memory=True)
         event = torch.cuda.Event()
         with torch.cuda.stream(stream):

@@ -20,11 +20,17 @@ def header_matches(header_bytes: bytes, page: PageRef, payload_bytes: int) -> bo
         header = PageHeader.unpack(header_bytes)
     except (PageFormatError, ValueError):
         return False
-    return (header.key == page.key and header.payload_bytes == payload_bytes
-            and header.layout_version == LAYOUT_VERSION and header.checksum == page.checksum)
+    return (
+        header.key == page.key
+        and header.payload_bytes == payload_bytes
+        and header.layout_version == LAYOUT_VERSION
+        and header.checksum == page.checksum
+    )
 
 
 def checksums_match(page: PageRef, copied: Sequence[bytes], num_segments: int) -> bool:
     """The first `num_segments` segment checksums of the copied bytes equal the daemon's."""
-    expected = [page.checksum[i * CHECKSUM_BYTES:(i + 1) * CHECKSUM_BYTES] for i in range(num_segments)]
+    expected = [
+        page.checksum[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES] for i in range(num_segments)
+    ]
     return list(copied[:num_segments]) == expected

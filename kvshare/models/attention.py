@@ -47,7 +47,9 @@ class RecurrentStateContext(Protocol):
         fresh)."""
         ...
 
-    def save_state(self, layer: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
+    def save_state(
+        self, layer: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor
+    ) -> None:
         """The states at the end of this step, same shapes."""
         ...
 

@@ -86,7 +86,9 @@ class RopeConfig:
                 high_freq_factor=float(scaling["high_freq_factor"]),
                 original_max_position=int(scaling["original_max_position_embeddings"]),
             )
-        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+        raise ValueError(
+            f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)"
+        )
 
     def to_hf(self) -> dict[str, Any] | None:
         if self.scaling == "default":
@@ -138,8 +140,16 @@ class ModelConfig:
     linear_conv_kernel_dim: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
@@ -162,17 +172,27 @@ class ModelConfig:
         if self.architecture == "gemma3" and self.query_pre_attn_scalar is None:
             raise ValueError("gemma3 needs query_pre_attn_scalar")
         if not 0.0 < self.partial_rotary_factor <= 1.0:
-            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+            raise ValueError(
+                f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}"
+            )
         if self.rotary_dim < 2 or self.rotary_dim % 2:
-            raise ValueError(f"the rotary part of a head must be even and non-empty, got {self.rotary_dim}")
+            raise ValueError(
+                f"the rotary part of a head must be even and non-empty, got {self.rotary_dim}"
+            )
         if self.linear_layers:
             self._validate_linear()
 
     def _validate_linear(self) -> None:
         if self.architecture != "qwen3_5":
-            raise ValueError(f"linear (Gated DeltaNet) layers need architecture qwen3_5, not {self.architecture}")
-        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                     "linear_value_head_dim"):
+            raise ValueError(
+                f"linear (Gated DeltaNet) layers need architecture qwen3_5, not {self.architecture}"
+            )
+        for name in (
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive in a model with linear layers")
         if self.linear_num_value_heads % self.linear_num_key_heads:
@@ -181,7 +201,9 @@ class ModelConfig:
                 f"linear_num_key_heads ({self.linear_num_key_heads})"
             )
         if self.linear_conv_kernel_dim < 2:
-            raise ValueError(f"linear_conv_kernel_dim must be at least 2, got {self.linear_conv_kernel_dim}")
+            raise ValueError(
+                f"linear_conv_kernel_dim must be at least 2, got {self.linear_conv_kernel_dim}"
+            )
 
     # Derived properties: what the layers and the engine ask of the config.
     @property
@@ -273,14 +295,23 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         """Projections, MLPs and embeddings (norms and other per-channel vectors left out)."""
-        attn = self.hidden_size * (self.q_proj_size + self.head_dim * (self.num_heads + 2 * self.num_kv_heads))
-        linear = (self.hidden_size * (self.linear_conv_dim + 2 * self.linear_value_dim
-                                      + 2 * self.linear_num_value_heads)
-                  + self.linear_conv_dim * self.linear_conv_kernel_dim)
+        attn = self.hidden_size * (
+            self.q_proj_size + self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
+        )
+        linear = (
+            self.hidden_size
+            * (self.linear_conv_dim + 2 * self.linear_value_dim + 2 * self.linear_num_value_heads)
+            + self.linear_conv_dim * self.linear_conv_kernel_dim
+        )
         mlp = 3 * self.hidden_size * self.intermediate_size
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         num_linear = len(self.linear_layers)
-        return (self.num_layers - num_linear) * attn + num_linear * linear + self.num_layers * mlp + embed
+        return (
+            (self.num_layers - num_linear) * attn
+            + num_linear * linear
+            + self.num_layers * mlp
+            + embed
+        )
 
     def digest(self) -> str:
         """Stable digest of everything that changes the model's numbers (pool namespace)."""
@@ -308,7 +339,9 @@ class ModelConfig:
             raise ValueError(f"unsupported activation {act_name!r}")
         num_heads = int(hf["num_attention_heads"])
         # Qwen3.5's HF default head_dim is 256, not hidden // heads.
-        head_dim = int(hf.get("head_dim") or (256 if arch == "qwen3_5" else hf["hidden_size"] // num_heads))
+        head_dim = int(
+            hf.get("head_dim") or (256 if arch == "qwen3_5" else hf["hidden_size"] // num_heads)
+        )
         rope_params = hf.get("rope_parameters") or {}
         kinds: tuple[LayerKind, ...] = ()
         local_rope = None
@@ -391,20 +424,30 @@ class ModelConfig:
                 layer_types=[_hf_layer_type(k) for k in self.layer_kinds],
                 # HF types it as an int (256, 168): a float such as 16.0 is rejected.
                 query_pre_attn_scalar=int(self.query_pre_attn_scalar)
-                if self.query_pre_attn_scalar.is_integer() else self.query_pre_attn_scalar,
+                if self.query_pre_attn_scalar.is_integer()
+                else self.query_pre_attn_scalar,
                 rope_parameters={
-                    "full_attention": {"rope_type": "default", "rope_theta": self.rope.theta,
-                                       **(self.rope.to_hf() or {})},
-                    "sliding_attention": {"rope_type": "default", "rope_theta": self.local_rope.theta},
+                    "full_attention": {
+                        "rope_type": "default",
+                        "rope_theta": self.rope.theta,
+                        **(self.rope.to_hf() or {}),
+                    },
+                    "sliding_attention": {
+                        "rope_type": "default",
+                        "rope_theta": self.local_rope.theta,
+                    },
                 },
             )
         elif self.architecture == "qwen3_5":
             hf.update(
                 hidden_act=act,
                 layer_types=[_hf_layer_type(k) for k in self.layer_kinds],
-                rope_parameters={"rope_type": "default", "rope_theta": self.rope.theta,
-                                 "partial_rotary_factor": self.partial_rotary_factor,
-                                 **(self.rope.to_hf() or {})},
+                rope_parameters={
+                    "rope_type": "default",
+                    "rope_theta": self.rope.theta,
+                    "partial_rotary_factor": self.partial_rotary_factor,
+                    **(self.rope.to_hf() or {}),
+                },
                 linear_num_key_heads=self.linear_num_key_heads,
                 linear_num_value_heads=self.linear_num_value_heads,
                 linear_key_head_dim=self.linear_key_head_dim,
@@ -436,7 +479,6 @@ def _gemma3_layer_kinds(hf: dict[str, Any]) -> tuple[LayerKind, ...]:
     return tuple("sliding" if (i + 1) % pattern else "full" for i in range(n))
 
 
-
 def _hf_layer_type(kind: LayerKind) -> str:
     return next(name for name, k in _HF_LAYER_TYPES.items() if k == kind)
 
@@ -448,7 +490,9 @@ def _qwen3_5_layer_kinds(hf: dict[str, Any]) -> tuple[LayerKind, ...]:
             raise ValueError(f"unsupported qwen3_5 layer types {sorted(unknown)}")
         return tuple(_HF_LAYER_TYPES[t] for t in hf["layer_types"])
     interval = int(hf.get("full_attention_interval", 4))
-    return tuple("linear" if (i + 1) % interval else "full" for i in range(int(hf["num_hidden_layers"])))
+    return tuple(
+        "linear" if (i + 1) % interval else "full" for i in range(int(hf["num_hidden_layers"]))
+    )
 
 
 def _qwen3_5_linear_fields(hf: dict[str, Any], rope_params: dict[str, Any]) -> dict[str, Any]:

@@ -119,7 +119,9 @@ class CausalLM(nn.Module):
         tables = {}
         for kind in set(self.config.layer_kinds) - {"linear"}:
             layer = self.config.layer_kinds.index(kind)
-            inv_freq = rope_inv_freq(self.config.rope_of(layer), self.config.rotary_dim, positions.device)
+            inv_freq = rope_inv_freq(
+                self.config.rope_of(layer), self.config.rotary_dim, positions.device
+            )
             tables[kind] = rope_cos_sin(positions, inv_freq, dtype)
         return tables
 

@@ -31,7 +31,9 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def prepare_qk(
+    q: torch.Tensor, k: torch.Tensor, num_v_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, Hk, Dk] -> float32 [T, Hv, Dk]: normalized, q scaled, key head h // (Hv/Hk) per value head h."""
     q, k = l2_normalize(q.float()), l2_normalize(k.float())
     repeat = num_v_heads // k.shape[1]
@@ -41,7 +43,11 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torc
 
 
 def recurrent_gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token by token. q, k [..., L, Dk] (prepared), v [..., L, Dv], g, beta [..., L],
@@ -57,8 +63,13 @@ def recurrent_gated_delta_rule(
 
 
 def chunk_gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor, chunk: int = DEFAULT_CHUNK,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = DEFAULT_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same result as `recurrent_gated_delta_rule`, a chunk of tokens at a time.
 
@@ -80,9 +91,12 @@ def chunk_gated_delta_rule(
     decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(upper, float("-inf")).exp()
     k_beta = k * beta[..., None]
     system = torch.eye(chunk, device=v.device) + (k_beta @ k.transpose(-1, -2) * decay).tril(-1)
-    u_values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    u_keys = torch.linalg.solve_triangular(system, k_beta * gamma.exp()[..., None], upper=False,
-                                           unitriangular=True)
+    u_values = torch.linalg.solve_triangular(
+        system, v * beta[..., None], upper=False, unitriangular=True
+    )
+    u_keys = torch.linalg.solve_triangular(
+        system, k_beta * gamma.exp()[..., None], upper=False, unitriangular=True
+    )
     scores = q @ k.transpose(-1, -2) * decay
     q_decayed = q * gamma.exp()[..., None]
     last = gamma[..., -1:]
@@ -96,8 +110,15 @@ def chunk_gated_delta_rule(
 
 
 def gated_delta_rule_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor, seq_lens: tuple[int, ...], *, chunked: bool | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    seq_lens: tuple[int, ...],
+    *,
+    chunked: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed sequences. q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv] float32;
     state [B, Hv, Dk, Dv] float32. Returns (o [T, Hv, Dv] float32, final state [B, Hv, Dk, Dv]).
@@ -173,8 +194,13 @@ def causal_conv1d_reference(
 
 
 def gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor, seq_lens: tuple[int, ...],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    seq_lens: tuple[int, ...],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernels on CUDA, the torch reference elsewhere (same contract)."""
     if q.is_cuda:
@@ -212,8 +238,9 @@ class GatedDeltaNet(nn.Module):
         self.split_sizes = (conv_dim, config.linear_value_dim, self.num_v_heads, self.num_v_heads)
         self.in_proj = nn.Linear(config.hidden_size, sum(self.split_sizes), bias=False)
         # Only its weight [conv_dim, 1, K] is used (HF's parameter name and shape).
-        self.conv1d = nn.Conv1d(conv_dim, conv_dim, config.linear_conv_kernel_dim, groups=conv_dim,
-                                bias=False)
+        self.conv1d = nn.Conv1d(
+            conv_dim, conv_dim, config.linear_conv_kernel_dim, groups=conv_dim, bias=False
+        )
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
         self.norm = RMSNormGated(self.value_head_dim, config.rms_norm_eps)

@@ -35,10 +35,27 @@ def _l2_normalize(x):
 
 @triton.jit
 def _chunk_prepare(
-    k_ptr, v_ptr, g_ptr, beta_ptr, gamma_ptr, wk_ptr, wv_ptr, chunk_start_ptr, chunk_len_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    gamma_ptr,
+    wk_ptr,
+    wv_ptr,
+    chunk_start_ptr,
+    chunk_len_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    C: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     chunk, head = tl.program_id(0), tl.program_id(1)
     start = tl.load(chunk_start_ptr + chunk).to(tl.int64)  # offsets pass 2**31 at long contexts
@@ -46,8 +63,11 @@ def _chunk_prepare(
     valid = rows < tl.load(chunk_len_ptr + chunk)
     tok = start + rows
     cols_k = tl.arange(0, BK)
-    k = tl.load(k_ptr + tok[:, None] * stride_kt + (head // GROUP) * stride_kh + cols_k[None, :],
-                mask=valid[:, None] & (cols_k < DK)[None, :], other=0.0).to(tl.float32)
+    k = tl.load(
+        k_ptr + tok[:, None] * stride_kt + (head // GROUP) * stride_kh + cols_k[None, :],
+        mask=valid[:, None] & (cols_k < DK)[None, :],
+        other=0.0,
+    ).to(tl.float32)
     k = _l2_normalize(k)
     # Padding rows: g = 0 and beta = 0, so they change neither gamma nor anything else.
     g = tl.load(g_ptr + tok * HV + head, mask=valid, other=0.0)
@@ -69,20 +89,45 @@ def _chunk_prepare(
 
     out_rows = tok[:, None] * HV + head
     w_k = tl.dot(inv, k * (beta * tl.exp(gamma))[:, None], input_precision=PRECISION)
-    tl.store(wk_ptr + out_rows * DK + cols_k[None, :], w_k, mask=valid[:, None] & (cols_k < DK)[None, :])
+    tl.store(
+        wk_ptr + out_rows * DK + cols_k[None, :], w_k, mask=valid[:, None] & (cols_k < DK)[None, :]
+    )
     cols_v = tl.arange(0, BV)
-    v = tl.load(v_ptr + tok[:, None] * stride_vt + head * stride_vh + cols_v[None, :],
-                mask=valid[:, None] & (cols_v < DV)[None, :], other=0.0).to(tl.float32)
+    v = tl.load(
+        v_ptr + tok[:, None] * stride_vt + head * stride_vh + cols_v[None, :],
+        mask=valid[:, None] & (cols_v < DV)[None, :],
+        other=0.0,
+    ).to(tl.float32)
     w_v = tl.dot(inv, v * beta[:, None], input_precision=PRECISION)
-    tl.store(wv_ptr + out_rows * DV + cols_v[None, :], w_v, mask=valid[:, None] & (cols_v < DV)[None, :])
+    tl.store(
+        wv_ptr + out_rows * DV + cols_v[None, :], w_v, mask=valid[:, None] & (cols_v < DV)[None, :]
+    )
 
 
 @triton.jit
 def _chunk_scan(
-    q_ptr, k_ptr, gamma_ptr, wk_ptr, wv_ptr, state_ptr, out_ptr, final_ptr, cu_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, scale,
-    HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    gamma_ptr,
+    wk_ptr,
+    wv_ptr,
+    state_ptr,
+    out_ptr,
+    final_ptr,
+    cu_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    scale,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    C: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     seq, head, vblock = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu_ptr + seq).to(tl.int64)
@@ -100,24 +145,39 @@ def _chunk_scan(
         valid = rows < n
         tok = bos + c * C + rows
         qk_mask = valid[:, None] & kmask[None, :]
-        q = tl.load(q_ptr + tok[:, None] * stride_qt + (head // GROUP) * stride_qh + cols_k[None, :],
-                    mask=qk_mask, other=0.0).to(tl.float32)
+        q = tl.load(
+            q_ptr + tok[:, None] * stride_qt + (head // GROUP) * stride_qh + cols_k[None, :],
+            mask=qk_mask,
+            other=0.0,
+        ).to(tl.float32)
         q = _l2_normalize(q) * scale
-        k = tl.load(k_ptr + tok[:, None] * stride_kt + (head // GROUP) * stride_kh + cols_k[None, :],
-                    mask=qk_mask, other=0.0).to(tl.float32)
+        k = tl.load(
+            k_ptr + tok[:, None] * stride_kt + (head // GROUP) * stride_kh + cols_k[None, :],
+            mask=qk_mask,
+            other=0.0,
+        ).to(tl.float32)
         k = _l2_normalize(k)
         gamma = tl.load(gamma_ptr + tok * HV + head, mask=valid, other=0.0)
-        w_k = tl.load(wk_ptr + (tok[:, None] * HV + head) * DK + cols_k[None, :], mask=qk_mask, other=0.0)
-        w_v = tl.load(wv_ptr + (tok[:, None] * HV + head) * DV + cols_v[None, :],
-                      mask=valid[:, None] & vmask[None, :], other=0.0)
+        w_k = tl.load(
+            wk_ptr + (tok[:, None] * HV + head) * DK + cols_k[None, :], mask=qk_mask, other=0.0
+        )
+        w_v = tl.load(
+            wv_ptr + (tok[:, None] * HV + head) * DV + cols_v[None, :],
+            mask=valid[:, None] & vmask[None, :],
+            other=0.0,
+        )
         # The corrections of this chunk given the state entering it.
         u = w_v - tl.dot(w_k, state, input_precision=PRECISION)
         decay = tl.exp(tl.minimum(gamma[:, None] - gamma[None, :], 0.0))
         scores = tl.where(causal, tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay, 0.0)
-        out = (tl.dot(q * tl.exp(gamma)[:, None], state, input_precision=PRECISION)
-               + tl.dot(scores, u, input_precision=PRECISION))
-        tl.store(out_ptr + (tok[:, None] * HV + head) * DV + cols_v[None, :], out,
-                 mask=valid[:, None] & vmask[None, :])
+        out = tl.dot(q * tl.exp(gamma)[:, None], state, input_precision=PRECISION) + tl.dot(
+            scores, u, input_precision=PRECISION
+        )
+        tl.store(
+            out_ptr + (tok[:, None] * HV + head) * DV + cols_v[None, :],
+            out,
+            mask=valid[:, None] & vmask[None, :],
+        )
         last = tl.sum(tl.where(rows == n - 1, gamma, 0.0), 0)
         k_to_end = tl.where(valid[:, None], k * tl.exp(last - gamma)[:, None], 0.0)
         state = state * tl.exp(last) + tl.dot(tl.trans(k_to_end), u, input_precision=PRECISION)
@@ -126,21 +186,44 @@ def _chunk_scan(
 
 @triton.jit
 def _decode_step(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, scale,
-    HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    state_ptr,
+    out_ptr,
+    final_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    scale,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
 ):
     seq, head, vblock = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols_k = tl.arange(0, BK)
     cols_v = vblock * BV + tl.arange(0, BV)
     kmask, vmask = cols_k < DK, cols_v < DV
     key_head = head // GROUP
-    q = tl.load(q_ptr + seq * stride_qt + key_head * stride_qh + cols_k, mask=kmask, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + seq * stride_kt + key_head * stride_kh + cols_k, mask=kmask, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + seq * stride_qt + key_head * stride_qh + cols_k, mask=kmask, other=0.0).to(
+        tl.float32
+    )
+    k = tl.load(k_ptr + seq * stride_kt + key_head * stride_kh + cols_k, mask=kmask, other=0.0).to(
+        tl.float32
+    )
     q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-    v = tl.load(v_ptr + seq * stride_vt + head * stride_vh + cols_v, mask=vmask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + seq * stride_vt + head * stride_vh + cols_v, mask=vmask, other=0.0).to(
+        tl.float32
+    )
     g = tl.load(g_ptr + seq * HV + head)
     beta = tl.load(beta_ptr + seq * HV + head)
     state_offsets = ((seq * HV + head) * DK + cols_k[:, None]) * DV + cols_v[None, :]
@@ -154,8 +237,17 @@ def _decode_step(
 
 @triton.jit
 def _causal_conv(
-    x_ptr, w_ptr, state_ptr, out_ptr, seq_ptr, pos_ptr, tokens, channels,
-    K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    state_ptr,
+    out_ptr,
+    seq_ptr,
+    pos_ptr,
+    tokens,
+    channels,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -168,15 +260,22 @@ def _causal_conv(
         back = K - 1 - j
         in_x = (pos >= back)[:, None]
         mask = rmask[:, None] & cmask[None, :]
-        from_x = tl.load(x_ptr + (rows - back)[:, None] * channels + cols[None, :],
-                         mask=mask & in_x, other=0.0)
-        from_state = tl.load(state_ptr + (seq[:, None] * channels + cols[None, :]) * (K - 1) + pos[:, None] + j,
-                             mask=mask & ~in_x, other=0.0)
+        from_x = tl.load(
+            x_ptr + (rows - back)[:, None] * channels + cols[None, :], mask=mask & in_x, other=0.0
+        )
+        from_state = tl.load(
+            state_ptr + (seq[:, None] * channels + cols[None, :]) * (K - 1) + pos[:, None] + j,
+            mask=mask & ~in_x,
+            other=0.0,
+        )
         weight = tl.load(w_ptr + cols * K + j, mask=cmask, other=0.0).to(tl.float32)
         acc += tl.where(in_x, from_x, from_state).to(tl.float32) * weight[None, :]
     out = acc * tl.sigmoid(acc)
-    tl.store(out_ptr + rows[:, None] * channels + cols[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=rmask[:, None] & cmask[None, :])
+    tl.store(
+        out_ptr + rows[:, None] * channels + cols[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=rmask[:, None] & cmask[None, :],
+    )
 
 
 def causal_conv1d(
@@ -192,18 +291,36 @@ def causal_conv1d(
     pos = torch.arange(tokens, device=x.device) - starts[seq]
     out = torch.empty_like(x)
     grid = (triton.cdiv(tokens, 64), triton.cdiv(channels, 128))
-    _causal_conv[grid](x, weight, conv_state, out, seq.to(torch.int32), pos.to(torch.int32),
-                       tokens, channels, K=width + 1, BT=64, BC=128)
+    _causal_conv[grid](
+        x,
+        weight,
+        conv_state,
+        out,
+        seq.to(torch.int32),
+        pos.to(torch.int32),
+        tokens,
+        channels,
+        K=width + 1,
+        BT=64,
+        BC=128,
+    )
     # New state: the last K-1 inputs, reaching back into the old state for short segments.
     back = lens[:, None] - width + torch.arange(width, device=x.device)
     from_x = x[(starts[:, None] + back).clamp(min=0)].transpose(1, 2)
-    old = conv_state.gather(2, (back + width).clamp(max=width - 1)[:, None, :].expand(-1, channels, -1))
+    old = conv_state.gather(
+        2, (back + width).clamp(max=width - 1)[:, None, :].expand(-1, channels, -1)
+    )
     return out, torch.where((back >= 0)[:, None, :], from_x, old)
 
 
 def gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor, seq_lens: tuple[int, ...],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    seq_lens: tuple[int, ...],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed sequences; see the module docstring. Decode steps take the recurrent kernel."""
     _check(q, k, v, g, beta, state, seq_lens)
@@ -212,8 +329,15 @@ def gated_delta_rule(
     return chunk_prefill(q, k, v, g, beta, state, seq_lens)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-           state: torch.Tensor, seq_lens: tuple[int, ...]) -> None:
+def _check(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    seq_lens: tuple[int, ...],
+) -> None:
     tokens, key_heads, key_dim = k.shape
     _, value_heads, value_dim = v.shape
     assert q.shape == k.shape and v.shape[0] == tokens == sum(seq_lens), "token counts differ"
@@ -233,7 +357,11 @@ def _value_block(value_dim: int) -> int:
 
 
 def decode_step(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per sequence (token b belongs to sequence b)."""
@@ -244,17 +372,39 @@ def decode_step(
     block_v = _value_block(value_dim)
     grid = (batch, value_heads, triton.cdiv(value_dim, block_v))
     _decode_step[grid](
-        q, k, v, g, beta, state, out, final,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), key_dim**-0.5,
-        HV=value_heads, GROUP=value_heads // k.shape[1], DK=key_dim, DV=value_dim,
-        BK=triton.next_power_of_2(key_dim), BV=block_v,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        out,
+        final,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        key_dim**-0.5,
+        HV=value_heads,
+        GROUP=value_heads // k.shape[1],
+        DK=key_dim,
+        DV=value_dim,
+        BK=triton.next_power_of_2(key_dim),
+        BV=block_v,
     )
     return out, final
 
 
 def chunk_prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor, seq_lens: tuple[int, ...],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    seq_lens: tuple[int, ...],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Any segment lengths, each sequence continuing from its state."""
     tokens, value_heads, value_dim = v.shape
@@ -272,17 +422,53 @@ def chunk_prefill(
     w_v = torch.empty((tokens, value_heads, value_dim), **f32)
     out = torch.empty((tokens, value_heads, value_dim), **f32)
     final = torch.empty_like(state)
-    shape = {"HV": value_heads, "GROUP": value_heads // k.shape[1], "DK": key_dim, "DV": value_dim,
-             "BK": triton.next_power_of_2(key_dim), "C": CHUNK, "PRECISION": _precision(v)}
+    shape = {
+        "HV": value_heads,
+        "GROUP": value_heads // k.shape[1],
+        "DK": key_dim,
+        "DV": value_dim,
+        "BK": triton.next_power_of_2(key_dim),
+        "C": CHUNK,
+        "PRECISION": _precision(v),
+    }
     _chunk_prepare[(len(starts), value_heads)](
-        k, v, g, beta, gamma, w_k, w_v, chunk_table[0], chunk_table[1],
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        BV=triton.next_power_of_2(value_dim), num_warps=8, num_stages=1, **shape,
+        k,
+        v,
+        g,
+        beta,
+        gamma,
+        w_k,
+        w_v,
+        chunk_table[0],
+        chunk_table[1],
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        BV=triton.next_power_of_2(value_dim),
+        num_warps=8,
+        num_stages=1,
+        **shape,
     )
     block_v = _value_block(value_dim)
     _chunk_scan[(len(seq_lens), value_heads, triton.cdiv(value_dim, block_v))](
-        q, k, gamma, w_k, w_v, state, out, final, cu_seqlens,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), key_dim**-0.5,
-        BV=block_v, num_warps=8, num_stages=1, **shape,
+        q,
+        k,
+        gamma,
+        w_k,
+        w_v,
+        state,
+        out,
+        final,
+        cu_seqlens,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        key_dim**-0.5,
+        BV=block_v,
+        num_warps=8,
+        num_stages=1,
+        **shape,
     )
     return out, final

@@ -108,9 +108,12 @@ class SelfAttention(nn.Module):
         self.output_gate = config.attn_output_gate
         kv_size = config.num_kv_heads * config.head_dim
         self.split_sizes = (config.q_proj_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split_sizes), bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size,
-                                bias=config.attention_bias)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, sum(self.split_sizes), bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(
+            config.num_heads * config.head_dim, config.hidden_size, bias=config.attention_bias
+        )
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:

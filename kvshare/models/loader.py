@@ -41,15 +41,25 @@ class LoadedModel:
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if dtype not in names:
         raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(names)}")
     return names[dtype]
 
 
 def load_model(
-    spec: str, *, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32", seed: int = 0
+    spec: str,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = "float32",
+    seed: int = 0,
 ) -> LoadedModel:
     """Load `spec`: an alias (smollm2-135m), a .gguf file, an HF directory or shape:NAME."""
     device = torch.device(device)
@@ -61,7 +71,9 @@ def load_model(
         return _load_gguf(spec, path, device, torch_dtype)
     if path.is_dir() and (path / "config.json").exists():
         return _load_hf_dir(path, device, torch_dtype)
-    raise ValueError(f"{spec!r} is neither a packaged alias, a .gguf file, an HF directory nor shape:NAME")
+    raise ValueError(
+        f"{spec!r} is neither a packaged alias, a .gguf file, an HF directory nor shape:NAME"
+    )
 
 
 def load_tokenizer(spec: str | None) -> Tokenizer | None:
@@ -80,7 +92,9 @@ def load_tokenizer(spec: str | None) -> Tokenizer | None:
         return read_gguf_tokenizer(path)
     if path.is_dir() and (path / "config.json").exists():
         return Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
-    raise ValueError(f"{spec!r} is neither a packaged alias, a .gguf file, an HF directory nor shape:NAME")
+    raise ValueError(
+        f"{spec!r} is neither a packaged alias, a .gguf file, an HF directory nor shape:NAME"
+    )
 
 
 def resolve_model_path(spec: str) -> Path:
@@ -91,7 +105,9 @@ def resolve_model_path(spec: str) -> Path:
         return packaged_model_path(spec)
     path = Path(spec).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"model {spec!r} not found (no such file or directory, not an alias)")
+        raise FileNotFoundError(
+            f"model {spec!r} not found (no such file or directory, not an alias)"
+        )
     return path
 
 
@@ -103,7 +119,7 @@ def empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -
 
 
 def _load_random(spec: str, device: torch.device, dtype: torch.dtype, seed: int) -> LoadedModel:
-    shape = spec[len(SHAPE_PREFIX):]
+    shape = spec[len(SHAPE_PREFIX) :]
     config = shape_preset(shape)
     model = empty_model(config, device, dtype)
     fill_random_weights_(model, seed, unit_offset_norms=config.unit_offset_norms)
@@ -117,9 +133,14 @@ def _load_gguf(spec: str, path: Path, device: torch.device, dtype: torch.dtype) 
     gguf = read_gguf(path)
     config = ModelConfig.from_hf(gguf.config)
     model = empty_model(config, device, dtype)
-    load_weights_(model, ((name, torch.from_numpy(np.asarray(t))) for name, t in gguf.tensors.items()))
+    load_weights_(
+        model, ((name, torch.from_numpy(np.asarray(t))) for name, t in gguf.tensors.items())
+    )
     return LoadedModel(
-        name=spec, config=config, model=model, tokenizer=gguf.tokenizer,
+        name=spec,
+        config=config,
+        model=model,
+        tokenizer=gguf.tokenizer,
         weights_id=f"gguf:{gguf.file_digest}",
     )
 
@@ -142,7 +163,10 @@ def _load_hf_dir(path: Path, device: torch.device, dtype: torch.dtype) -> Loaded
     load_weights_(model, tensors())
     tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
     return LoadedModel(
-        name=path.name, config=config, model=model, tokenizer=tokenizer,
+        name=path.name,
+        config=config,
+        model=model,
+        tokenizer=tokenizer,
         weights_id=f"hf:{_files_digest(files)}",
     )
 
@@ -171,12 +195,14 @@ def load_weights_(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) 
             name = hf_name
             for prefix in _CHECKPOINT_PREFIXES:
                 if name.startswith(prefix):
-                    name = "model." + name[len(prefix):]
+                    name = "model." + name[len(prefix) :]
             if name == "lm_head.weight" and model.lm_head is None:
                 continue  # tied to the embedding
             target, shard = _packed_target(name)
             if target not in params:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(model).__name__}")
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has no place in {type(model).__name__}"
+                )
             param = params[target]
             if shard is None:
                 _copy_checked(param, tensor, hf_name)
@@ -233,5 +259,7 @@ def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
 
 def _copy_checked(dest: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dest.shape) != tuple(src.shape):
-        raise ValueError(f"tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dest.shape)}")
+        raise ValueError(
+            f"tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dest.shape)}"
+        )
     dest.copy_(src)

@@ -63,7 +63,9 @@ def fill_random_weights_(
             fill_uniform_(param, _parameter_key(seed, name), low, high)
 
 
-def _value_range(name: str, param: torch.Tensor, unit_offset_norms: bool, bound: float) -> tuple[float, float]:
+def _value_range(
+    name: str, param: torch.Tensor, unit_offset_norms: bool, bound: float
+) -> tuple[float, float]:
     if name.endswith("linear_attn.norm.weight"):
         return 0.9, 1.1  # the gated norm scales by w, whatever the other norms do
     if name.endswith("norm.weight"):

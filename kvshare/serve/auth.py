@@ -43,8 +43,10 @@ class AccessKeys:
     def __post_init__(self) -> None:
         for name, key in (("api key", self.api_key), ("admin key", self.admin_key)):
             if key is not None and (not key or key != key.strip() or not key.isprintable()):
-                raise ValueError(f"the {name} must be non-empty printable text without "
-                                 "surrounding whitespace (leave it unset for no key)")
+                raise ValueError(
+                    f"the {name} must be non-empty printable text without "
+                    "surrounding whitespace (leave it unset for no key)"
+                )
 
     @property
     def admin_credential(self) -> str | None:
@@ -55,7 +57,9 @@ class AccessKeys:
     def from_environment(cls, environ: Mapping[str, str] = os.environ) -> AccessKeys:
         """The keys in KVSHARE_API_KEY and KVSHARE_ADMIN_KEY: what clients such as the
         bench and validate send, and what a server reads when given no key flag or file."""
-        return cls(read_key(None, None, API_KEY_ENV, environ), read_key(None, None, ADMIN_KEY_ENV, environ))
+        return cls(
+            read_key(None, None, API_KEY_ENV, environ), read_key(None, None, ADMIN_KEY_ENV, environ)
+        )
 
     def authorization(self, admin: bool) -> dict[str, str]:
         """The header a client holding these keys sends to /admin (`admin`) or /v1."""
@@ -68,8 +72,9 @@ class AccessKeys:
         return {name: key for name, key in keys.items() if key is not None}
 
 
-def read_key(flag: str | None, path: str | None, env_name: str,
-             environ: Mapping[str, str] = os.environ) -> str | None:
+def read_key(
+    flag: str | None, path: str | None, env_name: str, environ: Mapping[str, str] = os.environ
+) -> str | None:
     """A key from its flag, else its file (first line, newline stripped), else `env_name`;
     None when none is given. ValueError for both a flag and a file, or an empty key."""
     if flag is not None and path is not None:
@@ -117,11 +122,16 @@ def _is_admin(request: web.Request) -> bool:
 
 
 def _unauthorized(what: str) -> APIError:
-    return APIError(401, f"missing or invalid {what} (send 'Authorization: Bearer <key>')",
-                    code="invalid_api_key")
+    return APIError(
+        401,
+        f"missing or invalid {what} (send 'Authorization: Bearer <key>')",
+        code="invalid_api_key",
+    )
 
 
-def access_middleware(keys: AccessKeys) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def access_middleware(
+    keys: AccessKeys,
+) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
     @web.middleware
     async def check_access(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path in OPEN_PATHS:
@@ -130,10 +140,13 @@ def access_middleware(keys: AccessKeys) -> Callable[[web.Request, Handler], Awai
             required = keys.admin_credential
             if required is None:
                 if not is_loopback(request.remote):
-                    raise APIError(403, "admin calls without a key are accepted from this host "
-                                        "only; start the server with --admin-key-file or "
-                                        f"{ADMIN_KEY_ENV} to allow remote ones",
-                                   code="admin_loopback_only")
+                    raise APIError(
+                        403,
+                        "admin calls without a key are accepted from this host "
+                        "only; start the server with --admin-key-file or "
+                        f"{ADMIN_KEY_ENV} to allow remote ones",
+                        code="admin_loopback_only",
+                    )
             elif not bearer_matches(request, required):
                 raise _unauthorized("admin key" if keys.admin_key is not None else "API key")
         elif keys.api_key is not None and not bearer_matches(request, keys.api_key):
@@ -146,17 +159,28 @@ def access_middleware(keys: AccessKeys) -> Callable[[web.Request, Handler], Awai
 def add_key_arguments(parser: argparse.ArgumentParser) -> None:
     """--api-key[-file] and --admin-key[-file]: the keys `access_keys` reads."""
     keys = parser.add_argument_group(
-        "access keys", f"Without a key, /v1 is open and /admin answers loopback clients only. "
+        "access keys",
+        f"Without a key, /v1 is open and /admin answers loopback clients only. "
         f"A key on the command line is visible to every local user (/proc/PID/cmdline): "
-        f"prefer a key file or ${API_KEY_ENV} / ${ADMIN_KEY_ENV}.")
-    keys.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (and on "
-                      f"/admin without an admin key); default: ${API_KEY_ENV}")
-    keys.add_argument("--api-key-file", metavar="PATH", help="read the API key from this file's first line")
+        f"prefer a key file or ${API_KEY_ENV} / ${ADMIN_KEY_ENV}.",
+    )
+    keys.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on /v1 (and on "
+        f"/admin without an admin key); default: ${API_KEY_ENV}",
+    )
+    keys.add_argument(
+        "--api-key-file", metavar="PATH", help="read the API key from this file's first line"
+    )
     keys.add_argument("--admin-key", help=f"require this key on /admin; default: ${ADMIN_KEY_ENV}")
-    keys.add_argument("--admin-key-file", metavar="PATH", help="read the admin key from this file's first line")
+    keys.add_argument(
+        "--admin-key-file", metavar="PATH", help="read the admin key from this file's first line"
+    )
 
 
 def access_keys(args: argparse.Namespace) -> AccessKeys:
     """The keys of parsed `add_key_arguments` flags, else the environment (ValueError if invalid)."""
-    return AccessKeys(read_key(args.api_key, args.api_key_file, API_KEY_ENV),
-                      read_key(args.admin_key, args.admin_key_file, ADMIN_KEY_ENV))
+    return AccessKeys(
+        read_key(args.api_key, args.api_key_file, API_KEY_ENV),
+        read_key(args.admin_key, args.admin_key_file, ADMIN_KEY_ENV),
+    )

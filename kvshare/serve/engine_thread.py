@@ -149,8 +149,11 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit_group(self, requests: list[tuple[str, tuple[int, ...], SamplingParams]],
-                     cache_salt: str | None = None) -> RequestStream:
+    def submit_group(
+        self,
+        requests: list[tuple[str, tuple[int, ...], SamplingParams]],
+        cache_salt: str | None = None,
+    ) -> RequestStream:
         """Several requests whose outputs share one stream (the choices of one API request);
         each output names its request. The stream's first failure is the group's.
         `cache_salt` isolates their prefix cache (kvshare.engine.block_manager)."""
@@ -178,11 +181,15 @@ class EngineThread:
             stream.put(EngineFailure(reason))
         self._streams.clear()
 
-    def _deliver(self, outputs: list[RequestOutput], failures: list[tuple[str, EngineFailure]]) -> None:
+    def _deliver(
+        self, outputs: list[RequestOutput], failures: list[tuple[str, EngineFailure]]
+    ) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put(out if out.error is None else EngineFailure(f"engine error: {out.error}"))
+                stream.put(
+                    out if out.error is None else EngineFailure(f"engine error: {out.error}")
+                )
                 if out.finished:
                     del self._streams[out.request_id]
         for request_id, failure in failures:
@@ -192,7 +199,9 @@ class EngineThread:
 
     # ------------------------------------------------------------ engine thread
 
-    def _send(self, outputs: list[RequestOutput], failures: list[tuple[str, EngineFailure]]) -> None:
+    def _send(
+        self, outputs: list[RequestOutput], failures: list[tuple[str, EngineFailure]]
+    ) -> None:
         if outputs or failures:
             self._post(lambda: self._deliver(outputs, failures))
 
@@ -249,8 +258,9 @@ class EngineThread:
     def _apply(self, command: _Add | _Abort | _Call) -> None:
         if isinstance(command, _Add):
             try:
-                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                        command.cache_salt)
+                self.engine.add_request(
+                    command.request_id, command.prompt_token_ids, command.params, command.cache_salt
+                )
             except ValueError as exc:
                 self._send([], [(command.request_id, EngineFailure(str(exc), user_error=True))])
             except Exception as exc:

@@ -18,8 +18,9 @@ def error_type(status: int) -> str:
 class APIError(Exception):
     """An error answered to the client with `status`; `param` names the offending field."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -27,8 +28,14 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": error_type(self.status),
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": error_type(self.status),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> web.Response:
         return web.json_response(self.body(), status=self.status)

@@ -83,8 +83,10 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad_request(f"request body must be a JSON object, not {type(body).__name__}")
     if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(body):
-        raise bad_request("request body holds a string with a lone UTF-16 surrogate (e.g. "
-                          "\\ud800): strings must be valid Unicode")
+        raise bad_request(
+            "request body holds a string with a lone UTF-16 surrogate (e.g. "
+            "\\ud800): strings must be valid Unicode"
+        )
     return body
 
 
@@ -101,8 +103,11 @@ async def read_json_object(request: web.Request, *, allow_empty: bool = False) -
     return parse_json_object(raw)
 
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-               "X-Accel-Buffering": "no"}
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
 
 
 def sse_event(payload: dict[str, Any] | str) -> bytes:

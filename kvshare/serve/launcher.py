@@ -132,7 +132,9 @@ class UpConfig:
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.gpu_memory_fraction is not None and not 0.0 < self.gpu_memory_fraction <= 1.0:
-            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+            raise ValueError(
+                f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}"
+            )
         if self.pool_size < PAGE_ALIGN:
             raise ValueError(f"pool_size must be at least {PAGE_ALIGN} bytes")
         if not (self.port == 0 or 1 <= self.port <= 65535 - self.replicas):
@@ -171,19 +173,38 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
     up.set_defaults(gpu_memory_fraction=None)  # per replica; default 0.9 / replicas on CUDA
     up.add_argument("--replicas", type=int, default=2, help="replicas (engine processes) to start")
     up.add_argument("--pool-size", default="2GiB", help="shared pool arena size")
-    up.add_argument("--pool-preallocate", action="store_true",
-                    help="allocate the pool arena at start (reserves the memory; faster CUDA registration)")
+    up.add_argument(
+        "--pool-preallocate",
+        action="store_true",
+        help="allocate the pool arena at start (reserves the memory; faster CUDA registration)",
+    )
     up.add_argument("--no-kv-pool", action="store_true", help="replicas without the shared pool")
-    up.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS, help="tokens per pool page")
+    up.add_argument(
+        "--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS, help="tokens per pool page"
+    )
     up.add_argument("--host", default="127.0.0.1", help="address the router and replicas bind")
-    up.add_argument("--port", type=int, default=8080,
-                    help="router port; replicas take the next ones (0: any free ports)")
-    up.add_argument("--policy", default="cache-aware", choices=POLICIES, help="the router's replica choice")
-    up.add_argument("--replica-restarts", type=int, default=5, metavar="N",
-                    help="restart a replica that exits, with backoff; after N exits in a row each "
-                    "within 60 s of its start it stays down (0: never restart; default: 5)")
-    up.add_argument("--cache-salt-required", action="store_true",
-                    help="passed to every replica: refuse /v1 requests without a cache_salt")
+    up.add_argument(
+        "--port",
+        type=int,
+        default=8080,
+        help="router port; replicas take the next ones (0: any free ports)",
+    )
+    up.add_argument(
+        "--policy", default="cache-aware", choices=POLICIES, help="the router's replica choice"
+    )
+    up.add_argument(
+        "--replica-restarts",
+        type=int,
+        default=5,
+        metavar="N",
+        help="restart a replica that exits, with backoff; after N exits in a row each "
+        "within 60 s of its start it stays down (0: never restart; default: 5)",
+    )
+    up.add_argument(
+        "--cache-salt-required",
+        action="store_true",
+        help="passed to every replica: refuse /v1 requests without a cache_salt",
+    )
     add_key_arguments(up)
 
 
@@ -192,17 +213,28 @@ def up_config(args: argparse.Namespace) -> UpConfig:
     keys = access_keys(args)
     fraction = args.gpu_memory_fraction
     # The launcher gives each replica its device and GPU share; the other engine flags pass through.
-    engine = engine_argv(argparse.Namespace(**vars(args) | {"gpu_memory_fraction": 0.9}),
-                         exclude=("device", "gpu_memory_fraction"))
+    engine = engine_argv(
+        argparse.Namespace(**vars(args) | {"gpu_memory_fraction": 0.9}),
+        exclude=("device", "gpu_memory_fraction"),
+    )
     salt = ("--cache-salt-required",) if args.cache_salt_required else ()
     return UpConfig(
-        replicas=args.replicas, model=args.model, device=args.device,
-        engine_args=engine + salt, gpu_memory_fraction=fraction,
-        pool_size=parse_size(args.pool_size), pool_preallocate=args.pool_preallocate,
+        replicas=args.replicas,
+        model=args.model,
+        device=args.device,
+        engine_args=engine + salt,
+        gpu_memory_fraction=fraction,
+        pool_size=parse_size(args.pool_size),
+        pool_preallocate=args.pool_preallocate,
         kv_pool=not args.no_kv_pool,
-        chunk_tokens=args.chunk_tokens, host=args.host, port=args.port, policy=args.policy,
-        api_key=keys.api_key, admin_key=keys.admin_key,
-        restart=RestartPolicy(max_fast_crashes=args.replica_restarts))
+        chunk_tokens=args.chunk_tokens,
+        host=args.host,
+        port=args.port,
+        policy=args.policy,
+        api_key=keys.api_key,
+        admin_key=keys.admin_key,
+        restart=RestartPolicy(max_fast_crashes=args.replica_restarts),
+    )
 
 
 class _PrefixedLog:
@@ -232,8 +264,14 @@ def _parent_death_signal() -> Callable[[], None] | None:
 class _Child:
     """One child process; its stdout and stderr go, line by line, to the prefixed log."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: _PrefixedLog,
-                 ready_prefix: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        log: _PrefixedLog,
+        ready_prefix: str | None = None,
+    ) -> None:
         self.name = name
         self.argv = argv
         self._env = env
@@ -245,10 +283,17 @@ class _Child:
         self._pump: threading.Thread | None = None
 
     def start(self) -> None:
-        self._process = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=self._env,
-                                         preexec_fn=_parent_death_signal())
-        self._pump = threading.Thread(target=self._copy_output, name=f"log-{self.name}", daemon=True)
+        self._process = subprocess.Popen(
+            self.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self._env,
+            preexec_fn=_parent_death_signal(),
+        )
+        self._pump = threading.Thread(
+            target=self._copy_output, name=f"log-{self.name}", daemon=True
+        )
         self._pump.start()
 
     def _copy_output(self) -> None:
@@ -338,8 +383,11 @@ class Cluster:
         arena_dir = SHM_DIR if os.path.isdir(SHM_DIR) else self._dir
         self.arena_path = os.path.join(arena_dir, f"kvshare-up-{uuid.uuid4().hex[:12]}.arena")
         n = config.replicas
-        ports = _free_ports(n + 1, config.host) if config.port == 0 else \
-            [config.port + i for i in range(n + 1)]
+        ports = (
+            _free_ports(n + 1, config.host)
+            if config.port == 0
+            else [config.port + i for i in range(n + 1)]
+        )
         self.url = f"http://{config.host}:{ports[0]}"
         self.replica_urls = [f"http://{config.host}:{p}" for p in ports[1:]]
         self._pool: _Child | None = None
@@ -361,8 +409,12 @@ class Cluster:
             raise
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 traceback: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
         self.stop()
 
     def start(self) -> None:
@@ -391,8 +443,11 @@ class Cluster:
 
     def children(self) -> dict[str, int]:
         """Name -> pid of every running child."""
-        return {c.name: c.pid for c in (self._pool, *self._replicas, self._router)
-                if c is not None and c.alive}
+        return {
+            c.name: c.pid
+            for c in (self._pool, *self._replicas, self._router)
+            if c is not None and c.alive
+        }
 
     def supervise(self, poll_s: float = 0.5) -> str:
         """Restart replicas that exit (RestartPolicy) until the pool or the router exits, or
@@ -416,11 +471,17 @@ class Cluster:
             restarts.exited(now)
             crashes = f"{restarts.fast_crashes} fast exit(s) in a row"
             if restarts.given_up:
-                self._log.write("up", f"{child.describe_exit()}\nreplica{i} is not restarted again "
-                                      f"({crashes}); the other replicas keep serving")
+                self._log.write(
+                    "up",
+                    f"{child.describe_exit()}\nreplica{i} is not restarted again "
+                    f"({crashes}); the other replicas keep serving",
+                )
             else:
-                self._log.write("up", f"replica{i} exited with status {child.exit_code} ({crashes}); "
-                                      f"restarting it in {restarts.due_at - now:.1f} s")
+                self._log.write(
+                    "up",
+                    f"replica{i} exited with status {child.exit_code} ({crashes}); "
+                    f"restarting it in {restarts.due_at - now:.1f} s",
+                )
         elif now >= restarts.due_at:
             self._log.write("up", f"restarting replica{i}")
             self._spawn_replica(i)
@@ -447,9 +508,14 @@ class Cluster:
         if self._pool is not None and self._pool.alive:
             raise RuntimeError("the pool daemon is running")
         pool = PoolProcessConfig(
-            size_bytes=self.config.pool_size, socket_path=self.socket_path, arena_path=self.arena_path,
-            slab_bytes=self.config.slab_bytes, preallocate=self.config.pool_preallocate,
-            runtime_dir=self._dir, ready_timeout=self.config.ready_timeout)
+            size_bytes=self.config.pool_size,
+            socket_path=self.socket_path,
+            arena_path=self.arena_path,
+            slab_bytes=self.config.slab_bytes,
+            preallocate=self.config.pool_preallocate,
+            runtime_dir=self._dir,
+            ready_timeout=self.config.ready_timeout,
+        )
         self._pool = self._spawn("pool", pool_command(pool), self._env(), ready_prefix=READY_PREFIX)
         deadline = time.monotonic() + self.config.ready_timeout
         while not self._pool.ready.wait(0.1):
@@ -458,14 +524,17 @@ class Cluster:
 
     # ------------------------------------------------------------ internals
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str],
-               ready_prefix: str | None = None) -> _Child:
+    def _spawn(
+        self, name: str, argv: list[str], env: dict[str, str], ready_prefix: str | None = None
+    ) -> _Child:
         child = _Child(name, argv, env, self._log, ready_prefix)
         child.start()
         return child
 
     def _spawn_replica(self, i: int) -> _Child:
-        child = self._spawn(f"replica{i}", self._replica_argv(i), self._server_env(self._replica_env()))
+        child = self._spawn(
+            f"replica{i}", self._replica_argv(i), self._server_env(self._replica_env())
+        )
         self._replicas[i] = child
         self._restarts[i].restarted(time.monotonic())
         return child
@@ -480,8 +549,9 @@ class Cluster:
             if not child.alive:
                 raise RuntimeError(child.describe_exit())
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{child.name} not healthy at {url} within "
-                                   f"{self.config.ready_timeout} s")
+                raise RuntimeError(
+                    f"{child.name} not healthy at {url} within {self.config.ready_timeout} s"
+                )
             time.sleep(0.25)
 
     def _env(self) -> dict[str, str]:
@@ -501,8 +571,22 @@ class Cluster:
     def _replica_argv(self, i: int) -> list[str]:
         c = self.config
         port = self.replica_urls[i].rsplit(":", 1)[1]
-        argv = [sys.executable, "-m", "kvshare", "serve", "--model", c.model, "--device", c.device,
-                "--host", c.host, "--port", port, "--chunk-tokens", str(c.chunk_tokens)]
+        argv = [
+            sys.executable,
+            "-m",
+            "kvshare",
+            "serve",
+            "--model",
+            c.model,
+            "--device",
+            c.device,
+            "--host",
+            c.host,
+            "--port",
+            port,
+            "--chunk-tokens",
+            str(c.chunk_tokens),
+        ]
         argv += ["--kv-pool", self.pool_address] if c.kv_pool else ["--no-kv-pool"]
         if c.replica_gpu_fraction is not None:
             argv += ["--gpu-memory-fraction", str(c.replica_gpu_fraction)]
@@ -511,8 +595,22 @@ class Cluster:
     def _router_argv(self) -> list[str]:
         c = self.config
         port = self.url.rsplit(":", 1)[1]
-        argv = [sys.executable, "-m", "kvshare", "router", "--host", c.host, "--port", port,
-                "--policy", c.policy, "--model", c.model, "--chunk-tokens", str(c.chunk_tokens)]
+        argv = [
+            sys.executable,
+            "-m",
+            "kvshare",
+            "router",
+            "--host",
+            c.host,
+            "--port",
+            port,
+            "--policy",
+            c.policy,
+            "--model",
+            c.model,
+            "--chunk-tokens",
+            str(c.chunk_tokens),
+        ]
         if not c.kv_pool:  # nothing is shared: only GPU-local hits count
             argv += ["--pool-credit", "0"]
         for url in self.replica_urls:

@@ -22,13 +22,25 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 
 # Connector counter -> (metric name without _total, help).
 POOL_COUNTERS: dict[str, tuple[str, str]] = {
-    "hit_tokens": ("kvshare_kv_pool_hit_tokens", "Prompt tokens restored from the shared pool (verified restores)"),
-    "miss_tokens": ("kvshare_kv_pool_miss_tokens", "Prompt tokens looked up in the pool and not found"),
+    "hit_tokens": (
+        "kvshare_kv_pool_hit_tokens",
+        "Prompt tokens restored from the shared pool (verified restores)",
+    ),
+    "miss_tokens": (
+        "kvshare_kv_pool_miss_tokens",
+        "Prompt tokens looked up in the pool and not found",
+    ),
     "loaded_bytes": ("kvshare_kv_pool_loaded_bytes", "Bytes restored from the pool"),
     "stored_bytes": ("kvshare_kv_pool_stored_bytes", "Bytes stored into the pool"),
-    "checksum_failures": ("kvshare_kv_pool_checksum_failures", "Pool pages whose checksum did not match"),
+    "checksum_failures": (
+        "kvshare_kv_pool_checksum_failures",
+        "Pool pages whose checksum did not match",
+    ),
     "load_failures": ("kvshare_kv_pool_load_failures", "Pool loads that fell back to recompute"),
-    "pool_errors": ("kvshare_kv_pool_errors", "Pool operations that failed (daemon down or broken link)"),
+    "pool_errors": (
+        "kvshare_kv_pool_errors",
+        "Pool operations that failed (daemon down or broken link)",
+    ),
 }
 
 
@@ -42,14 +54,22 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
         yield from self._vllm(snap)
-        yield GaugeMetricFamily("kvshare_requests_running", "Requests admitted to the engine",
-                                value=snap.running)
-        yield GaugeMetricFamily("kvshare_requests_waiting", "Requests queued for admission",
-                                value=snap.waiting)
-        yield GaugeMetricFamily("kvshare_gpu_cache_usage_ratio", "Share of KV blocks held by requests",
-                                value=snap.gpu_cache_usage)
-        yield GaugeMetricFamily("kvshare_kv_pool_enabled", "1 when pool lookups and stores are on",
-                                value=float(snap.pool_enabled))
+        yield GaugeMetricFamily(
+            "kvshare_requests_running", "Requests admitted to the engine", value=snap.running
+        )
+        yield GaugeMetricFamily(
+            "kvshare_requests_waiting", "Requests queued for admission", value=snap.waiting
+        )
+        yield GaugeMetricFamily(
+            "kvshare_gpu_cache_usage_ratio",
+            "Share of KV blocks held by requests",
+            value=snap.gpu_cache_usage,
+        )
+        yield GaugeMetricFamily(
+            "kvshare_kv_pool_enabled",
+            "1 when pool lookups and stores are on",
+            value=float(snap.pool_enabled),
+        )
         if snap.kv_pool is None:
             return  # no pool configured: no pool series at all
         for key, (name, doc) in POOL_COUNTERS.items():
@@ -57,13 +77,27 @@ class _EngineCollector(Collector):
 
     def _vllm(self, snap: EngineSnapshot) -> Iterator[Metric]:
         for name, doc, value in (
-                ("vllm:num_requests_running", "Number of requests in model execution batches",
-                 snap.running),
-                ("vllm:num_requests_waiting", "Number of requests waiting to be processed", snap.waiting),
-                ("vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage",
-                 snap.gpu_cache_usage),
-                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage",
-                 snap.gpu_cache_usage)):
+            (
+                "vllm:num_requests_running",
+                "Number of requests in model execution batches",
+                snap.running,
+            ),
+            (
+                "vllm:num_requests_waiting",
+                "Number of requests waiting to be processed",
+                snap.waiting,
+            ),
+            (
+                "vllm:gpu_cache_usage_perc",
+                "KV-cache usage. 1 means 100 percent usage",
+                snap.gpu_cache_usage,
+            ),
+            (
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage. 1 means 100 percent usage",
+                snap.gpu_cache_usage,
+            ),
+        ):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric([self._model_name], value)
             yield gauge
@@ -78,37 +112,68 @@ class VllmMetrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labels, registry=registry).labels(model_name)
 
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token "
-                              "in seconds", labels, buckets=TTFT_BUCKETS, registry=registry).labels(model_name)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of end to end request "
-                             "latency in seconds", labels, buckets=E2E_BUCKETS,
-                             registry=registry).labels(model_name)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of end to end request latency in seconds",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=registry,
+        ).labels(model_name)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed")
-        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed")
-        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
-                                            "Prefix cache queries, in terms of number of queried tokens")
-        self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
-                                         "Prefix cache hits, in terms of number of cached tokens "
-                                         "(GPU cache and shared pool)")
+        self.generation_tokens = counter(
+            "vllm:generation_tokens", "Number of generation tokens processed"
+        )
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens",
+        )
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens (GPU cache and shared pool)",
+        )
 
 
 class ServerMetrics:
     def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("kvshare_time_to_first_token_seconds",
-                              "From request received to its first generated token",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("kvshare_inter_token_latency_seconds",
-                             "Between consecutive generated tokens of a request",
-                             buckets=ITL_BUCKETS, registry=r)
-        self.requests = Counter("kvshare_http_requests", "HTTP requests by endpoint and status",
-                                ["endpoint", "status"], registry=r)
-        self.finished = Counter("kvshare_requests_finished", "Generations by finish reason",
-                                ["finish_reason"], registry=r)
-        self.prompt_tokens = Counter("kvshare_prompt_tokens",
-                                     "Prompt tokens by where their KV came from",
-                                     ["source"], registry=r)
+        self.ttft = Histogram(
+            "kvshare_time_to_first_token_seconds",
+            "From request received to its first generated token",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "kvshare_inter_token_latency_seconds",
+            "Between consecutive generated tokens of a request",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "kvshare_http_requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.finished = Counter(
+            "kvshare_requests_finished",
+            "Generations by finish reason",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvshare_prompt_tokens",
+            "Prompt tokens by where their KV came from",
+            ["source"],
+            registry=r,
+        )
         self.vllm = VllmMetrics(r, model_name)
         r.register(_EngineCollector(snapshot, model_name))
 
@@ -120,21 +185,38 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("kvshare_router_requests", "Proxied requests by replica and status",
-                                ["replica", "status"], registry=r)
-        self.retries = Counter("kvshare_router_retries",
-                               "Requests sent to another replica after one failed before replying",
-                               registry=r)
-        self.failures = Counter("kvshare_router_replica_failures",
-                                "Connection failures and broken streams by replica",
-                                ["replica"], registry=r)
-        self.decisions = Counter("kvshare_router_routing_decisions",
-                                 "Replicas chosen, by policy (pinned: the x-kvshare-replica header)",
-                                 ["policy", "replica"], registry=r)
-        self.in_flight = Gauge("kvshare_router_in_flight", "Requests in flight by replica",
-                               ["replica"], registry=r)
-        self.healthy = Gauge("kvshare_router_replica_healthy", "1 when the replica is in rotation",
-                             ["replica"], registry=r)
+        self.requests = Counter(
+            "kvshare_router_requests",
+            "Proxied requests by replica and status",
+            ["replica", "status"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvshare_router_retries",
+            "Requests sent to another replica after one failed before replying",
+            registry=r,
+        )
+        self.failures = Counter(
+            "kvshare_router_replica_failures",
+            "Connection failures and broken streams by replica",
+            ["replica"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "kvshare_router_routing_decisions",
+            "Replicas chosen, by policy (pinned: the x-kvshare-replica header)",
+            ["policy", "replica"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "kvshare_router_in_flight", "Requests in flight by replica", ["replica"], registry=r
+        )
+        self.healthy = Gauge(
+            "kvshare_router_replica_healthy",
+            "1 when the replica is in rotation",
+            ["replica"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

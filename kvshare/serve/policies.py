@@ -72,8 +72,17 @@ class PolicyConfig:
             raise ValueError(f"pool_credit must be in [0, 1], got {self.pool_credit}")
         if self.load_penalty_tokens < 0:
             raise ValueError(f"load_penalty_tokens must be >= 0, got {self.load_penalty_tokens}")
-        if min(self.chunk_tokens, self.replica_index_blocks, self.pool_index_blocks,
-               self.balance_abs, self.virtual_nodes, self.max_sessions) < 1:
+        if (
+            min(
+                self.chunk_tokens,
+                self.replica_index_blocks,
+                self.pool_index_blocks,
+                self.balance_abs,
+                self.virtual_nodes,
+                self.max_sessions,
+            )
+            < 1
+        ):
             raise ValueError(f"chunk, index, balance, ring and session sizes must be >= 1: {self}")
         if self.balance_rel < 1.0:
             raise ValueError(f"balance_rel must be >= 1, got {self.balance_rel}")
@@ -131,8 +140,11 @@ class HashRing:
     the keys it owned; bringing it back moves exactly those keys back."""
 
     def __init__(self, num_replicas: int, virtual_nodes: int) -> None:
-        points = sorted((_hash64(f"replica-{i}#{v}"), i)
-                        for i in range(num_replicas) for v in range(virtual_nodes))
+        points = sorted(
+            (_hash64(f"replica-{i}#{v}"), i)
+            for i in range(num_replicas)
+            for v in range(virtual_nodes)
+        )
         self._points = [p for p, _ in points]
         self._owners = [i for _, i in points]
         self._n = num_replicas
@@ -168,8 +180,11 @@ class Session(Policy):
         loads = {c.index: c.in_flight for c in candidates}
         least = min(loads.values())
         # The least loaded candidate is never overloaded, so the walk always ends here.
-        return next(i for i in self._ring.walk(request.session_id)
-                    if i in loads and not overloaded(loads[i], least, self._config))
+        return next(
+            i
+            for i in self._ring.walk(request.session_id)
+            if i in loads and not overloaded(loads[i], least, self._config)
+        )
 
 
 class Alternate(Policy):
@@ -257,7 +272,11 @@ class CacheAware(Policy):
     def score(self, request: RouteRequest, replica: ReplicaLoad, pool_tokens: int) -> float:
         gpu = self.gpu_tokens(request, replica.index)
         c = self._config
-        return gpu + c.pool_credit * max(0, pool_tokens - gpu) - c.load_penalty_tokens * replica.in_flight
+        return (
+            gpu
+            + c.pool_credit * max(0, pool_tokens - gpu)
+            - c.load_penalty_tokens * replica.in_flight
+        )
 
     def choose(self, request: RouteRequest, candidates: Sequence[ReplicaLoad]) -> int:
         pool = self.pool_tokens(request)

@@ -35,10 +35,16 @@ def completion_prompt(prompt: object) -> str | list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str) or (_is_token_list(prompt) and prompt):
         return prompt  # type: ignore[return-value]
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+    if (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and all(isinstance(p, (str, list)) for p in prompt)
+    ):
         raise PromptError("one prompt per request: batched prompts are not supported", "prompt")
-    raise PromptError("prompt must be a string, a non-empty list of token ids, or a list "
-                      "holding one of those", "prompt")
+    raise PromptError(
+        "prompt must be a string, a non-empty list of token ids, or a list holding one of those",
+        "prompt",
+    )
 
 
 def completion_prompt_ids(tokenizer: Tokenizer | None, prompt: object) -> list[int]:
@@ -46,8 +52,9 @@ def completion_prompt_ids(tokenizer: Tokenizer | None, prompt: object) -> list[i
     if isinstance(text_or_ids, list):
         return text_or_ids
     if tokenizer is None:
-        raise PromptError("this model has no tokenizer: send the prompt as a list of token ids",
-                          "prompt")
+        raise PromptError(
+            "this model has no tokenizer: send the prompt as a list of token ids", "prompt"
+        )
     ids = tokenizer.encode(text_or_ids)
     if not ids:
         raise PromptError("the prompt is empty", "prompt")
@@ -57,19 +64,27 @@ def completion_prompt_ids(tokenizer: Tokenizer | None, prompt: object) -> list[i
 def chat_messages(messages: object) -> list[dict[str, str]]:
     """Checked messages, reduced to role and content (what the template renders)."""
     if not isinstance(messages, list) or not messages:
-        raise PromptError("messages must be a non-empty list of {role, content} objects", "messages")
+        raise PromptError(
+            "messages must be a non-empty list of {role, content} objects", "messages"
+        )
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise PromptError(f"messages[{i}] must be an object, not {type(message).__name__}",
-                              "messages")
+            raise PromptError(
+                f"messages[{i}] must be an object, not {type(message).__name__}", "messages"
+            )
         role, content = message.get("role"), message.get("content")
         if role not in CHAT_ROLES:
-            raise PromptError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; "
-                              f"got {role!r}", "messages")
+            raise PromptError(
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {role!r}",
+                "messages",
+            )
         if not isinstance(content, str):
-            raise PromptError(f"messages[{i}].content must be a string (content parts are not "
-                              f"supported); got {type(content).__name__}", "messages")
+            raise PromptError(
+                f"messages[{i}].content must be a string (content parts are not "
+                f"supported); got {type(content).__name__}",
+                "messages",
+            )
         out.append({"role": role, "content": content})
     return out
 

@@ -39,7 +39,10 @@ MIN_LOGPROB = -9999.0
 # Fields whose OpenAI meaning this server does not implement, with the values that ask for
 # nothing: any other value is refused rather than silently ignored.
 UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
-    "echo": (None, False), "suffix": (None, ""), "tools": (None, []), "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "best_of": (None, 1),
 }
 
 
@@ -82,8 +85,9 @@ def _int(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
-def _number(body: dict[str, Any], name: str, default: float, low: float, high: float,
-            low_open: bool = False) -> float:
+def _number(
+    body: dict[str, Any], name: str, default: float, low: float, high: float, low_open: bool = False
+) -> float:
     value = body.get(name)
     if value is None:
         return default
@@ -109,10 +113,16 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     if stop is None:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
-    if (not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS
-            or not all(isinstance(s, str) and s for s in stops)):
-        raise bad_request(f"stop must be a non-empty string or a list of at most "
-                          f"{MAX_STOP_STRINGS} non-empty strings", "stop")
+    if (
+        not isinstance(stops, list)
+        or len(stops) > MAX_STOP_STRINGS
+        or not all(isinstance(s, str) and s for s in stops)
+    ):
+        raise bad_request(
+            f"stop must be a non-empty string or a list of at most "
+            f"{MAX_STOP_STRINGS} non-empty strings",
+            "stop",
+        )
     return tuple(stops)
 
 
@@ -130,8 +140,12 @@ def check_model(body: dict[str, Any], model: ModelInfo) -> None:
     if not isinstance(name, str) or not name:
         raise bad_request("model is required (a string naming the served model)", "model")
     if name != model.name:
-        raise APIError(404, f"the model {name!r} does not exist; this server serves {model.name!r}",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {name!r} does not exist; this server serves {model.name!r}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def _prompt_ids(body: dict[str, Any], chat: bool, model: ModelInfo) -> list[int]:
@@ -144,9 +158,12 @@ def _prompt_ids(body: dict[str, Any], chat: bool, model: ModelInfo) -> list[int]
         raise bad_request(f"prompt token ids must be in [0, {model.vocab_size})", "prompt")
     param = "messages" if chat else "prompt"
     if len(ids) >= model.max_model_len:
-        raise bad_request(f"the prompt has {len(ids)} tokens; this model's context is "
-                          f"{model.max_model_len} tokens, so at most {model.max_model_len - 1} "
-                          f"fit with one generated token", param)
+        raise bad_request(
+            f"the prompt has {len(ids)} tokens; this model's context is "
+            f"{model.max_model_len} tokens, so at most {model.max_model_len - 1} "
+            f"fit with one generated token",
+            param,
+        )
     return ids
 
 
@@ -159,25 +176,34 @@ def _max_tokens(body: dict[str, Any], chat: bool, prompt_len: int, model: ModelI
     if value < 1:
         raise bad_request(f"{name} must be >= 1, got {value}", name)
     if value > room:
-        raise bad_request(f"{name} is {value}, but the prompt has {prompt_len} tokens and this "
-                          f"model's context is {model.max_model_len}: at most {room} can be "
-                          f"generated", name)
+        raise bad_request(
+            f"{name} is {value}, but the prompt has {prompt_len} tokens and this "
+            f"model's context is {model.max_model_len}: at most {room} can be "
+            f"generated",
+            name,
+        )
     return value
 
 
 def _temperature(body: dict[str, Any]) -> float:
     value = _number(body, "temperature", 1.0, 0.0, 2.0)
     if 0.0 < value < MIN_TEMPERATURE:
-        raise bad_request(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}: a smaller "
-                          f"one cannot be sampled in float32, got {value}", "temperature")
+        raise bad_request(
+            f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}: a smaller "
+            f"one cannot be sampled in float32, got {value}",
+            "temperature",
+        )
     return value
 
 
 def _top_p(body: dict[str, Any]) -> float:
     value = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
     if value < MIN_TOP_P:
-        raise bad_request(f"top_p must be at least {MIN_TOP_P:.3g}: a smaller one underflows in "
-                          f"float32, got {value}", "top_p")
+        raise bad_request(
+            f"top_p must be at least {MIN_TOP_P:.3g}: a smaller one underflows in "
+            f"float32, got {value}",
+            "top_p",
+        )
     return value
 
 
@@ -252,8 +278,11 @@ def usage(outs: list[RequestOutput]) -> dict[str, Any]:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
-        "kv": {"gpu_hit_tokens": first.gpu_hit_tokens, "pool_hit_tokens": first.pool_hit_tokens,
-               "computed_tokens": first.computed_tokens},
+        "kv": {
+            "gpu_hit_tokens": first.gpu_hit_tokens,
+            "pool_hit_tokens": first.pool_hit_tokens,
+            "computed_tokens": first.computed_tokens,
+        },
     }
 
 
@@ -277,15 +306,23 @@ class ResponseFormat:
             kind = "chat.completion.chunk" if chunk else "chat.completion"
         else:
             kind = "text_completion"
-        return {"id": self.request_id, "object": kind, "created": self.created,
-                "model": self.model, "choices": choices, **extra}
+        return {
+            "id": self.request_id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
 
     def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _logprobs_of(self, out: RequestOutput, start: int, text_offset: int) -> dict[str, Any] | None:
+    def _logprobs_of(
+        self, out: RequestOutput, start: int, text_offset: int
+    ) -> dict[str, Any] | None:
         """Log-probabilities of out.token_ids[start:]; `text_offset` is where their text starts
         (completions only)."""
         if self.logprobs is None:
@@ -294,19 +331,31 @@ class ResponseFormat:
         values = [_logprob(v) for v in out.logprobs[start:]]
         tops: list[TopLogprobs] = list(out.top_logprobs[start:])
         if self.chat:
-            return {"content": [
-                {**self._chat_token(token, value),
-                 "top_logprobs": [self._chat_token(t, v) for t, v in top]}
-                for token, value, top in zip(ids, values, tops)]}
+            return {
+                "content": [
+                    {
+                        **self._chat_token(token, value),
+                        "top_logprobs": [self._chat_token(t, v) for t, v in top],
+                    }
+                    for token, value, top in zip(ids, values, tops)
+                ]
+            }
         texts = [self.token_text(t) for t in ids]
         offsets = [text_offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
-        return {"tokens": texts, "token_logprobs": values, "text_offset": offsets,
-                "top_logprobs": [{self.token_text(t): _logprob(v) for t, v in top} for top in tops]}
+        return {
+            "tokens": texts,
+            "token_logprobs": values,
+            "text_offset": offsets,
+            "top_logprobs": [{self.token_text(t): _logprob(v) for t, v in top} for top in tops],
+        }
 
     def _chat_token(self, token_id: int, value: float) -> dict[str, Any]:
         text = self.token_text(token_id)
-        return {"token": text, "logprob": _logprob(value),
-                "bytes": list(text.encode("utf-8", errors="replace"))}
+        return {
+            "token": text,
+            "logprob": _logprob(value),
+            "bytes": list(text.encode("utf-8", errors="replace")),
+        }
 
     def full(self, outs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
@@ -316,18 +365,27 @@ class ResponseFormat:
                 choice["message"] = {"role": "assistant", "content": out.text}
             else:
                 choice["text"] = out.text
-            choice.update(token_ids=list(out.token_ids), logprobs=self._logprobs_of(out, 0, 0),
-                          finish_reason=out.finish_reason)
+            choice.update(
+                token_ids=list(out.token_ids),
+                logprobs=self._logprobs_of(out, 0, 0),
+                finish_reason=out.finish_reason,
+            )
             choices.append(choice)
         return self._envelope(False, choices, usage=usage(outs))
 
     def role_chunk(self, index: int, include_usage: bool) -> dict[str, Any]:
-        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "token_ids": [],
-                  "logprobs": None, "finish_reason": None}
+        choice = {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "token_ids": [],
+            "logprobs": None,
+            "finish_reason": None,
+        }
         return self._envelope(True, [choice], **({"usage": None} if include_usage else {}))
 
-    def chunk(self, index: int, out: RequestOutput, text_offset: int,
-              include_usage: bool) -> dict[str, Any]:
+    def chunk(
+        self, index: int, out: RequestOutput, text_offset: int, include_usage: bool
+    ) -> dict[str, Any]:
         """The delta of `out` as choice `index`; `text_offset`: characters streamed before it."""
         choice: dict[str, Any] = {"index": index}
         if self.chat:
@@ -335,9 +393,11 @@ class ResponseFormat:
         else:
             choice["text"] = out.new_text
         start = len(out.token_ids) - len(out.new_token_ids)
-        choice.update(token_ids=list(out.new_token_ids),
-                      logprobs=self._logprobs_of(out, start, text_offset) if out.new_token_ids else None,
-                      finish_reason=out.finish_reason)
+        choice.update(
+            token_ids=list(out.new_token_ids),
+            logprobs=self._logprobs_of(out, start, text_offset) if out.new_token_ids else None,
+            finish_reason=out.finish_reason,
+        )
         extra = {"usage": None} if include_usage else {}
         return self._envelope(True, [choice], **extra)
 

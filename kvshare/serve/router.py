@@ -48,12 +48,29 @@ REPLICA_HEADER = "x-kvshare-replica"
 ROUTING_TOKENS_HEADER = "x-kvshare-routing-tokens"
 SESSION_HEADER = "x-session-id"
 # Per-connection headers (RFC 9110 section 7.6.1), plus those aiohttp sets itself.
-_NOT_FORWARDED = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
-                            "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length"})
+_NOT_FORWARDED = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
 _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 # The replica's admin endpoints (kvshare.serve.server.build_app) and their methods: the
 # only calls /admin/all/<call> forwards.
-ADMIN_CALLS = {"reset_prefix_cache": "POST", "kv_pool": "POST", "clear_pool": "POST", "stats": "GET"}
+ADMIN_CALLS = {
+    "reset_prefix_cache": "POST",
+    "kv_pool": "POST",
+    "clear_pool": "POST",
+    "stats": "GET",
+}
 _ENCODED_SEPARATORS = ("%2f", "%5c")
 
 
@@ -87,8 +104,10 @@ class RouterConfig:
         if self.block_tokens < 1 or self.max_body_bytes < 1024:
             raise ValueError("block_tokens must be >= 1 and max_body_bytes >= 1024")
         if self.max_buffered_bytes < self.max_body_bytes:
-            raise ValueError(f"max_buffered_bytes ({self.max_buffered_bytes}) must be >= "
-                             f"max_body_bytes ({self.max_body_bytes})")
+            raise ValueError(
+                f"max_buffered_bytes ({self.max_buffered_bytes}) must be >= "
+                f"max_body_bytes ({self.max_body_bytes})"
+            )
         if self.body_wait_timeout < 0:
             raise ValueError("body_wait_timeout must be >= 0")
 
@@ -105,8 +124,9 @@ class BodyBudget:
         """Reserve `size` bytes (<= limit), waiting up to `timeout` s; False if no room came."""
         async with self._freed:
             try:
-                await asyncio.wait_for(self._freed.wait_for(lambda: self.held + size <= self.limit),
-                                       timeout)
+                await asyncio.wait_for(
+                    self._freed.wait_for(lambda: self.held + size <= self.limit), timeout
+                )
             except asyncio.TimeoutError:
                 return False
             self.held += size
@@ -129,8 +149,12 @@ class Replica:
     instance: str | None = None
 
     def describe(self) -> dict[str, Any]:
-        return {"index": self.index, "url": self.url, "healthy": self.healthy,
-                "in_flight": self.in_flight}
+        return {
+            "index": self.index,
+            "url": self.url,
+            "healthy": self.healthy,
+            "in_flight": self.in_flight,
+        }
 
 
 class Router:
@@ -194,8 +218,13 @@ class Router:
 
     def _set_health(self, replica: Replica, healthy: bool, reason: str = "") -> None:
         if healthy != replica.healthy:
-            _log.warning("replica %d (%s) %s%s", replica.index, replica.url,
-                         "is back in rotation" if healthy else "left rotation", reason)
+            _log.warning(
+                "replica %d (%s) %s%s",
+                replica.index,
+                replica.url,
+                "is back in rotation" if healthy else "left rotation",
+                reason,
+            )
         replica.healthy = healthy
         self.metrics.healthy.labels(str(replica.index)).set(float(healthy))
 
@@ -205,9 +234,12 @@ class Router:
         _check_path(request)
         size = self._body_size(request)
         if not await self.bodies.acquire(size, self.config.body_wait_timeout):
-            raise APIError(503, f"the router holds {self.bodies.held} bytes of request bodies "
-                                f"(limit {self.config.max_buffered_bytes}, --max-buffered-bytes); "
-                                f"retry later")
+            raise APIError(
+                503,
+                f"the router holds {self.bodies.held} bytes of request bodies "
+                f"(limit {self.config.max_buffered_bytes}, --max-buffered-bytes); "
+                f"retry later",
+            )
         try:
             return await self._proxy(request)
         finally:
@@ -217,8 +249,11 @@ class Router:
         """The bytes a body will hold: its Content-Length, or the most a chunked one may."""
         length, limit = request.content_length, self.config.max_body_bytes
         if length is not None and length > limit:
-            raise APIError(413, f"request body too large: {length} bytes; this router accepts "
-                                f"at most {limit} (--max-body-bytes)")
+            raise APIError(
+                413,
+                f"request body too large: {length} bytes; this router accepts "
+                f"at most {limit} (--max-body-bytes)",
+            )
         return limit if length is None else length
 
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
@@ -234,8 +269,9 @@ class Router:
         finally:
             hashing.cancel()  # still running only if the request failed before it finished
 
-    async def _forward(self, request: web.Request, body: bytes, pinned: int | None,
-                       hashing: asyncio.Future[Prefix]) -> web.StreamResponse:
+    async def _forward(
+        self, request: web.Request, body: bytes, pinned: int | None, hashing: asyncio.Future[Prefix]
+    ) -> web.StreamResponse:
         """Send to the chosen (or pinned) replica, retrying unpinned requests elsewhere."""
         session = request.headers.get(SESSION_HEADER)
         # The policy picks by prefix (hashed already); a pinned replica is not picked.
@@ -252,8 +288,11 @@ class Router:
                     tried.add(replica.index)
                     self._failed(replica, exc)
                     if pinned is not None:
-                        raise APIError(502, f"replica {replica.index} ({replica.url}) failed: "
-                                            f"{exc or type(exc).__name__}") from None
+                        raise APIError(
+                            502,
+                            f"replica {replica.index} ({replica.url}) failed: "
+                            f"{exc or type(exc).__name__}",
+                        ) from None
                     self.metrics.retries.inc()
                     continue
                 prefix = await self._finished(hashing, upstream)
@@ -273,8 +312,10 @@ class Router:
         if value is None:
             return None
         if not value.strip().isdigit() or int(value) >= len(self.replicas):
-            raise bad_request(f"{REPLICA_HEADER} must be a replica index in [0, "
-                              f"{len(self.replicas) - 1}], got {value!r}")
+            raise bad_request(
+                f"{REPLICA_HEADER} must be a replica index in [0, "
+                f"{len(self.replicas) - 1}], got {value!r}"
+            )
         return int(value)
 
     async def _prefix(self, request: web.Request, body: bytes) -> Prefix:
@@ -291,7 +332,9 @@ class Router:
         return self.keys.prefix_of(path, parsed)
 
     @staticmethod
-    async def _finished(hashing: asyncio.Future[Prefix], upstream: aiohttp.ClientResponse) -> Prefix:
+    async def _finished(
+        hashing: asyncio.Future[Prefix], upstream: aiohttp.ClientResponse
+    ) -> Prefix:
         """The prefix, once hashed; a failure or cancellation meanwhile closes `upstream`
         (which makes the replica abort the request)."""
         try:
@@ -308,17 +351,29 @@ class Router:
             raise APIError(503, "no healthy replica" + (" left to retry on" if tried else ""))
         return self.replicas[self.policy.choose(route, candidates)]
 
-    async def _send(self, replica: Replica, request: web.Request, body: bytes) -> aiohttp.ClientResponse:
+    async def _send(
+        self, replica: Replica, request: web.Request, body: bytes
+    ) -> aiohttp.ClientResponse:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
-        return await self.session.request(request.method, replica.url + request.rel_url.path_qs,
-                                          data=body or None, headers=headers, allow_redirects=False)
+        return await self.session.request(
+            request.method,
+            replica.url + request.rel_url.path_qs,
+            data=body or None,
+            headers=headers,
+            allow_redirects=False,
+        )
 
     def _failed(self, replica: Replica, exc: BaseException) -> None:
         self.metrics.failures.labels(str(replica.index)).inc()
         self._set_health(replica, False, f": {type(exc).__name__}: {exc}")
 
-    async def _relay(self, request: web.Request, replica: Replica, upstream: aiohttp.ClientResponse,
-                     prefix: Prefix) -> web.StreamResponse:
+    async def _relay(
+        self,
+        request: web.Request,
+        replica: Replica,
+        upstream: aiohttp.ClientResponse,
+        prefix: Prefix,
+    ) -> web.StreamResponse:
         complete = False
         outcome = str(upstream.status)
         try:
@@ -352,20 +407,32 @@ class Router:
             else:  # closing the connection makes the replica abort the request
                 upstream.close()
 
-    async def _broken_stream(self, resp: web.StreamResponse, replica: Replica,
-                             upstream: aiohttp.ClientResponse, exc: BaseException) -> None:
+    async def _broken_stream(
+        self,
+        resp: web.StreamResponse,
+        replica: Replica,
+        upstream: aiohttp.ClientResponse,
+        exc: BaseException,
+    ) -> None:
         self._failed(replica, exc)
         if upstream.content_type == "text/event-stream":
-            error = APIError(502, f"replica {replica.index} failed mid-stream: {type(exc).__name__}")
+            error = APIError(
+                502, f"replica {replica.index} failed mid-stream: {type(exc).__name__}"
+            )
             await resp.write(sse_event(error.body()))
 
     # ------------------------------------------------------------ router endpoints
 
     async def health(self, request: web.Request) -> web.Response:
         healthy = sum(r.healthy for r in self.replicas)
-        return web.json_response({"status": "ok" if healthy else "no healthy replica",
-                                  "healthy_replicas": healthy, "replicas": len(self.replicas)},
-                                 status=200 if healthy else 503)
+        return web.json_response(
+            {
+                "status": "ok" if healthy else "no healthy replica",
+                "healthy_replicas": healthy,
+                "replicas": len(self.replicas),
+            },
+            status=200 if healthy else 503,
+        )
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -380,13 +447,20 @@ class Router:
         """Forward /admin/all/<call> to /admin/<call> of every replica, concurrently."""
         call = request.match_info["call"]
         if call not in ADMIN_CALLS:
-            raise APIError(404, f"unknown admin call {call!r}; /admin/all/ forwards only "
-                                f"{', '.join(sorted(ADMIN_CALLS))}")
+            raise APIError(
+                404,
+                f"unknown admin call {call!r}; /admin/all/ forwards only "
+                f"{', '.join(sorted(ADMIN_CALLS))}",
+            )
         if request.method != ADMIN_CALLS[call]:
-            raise APIError(405, f"/admin/all/{call} takes {ADMIN_CALLS[call]}, not {request.method}")
+            raise APIError(
+                405, f"/admin/all/{call} takes {ADMIN_CALLS[call]}, not {request.method}"
+            )
         path = "/admin/" + call
         body = await request.read()
-        answers = await asyncio.gather(*(self._admin_one(r, request, path, body) for r in self.replicas))
+        answers = await asyncio.gather(
+            *(self._admin_one(r, request, path, body) for r in self.replicas)
+        )
         ok = all(a["status"] is not None and a["status"] < 400 for a in answers)
         if ok and path == "/admin/reset_prefix_cache":
             for replica in self.replicas:
@@ -395,8 +469,9 @@ class Router:
             self.policy.forget_pool()
         return web.json_response({"replicas": answers}, status=200 if ok else 502)
 
-    async def _admin_one(self, replica: Replica, request: web.Request, path: str,
-                         body: bytes) -> dict[str, Any]:
+    async def _admin_one(
+        self, replica: Replica, request: web.Request, path: str, body: bytes
+    ) -> dict[str, Any]:
         answer: dict[str, Any] = {"index": replica.index, "url": replica.url, "status": None}
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
         credential = self.admin_credential
@@ -404,8 +479,9 @@ class Router:
             headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
             headers["Authorization"] = f"Bearer {credential}"
         try:
-            async with self.session.request(request.method, replica.url + path, data=body or None,
-                                            headers=headers) as resp:
+            async with self.session.request(
+                request.method, replica.url + path, data=body or None, headers=headers
+            ) as resp:
                 answer["status"] = resp.status
                 text = await resp.text()
         except _UPSTREAM_ERRORS as exc:
@@ -423,8 +499,9 @@ def _check_path(request: web.Request) -> None:
     raw = request.raw_path.split("?", 1)[0].lower()
     segments = request.path.split("/")
     if any(s in (".", "..") for s in segments) or any(e in raw for e in _ENCODED_SEPARATORS):
-        raise bad_request(f"path {request.raw_path.split('?', 1)[0]!r} has a dot segment or an "
-                          "encoded separator")
+        raise bad_request(
+            f"path {request.raw_path.split('?', 1)[0]!r} has a dot segment or an encoded separator"
+        )
 
 
 ROUTER_KEY = web.AppKey("kvshare_router", Router)
@@ -433,7 +510,9 @@ ROUTER_KEY = web.AppKey("kvshare_router", Router)
 def build_router_app(config: RouterConfig, keys: RoutingKeys) -> web.Application:
     router = Router(config, keys)
     access = access_middleware(AccessKeys(config.api_key, config.admin_key))
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[error_middleware, access])
+    app = web.Application(
+        client_max_size=config.max_body_bytes, middlewares=[error_middleware, access]
+    )
     app[ROUTER_KEY] = router
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)

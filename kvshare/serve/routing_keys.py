@@ -32,7 +32,7 @@ _BYTE_ROOT = b"kvshare-router-bytes"
 def byte_block_hashes(data: bytes, block_bytes: int, parent: bytes = _BYTE_ROOT) -> list[bytes]:
     out = []
     for i in range(len(data) // block_bytes):
-        parent = xxhash.xxh3_128_digest(parent + data[i * block_bytes:(i + 1) * block_bytes])
+        parent = xxhash.xxh3_128_digest(parent + data[i * block_bytes : (i + 1) * block_bytes])
         out.append(parent)
     return out
 
@@ -72,13 +72,16 @@ class RoutingKeys:
             if not isinstance(messages, list):
                 return Prefix()
             # One line per message: a longer conversation's text extends a shorter one's.
-            text = "".join(json.dumps(m, sort_keys=True, ensure_ascii=False) + "\n" for m in messages)
+            text = "".join(
+                json.dumps(m, sort_keys=True, ensure_ascii=False) + "\n" for m in messages
+            )
         else:
             prompt = body.get("prompt")
             prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
             if not isinstance(prompt, str):
                 return Prefix()
             text = prompt
-        hashes = byte_block_hashes(text.encode(), BYTES_PER_TOKEN * self.block_tokens,
-                                   salted_root(_BYTE_ROOT, cache_salt))
+        hashes = byte_block_hashes(
+            text.encode(), BYTES_PER_TOKEN * self.block_tokens, salted_root(_BYTE_ROOT, cache_salt)
+        )
         return Prefix(tuple(hashes))

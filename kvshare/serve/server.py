@@ -89,8 +89,11 @@ class _Progress:
             vllm.e2e.observe(now - self.received)
             self.finished = True
             self.metrics.finished.labels(out.finish_reason or "unknown").inc()
-            for source, n in (("gpu_hit", out.gpu_hit_tokens), ("pool_hit", out.pool_hit_tokens),
-                              ("computed", out.computed_tokens)):
+            for source, n in (
+                ("gpu_hit", out.gpu_hit_tokens),
+                ("pool_hit", out.pool_hit_tokens),
+                ("computed", out.computed_tokens),
+            ):
                 self.metrics.prompt_tokens.labels(source).inc(n)
 
 
@@ -98,8 +101,14 @@ class _Choices:
     """The n engine requests of one API request (its choices), read as one stream of
     (choice index, output); the first failure of any choice fails the request."""
 
-    def __init__(self, thread: EngineThread, metrics: ServerMetrics, request_id: str,
-                 req: GenerateRequest, received: float) -> None:
+    def __init__(
+        self,
+        thread: EngineThread,
+        metrics: ServerMetrics,
+        request_id: str,
+        req: GenerateRequest,
+        received: float,
+    ) -> None:
         self._thread = thread
         ids = [request_id] if req.n == 1 else [f"{request_id}-{i}" for i in range(req.n)]
         self._index = {request_id: i for i, request_id in enumerate(ids)}
@@ -108,7 +117,8 @@ class _Choices:
         self._outputs: list[RequestOutput | None] = [None] * req.n
         self._stream = thread.submit_group(
             [(rid, req.prompt_token_ids, req.choice_params(i)) for i, rid in enumerate(ids)],
-            req.cache_salt)
+            req.cache_salt,
+        )
 
     @property
     def latest(self) -> list[RequestOutput]:
@@ -141,8 +151,13 @@ class ReplicaServer:
     def __init__(self, engine: LLMEngine, config: ServeConfig) -> None:
         self.engine = engine
         self.config = config
-        self.model = ModelInfo(config.served_model_name, engine.tokenizer, engine.max_model_len,
-                               engine.loaded.config.vocab_size, engine.config.resolved_dtype)
+        self.model = ModelInfo(
+            config.served_model_name,
+            engine.tokenizer,
+            engine.max_model_len,
+            engine.loaded.config.vocab_size,
+            engine.config.resolved_dtype,
+        )
         self.thread = EngineThread(engine)
         self.metrics = ServerMetrics(lambda: self.thread.snapshot, config.served_model_name)
         self.instance = uuid.uuid4().hex  # changes on restart: the router drops its cache index
@@ -171,9 +186,13 @@ class ReplicaServer:
     async def health(self, request: web.Request) -> web.Response:
         alive = self.thread.alive
         return web.json_response(
-            {"status": "ok" if alive else "engine thread is not running",
-             "model": self.model.name, "instance": self.instance},
-            status=200 if alive else 503)
+            {
+                "status": "ok" if alive else "engine thread is not running",
+                "model": self.model.name,
+                "instance": self.instance,
+            },
+            status=200 if alive else 503,
+        )
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": __version__})
@@ -183,12 +202,26 @@ class ReplicaServer:
 
     async def models(self, request: web.Request) -> web.Response:
         tokenizer = self.model.tokenizer
-        return web.json_response({"object": "list", "data": [{
-            "id": self.model.name, "object": "model", "created": self.created,
-            "owned_by": "kvshare", "max_model_len": self.model.max_model_len,
-            # Clients of a tokenizer-less model (shape:NAME) must send token ids below vocab_size.
-            "vocab_size": self.model.vocab_size, "dtype": self.model.dtype, "tokenizer": tokenizer is not None,
-            "chat_template": tokenizer is not None and tokenizer.chat_template is not None}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model.name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "kvshare",
+                        "max_model_len": self.model.max_model_len,
+                        # Clients of a tokenizer-less model (shape:NAME) must send token ids below vocab_size.
+                        "vocab_size": self.model.vocab_size,
+                        "dtype": self.model.dtype,
+                        "tokenizer": tokenizer is not None,
+                        "chat_template": tokenizer is not None
+                        and tokenizer.chat_template is not None,
+                    }
+                ],
+            }
+        )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -200,14 +233,22 @@ class ReplicaServer:
         received = time.monotonic()
         body = await read_json_object(request)
         if self.config.cache_salt_required and body.get("cache_salt") is None:
-            raise bad_request("this server requires a cache_salt on every request: a non-empty "
-                              "string, secret to your tenant, that isolates its prefix cache",
-                              "cache_salt")
+            raise bad_request(
+                "this server requires a cache_salt on every request: a non-empty "
+                "string, secret to your tenant, that isolates its prefix cache",
+                "cache_salt",
+            )
         req = await asyncio.to_thread(parse_generate, body, chat, self.model)
         if not self.thread.alive:
             raise APIError(503, "the engine thread is not running")
-        fmt = ResponseFormat(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                             self.model.name, int(time.time()), self.model.tokenizer, req.logprobs)
+        fmt = ResponseFormat(
+            chat,
+            f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            self.model.name,
+            int(time.time()),
+            self.model.tokenizer,
+            req.logprobs,
+        )
         choices = _Choices(self.thread, self.metrics, fmt.request_id, req, received)
         try:
             # The first output comes before any byte is sent: an engine failure is a 500.
@@ -220,8 +261,14 @@ class ReplicaServer:
         finally:
             choices.abort_unfinished()  # cancelled (client gone), write failed, or failed
 
-    async def _stream(self, request: web.Request, req: GenerateRequest, fmt: ResponseFormat,
-                      choices: _Choices, first: tuple[int, RequestOutput]) -> web.StreamResponse:
+    async def _stream(
+        self,
+        request: web.Request,
+        req: GenerateRequest,
+        fmt: ResponseFormat,
+        choices: _Choices,
+        first: tuple[int, RequestOutput],
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
         if fmt.chat:
@@ -262,8 +309,9 @@ class ReplicaServer:
         connector = self.engine.connector
         if connector is None:
             if enabled:
-                raise APIError(409, "this replica runs without a KV pool (--no-kv-pool)",
-                               param="enabled")
+                raise APIError(
+                    409, "this replica runs without a KV pool (--no-kv-pool)", param="enabled"
+                )
             return web.json_response({"enabled": False})
 
         def switch(engine: LLMEngine) -> bool:
@@ -287,10 +335,17 @@ class ReplicaServer:
         def collect(engine: LLMEngine) -> dict[str, Any]:
             snap = snapshot_of(engine)
             daemon = engine.connector.pool_stats() if engine.connector is not None else None
-            return {"engine": {"running": snap.running, "waiting": snap.waiting,
-                               "gpu_cache_usage": snap.gpu_cache_usage,
-                               "num_blocks": snap.num_blocks, "kv_pool_enabled": snap.pool_enabled},
-                    "kv_pool": snap.kv_pool, "pool": daemon}
+            return {
+                "engine": {
+                    "running": snap.running,
+                    "waiting": snap.waiting,
+                    "gpu_cache_usage": snap.gpu_cache_usage,
+                    "num_blocks": snap.num_blocks,
+                    "kv_pool_enabled": snap.pool_enabled,
+                },
+                "kv_pool": snap.kv_pool,
+                "pool": daemon,
+            }
 
         return web.json_response(await self.thread.call(collect))
 
@@ -301,8 +356,11 @@ SERVER_KEY = web.AppKey("kvshare_replica_server", ReplicaServer)
 def build_app(engine: LLMEngine, config: ServeConfig) -> web.Application:
     """The replica's aiohttp app; the engine thread runs from startup to cleanup."""
     server = ReplicaServer(engine, config)
-    middlewares = [server.count_requests, error_middleware,
-                   access_middleware(AccessKeys(config.api_key, config.admin_key))]
+    middlewares = [
+        server.count_requests,
+        error_middleware,
+        access_middleware(AccessKeys(config.api_key, config.admin_key)),
+    ]
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[SERVER_KEY] = server
     app.on_startup.append(server.start)

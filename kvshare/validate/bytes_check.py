@@ -84,7 +84,11 @@ class TrialResult:
 
 def pool_needs(config: BytesCheckConfig) -> list[PoolNeed]:
     """A trial's chunks stay resident from its store to its restore (earlier trials may go)."""
-    return [PoolNeed(kv_page_bytes(config.shape, config.torch_dtype, config.chunk_tokens), config.num_chunks)]
+    return [
+        PoolNeed(
+            kv_page_bytes(config.shape, config.torch_dtype, config.chunk_tokens), config.num_chunks
+        )
+    ]
 
 
 def _harness(config: BytesCheckConfig, role: str) -> ConnectorHarness:
@@ -93,9 +97,17 @@ def _harness(config: BytesCheckConfig, role: str) -> ConnectorHarness:
         break_order=config.break_order if config.break_order == role else "",  # type: ignore[arg-type]
         load_delay=config.delay if role == "load" else 0.0,
     )
-    return ConnectorHarness(config.pool, config.shape, config.device, config.torch_dtype, num_blocks,
-                            config.run_id, ConnectorOptions(chunk_tokens=config.chunk_tokens),
-                            config.block_size, faults=faults)
+    return ConnectorHarness(
+        config.pool,
+        config.shape,
+        config.device,
+        config.torch_dtype,
+        num_blocks,
+        config.run_id,
+        ConnectorOptions(chunk_tokens=config.chunk_tokens),
+        config.block_size,
+        faults=faults,
+    )
 
 
 def _sleep_current_stream(side: ConnectorHarness, seconds: float) -> None:
@@ -104,7 +116,9 @@ def _sleep_current_stream(side: ConnectorHarness, seconds: float) -> None:
 
 
 def run_store(config: BytesCheckConfig, trial: int, side: ConnectorHarness) -> dict:
-    blocks = side.cache.blocks.allocate(side.cache.blocks.blocks_needed(config.num_chunks * config.chunk_tokens))
+    blocks = side.cache.blocks.allocate(
+        side.cache.blocks.blocks_needed(config.num_chunks * config.chunk_tokens)
+    )
     idx = torch.tensor(blocks, device=side.device)
     side.kv[:, :, idx] = _POISON_STORE
     if side.device.type == "cuda":
@@ -141,7 +155,9 @@ def run_load(config: BytesCheckConfig, trial: int, side: ConnectorHarness) -> Tr
     return TrialResult(trial, hit, compared, mismatched, ok, time.monotonic() - start)
 
 
-def _compare(side: ConnectorHarness, got: torch.Tensor, expected: torch.Tensor, hit: int) -> tuple[int, int]:
+def _compare(
+    side: ConnectorHarness, got: torch.Tensor, expected: torch.Tensor, hit: int
+) -> tuple[int, int]:
     """Bytes compared and bytes differing, over the slots the restore must have written."""
     model = side.model
     if hit == 0:
@@ -185,8 +201,15 @@ def _worker(role: str, config: BytesCheckConfig) -> None:
 
 
 def _spawn(role: str, config: BytesCheckConfig) -> subprocess.Popen[str]:
-    args = [sys.executable, "-m", "kvshare.validate.bytes_check", "--role", role,
-            "--config", json.dumps(asdict(config))]
+    args = [
+        sys.executable,
+        "-m",
+        "kvshare.validate.bytes_check",
+        "--role",
+        role,
+        "--config",
+        json.dumps(asdict(config)),
+    ]
     proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     _read_json(proc)
     return proc

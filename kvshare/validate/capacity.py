@@ -52,7 +52,9 @@ def kv_page_bytes(shape: str, dtype: torch.dtype, chunk_tokens: int) -> int:
     """Payload of one pool page (one chunk of every attention layer) of a shape preset."""
     model = shape_preset(shape)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return len(model.attention_layers) * chunk_tokens * model.kv_bytes_per_token_per_layer * itemsize
+    return (
+        len(model.attention_layers) * chunk_tokens * model.kv_bytes_per_token_per_layer * itemsize
+    )
 
 
 def pool_geometry(needs: Iterable[PoolNeed], at_least_bytes: int) -> tuple[int, int]:
@@ -79,13 +81,19 @@ def shortfall(need: PoolNeed, stats: dict) -> str | None:
     slab = int(stats["slab_bytes"])
     pool = f"the pool ({format_size(int(stats['arena_bytes']))} in slabs of {format_size(slab)})"
     if need.slot_bytes > slab:
-        return f"{pool} cannot hold a page of {format_size(need.payload_bytes)}: its slabs are smaller"
+        return (
+            f"{pool} cannot hold a page of {format_size(need.payload_bytes)}: its slabs are smaller"
+        )
     if quota < held:
-        return (f"{pool} lets one client hold {quota} of the {need.describe()} this check keeps "
-                f"at once (--max-client-fraction)")
+        return (
+            f"{pool} lets one client hold {quota} of the {need.describe()} this check keeps "
+            f"at once (--max-client-fraction)"
+        )
     size = -(-need.pages // (slab // need.slot_bytes)) * slab
-    return (f"{pool} holds {held} of the {need.describe()} this check keeps at once; "
-            f"it needs a pool of at least {format_size(size)}")
+    return (
+        f"{pool} holds {held} of the {need.describe()} this check keeps at once; "
+        f"it needs a pool of at least {format_size(size)}"
+    )
 
 
 def _round_up(value: int, step: int) -> int:

@@ -34,24 +34,46 @@ CHECKS = ("bytes", "pool-fill", "corruption", "regression", "faults")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("validate", help="prove shared KV is byte-exact and answers are unchanged")
-    parser.add_argument("checks", nargs="*", default=["all"], help=f"any of {', '.join(CHECKS)}, or all")
-    parser.add_argument("--pool", default=None, help="unix:PATH of a running pool (default: start one)")
-    parser.add_argument("--pool-size", default="2GiB",
-                        help="least size of a pool started here (grown to what the checks keep)")
+    parser = subparsers.add_parser(
+        "validate", help="prove shared KV is byte-exact and answers are unchanged"
+    )
+    parser.add_argument(
+        "checks", nargs="*", default=["all"], help=f"any of {', '.join(CHECKS)}, or all"
+    )
+    parser.add_argument(
+        "--pool", default=None, help="unix:PATH of a running pool (default: start one)"
+    )
+    parser.add_argument(
+        "--pool-size",
+        default="2GiB",
+        help="least size of a pool started here (grown to what the checks keep)",
+    )
     parser.add_argument("--target", default=None, help="router URL for the regression check")
-    parser.add_argument("--up", default=None, help='start `kvshare up` with these args, e.g. "--replicas 2"')
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the checks' KV caches live")
-    parser.add_argument("--shape", default=None, help="page layout of bytes/corruption (a shape preset)")
-    parser.add_argument("--trials", type=int, default=20, help="store/restore trials of the bytes check")
-    parser.add_argument("--num-chunks", type=int, default=6, help="pool pages per bytes-check trial")
+    parser.add_argument(
+        "--up", default=None, help='start `kvshare up` with these args, e.g. "--replicas 2"'
+    )
+    parser.add_argument(
+        "--device", default="cpu", help="cpu or cuda[:N]: where the checks' KV caches live"
+    )
+    parser.add_argument(
+        "--shape", default=None, help="page layout of bytes/corruption (a shape preset)"
+    )
+    parser.add_argument(
+        "--trials", type=int, default=20, help="store/restore trials of the bytes check"
+    )
+    parser.add_argument(
+        "--num-chunks", type=int, default=6, help="pool pages per bytes-check trial"
+    )
     parser.add_argument("--json", default=None, help="write every check's counts here")
     # Test-only: remove one stream dependency / ignore checksums / keep a restore whose lease
     # was lost, to prove the checks catch it.
-    parser.add_argument("--unsafe-break-stream-order", choices=("store", "load"), default="",
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--unsafe-break-stream-order", choices=("store", "load"), default="", help=argparse.SUPPRESS
+    )
     parser.add_argument("--unsafe-skip-checksums", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--unsafe-keep-lost-lease-restores", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--unsafe-keep-lost-lease-restores", action="store_true", help=argparse.SUPPRESS
+    )
     parser.set_defaults(func=_validate)
 
 
@@ -63,7 +85,9 @@ class _Pool:
 
 
 @contextlib.contextmanager
-def _environment(args: argparse.Namespace, wanted: list[str]) -> Iterator[tuple[_Pool | None, str | None]]:
+def _environment(
+    args: argparse.Namespace, wanted: list[str]
+) -> Iterator[tuple[_Pool | None, str | None]]:
     """The pool and the router URL the checks run against, started here when not given.
 
     A pool started here is sized to hold what the largest check keeps at once (at least
@@ -92,12 +116,17 @@ def _environment(args: argparse.Namespace, wanted: list[str]) -> Iterator[tuple[
             needs = [need for name in wanted for need in _pool_needs(name, args)]
             size, slab = pool_geometry(needs, parse_size(args.pool_size))
             folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvs-validate-"))
-            process = PoolProcess(PoolProcessConfig(
-                size_bytes=size, socket_path=f"{folder}/pool.sock",
-                arena_path=f"{SHM_DIR}/kvshare-validate-{uuid.uuid4().hex[:12]}.arena", slab_bytes=slab,
-                # The checks are this pool's only clients, one at a time, each sized for the
-                # whole pool: no other client needs protecting from them.
-                max_client_fraction=1.0))
+            process = PoolProcess(
+                PoolProcessConfig(
+                    size_bytes=size,
+                    socket_path=f"{folder}/pool.sock",
+                    arena_path=f"{SHM_DIR}/kvshare-validate-{uuid.uuid4().hex[:12]}.arena",
+                    slab_bytes=slab,
+                    # The checks are this pool's only clients, one at a time, each sized for the
+                    # whole pool: no other client needs protecting from them.
+                    max_client_fraction=1.0,
+                )
+            )
             stack.enter_context(process)
             pool = _Pool(process.address, process.stop, process.start)
         yield pool, target
@@ -108,8 +137,10 @@ def _injected_faults(args: argparse.Namespace) -> FaultInjection | None:
     The bytes check takes its broken order from the same flag, per role (store or load)."""
     from kvshare.kvpool.faults import FaultInjection
 
-    faults = FaultInjection(skip_checksums=args.unsafe_skip_checksums,
-                            keep_lost_lease_restores=args.unsafe_keep_lost_lease_restores)
+    faults = FaultInjection(
+        skip_checksums=args.unsafe_skip_checksums,
+        keep_lost_lease_restores=args.unsafe_keep_lost_lease_restores,
+    )
     return None if faults == FaultInjection() else faults
 
 
@@ -117,15 +148,22 @@ def _shape_and_dtype(args: argparse.Namespace) -> tuple[str, torch.dtype]:
     import torch
 
     cuda = args.device.startswith("cuda")
-    return args.shape or ("gemma3-27b" if cuda else "tiny-gemma3"), torch.bfloat16 if cuda else torch.float32
+    return args.shape or (
+        "gemma3-27b" if cuda else "tiny-gemma3"
+    ), torch.bfloat16 if cuda else torch.float32
 
 
 def _bytes_config(args: argparse.Namespace, pool: str) -> BytesCheckConfig:
     from kvshare.validate.bytes_check import BytesCheckConfig
 
-    return BytesCheckConfig(pool=pool, shape=_shape_and_dtype(args)[0], device=args.device,
-                            trials=args.trials, num_chunks=args.num_chunks,
-                            break_order=args.unsafe_break_stream_order)
+    return BytesCheckConfig(
+        pool=pool,
+        shape=_shape_and_dtype(args)[0],
+        device=args.device,
+        trials=args.trials,
+        num_chunks=args.num_chunks,
+        break_order=args.unsafe_break_stream_order,
+    )
 
 
 def _pool_needs(name: str, args: argparse.Namespace) -> list[PoolNeed]:
@@ -173,17 +211,31 @@ def _run_check(name: str, args: argparse.Namespace, pool: _Pool | None, target: 
 
     shape, dtype = _shape_and_dtype(args)
     if name == "regression":
-        return [run_regression_check(target)] if target else [CheckResult("regression", skipped="no router")]
+        return (
+            [run_regression_check(target)]
+            if target
+            else [CheckResult("regression", skipped="no router")]
+        )
     if pool is None:
         raise ValueError(f"the {name} check needs a pool")
     if name == "bytes":
         summary = summarize(run_bytes_check(_bytes_config(args, pool.address)))
         result = CheckResult("bytes", counts=summary)
-        result.expect(summary["failed_trials"] == 0, f"{summary['failed_trials']} of {summary['trials']} trials failed")
+        result.expect(
+            summary["failed_trials"] == 0,
+            f"{summary['failed_trials']} of {summary['trials']} trials failed",
+        )
         return [result]
     if name == "corruption":
-        return [run_corruption_check(pool.address, shape=shape, device=args.device, dtype=dtype,
-                                     faults=_injected_faults(args))]
+        return [
+            run_corruption_check(
+                pool.address,
+                shape=shape,
+                device=args.device,
+                dtype=dtype,
+                faults=_injected_faults(args),
+            )
+        ]
     if name == "pool-fill":
         return [run_pool_fill_check(pool.address)]
     results = [run_killed_writer_check(pool.address)]
@@ -191,15 +243,24 @@ def _run_check(name: str, args: argparse.Namespace, pool: _Pool | None, target: 
         for check in ("faults.daemon_restart", "faults.lease_loss"):
             results.append(CheckResult(check, skipped="the pool was not started by this run"))
     else:
-        results.append(run_restart_check(pool.address, pool.stop, pool.start, device=args.device,
-                                         dtype=dtype))
-        results.append(run_lease_loss_check(pool.address, pool.stop, pool.start, device=args.device,
-                                            faults=_injected_faults(args)))
+        results.append(
+            run_restart_check(pool.address, pool.stop, pool.start, device=args.device, dtype=dtype)
+        )
+        results.append(
+            run_lease_loss_check(
+                pool.address,
+                pool.stop,
+                pool.start,
+                device=args.device,
+                faults=_injected_faults(args),
+            )
+        )
     return results
 
 
-def _checked(name: str, args: argparse.Namespace, pool: _Pool | None, target: str | None,
-             refused: set[str]) -> list[CheckResult]:
+def _checked(
+    name: str, args: argparse.Namespace, pool: _Pool | None, target: str | None, refused: set[str]
+) -> list[CheckResult]:
     """Check `name`'s results; a check that cannot run is a failed check, not a crash."""
     from kvshare.validate.result import CheckResult
 
@@ -224,7 +285,9 @@ def _validate(args: argparse.Namespace) -> int:
     unknown = [c for c in wanted if c not in CHECKS]
     console = Console(soft_wrap=True)  # whole lines when piped, where the width is a guess
     if unknown:
-        console.print(f"[red]unknown check(s): {', '.join(unknown)}[/red]; choose from {', '.join(CHECKS)}")
+        console.print(
+            f"[red]unknown check(s): {', '.join(unknown)}[/red]; choose from {', '.join(CHECKS)}"
+        )
         return 2
     try:
         check_device(args.device)
@@ -251,11 +314,20 @@ def _run_checks(args: argparse.Namespace, wanted: list[str], console: Console) -
                 results.append(result)
                 seconds[result.name] = time.monotonic() - start
                 if lines:
-                    console.print(f"validate {result.name}: {result.as_dict()['status']} "
-                                  f"({seconds[result.name]:.1f} s)", highlight=False)
-    rows = tuple((r.name, r.as_dict()["status"],
-                  ", ".join(f"{k}={v}" for k, v in r.counts.items()) or r.skipped,
-                  f"{seconds[r.name]:.1f}") for r in results)
+                    console.print(
+                        f"validate {result.name}: {result.as_dict()['status']} "
+                        f"({seconds[result.name]:.1f} s)",
+                        highlight=False,
+                    )
+    rows = tuple(
+        (
+            r.name,
+            r.as_dict()["status"],
+            ", ".join(f"{k}={v}" for k, v in r.counts.items()) or r.skipped,
+            f"{seconds[r.name]:.1f}",
+        )
+        for r in results
+    )
     print_table(console, Table("kvshare validate", ("check", "status", "counts", "seconds"), rows))
     for r in results:
         for failure in r.failures:
@@ -264,8 +336,15 @@ def _run_checks(args: argparse.Namespace, wanted: list[str], console: Console) -
             console.print(f"[yellow]{r.name}:[/yellow] {r.skipped}", highlight=False)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": args.device, "checks": [r.as_dict() for r in results],
-                       "seconds": seconds}, f, indent=1)
+            json.dump(
+                {
+                    "device": args.device,
+                    "checks": [r.as_dict() for r in results],
+                    "seconds": seconds,
+                },
+                f,
+                indent=1,
+            )
     if any(not r.passed for r in results):
         return 1
     # A check refused for want of pool space proved nothing: not a pass.

@@ -27,14 +27,23 @@ def pool_needs(shape: str, dtype: torch.dtype, pages: int = 16) -> list[PoolNeed
     return [PoolNeed(kv_page_bytes(shape, dtype, DEFAULT_CHUNK_TOKENS), pages + 1)]
 
 
-def run_corruption_check(pool: str, *, shape: str = "tiny-gemma3", device: str = "cpu",
-                         dtype: torch.dtype = torch.float32, pages: int = 16, seed: int = 0,
-                         faults: FaultInjection | None = None) -> CheckResult:
+def run_corruption_check(
+    pool: str,
+    *,
+    shape: str = "tiny-gemma3",
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    pages: int = 16,
+    seed: int = 0,
+    faults: FaultInjection | None = None,
+) -> CheckResult:
     """`faults` with skip_checksums is the broken variant (checksums ignored): the check must fail."""
     result = CheckResult("corruption")
     chunk = DEFAULT_CHUNK_TOKENS
     options = ConnectorOptions(chunk_tokens=chunk)
-    harness = ConnectorHarness(pool, shape, device, dtype, chunk // 16 + 1, uuid.uuid4().hex, options, faults=faults)
+    harness = ConnectorHarness(
+        pool, shape, device, dtype, chunk // 16 + 1, uuid.uuid4().hex, options, faults=faults
+    )
     client = harness.connector.client
     rng = random.Random(seed)
     payload = harness.connector.layout.payload_bytes if harness.connector.layout else 0
@@ -65,10 +74,17 @@ def run_corruption_check(pool: str, *, shape: str = "tiny-gemma3", device: str =
         if hit == 0 and client.stats().get("evictions", 0) > evictions_before:
             harness.connector.close()
             # The pool made room for other pages: a fact about its size, not a fault.
-            return CheckResult("corruption", skipped=(
-                f"inconclusive: the pool evicted page {trial} before it was checked (it holds fewer "
-                f"than the {pool_needs(shape, dtype, pages)[0].describe()} this check keeps)"))
-        result.expect(hit > 0, f"page {trial}: corrupted page not found by lookup (should be found, then rejected)")
+            return CheckResult(
+                "corruption",
+                skipped=(
+                    f"inconclusive: the pool evicted page {trial} before it was checked (it holds fewer "
+                    f"than the {pool_needs(shape, dtype, pages)[0].describe()} this check keeps)"
+                ),
+            )
+        result.expect(
+            hit > 0,
+            f"page {trial}: corrupted page not found by lookup (should be found, then rejected)",
+        )
         if ok:
             served += 1
             result.fail(f"page {trial}: a corrupted page was restored as valid")
@@ -77,10 +93,17 @@ def run_corruption_check(pool: str, *, shape: str = "tiny-gemma3", device: str =
     result.expect(hit > 0 and ok, "the intact control page did not restore")
     after = harness.connector.stats()
     detected = after.get("load_failures", 0) - before.get("load_failures", 0)
-    result.expect(detected == pages, f"{detected} of {pages} corrupted pages counted as load failures")
-    result.counts = {"pages": pages, "payload_flips": flipped["payload"], "header_flips": flipped["header"],
-                     "detected": detected, "served_corrupt": served,
-                     "checksum_failures": after.get("checksum_failures", 0),
-                     "header_failures": after.get("header_failures", 0)}
+    result.expect(
+        detected == pages, f"{detected} of {pages} corrupted pages counted as load failures"
+    )
+    result.counts = {
+        "pages": pages,
+        "payload_flips": flipped["payload"],
+        "header_flips": flipped["header"],
+        "detected": detected,
+        "served_corrupt": served,
+        "checksum_failures": after.get("checksum_failures", 0),
+        "header_failures": after.get("header_failures", 0),
+    }
     harness.connector.close()
     return result

@@ -51,8 +51,10 @@ _RESTART_SHAPE = "tiny-llama"
 
 def pool_needs(dtype: torch.dtype, pages: int = 8) -> list[PoolNeed]:
     """The killed writer's reservations (never evictable), and one two-chunk restore prefix."""
-    return [PoolNeed(_PAYLOAD, pages),
-            PoolNeed(kv_page_bytes(_RESTART_SHAPE, dtype, DEFAULT_CHUNK_TOKENS), 2)]
+    return [
+        PoolNeed(_PAYLOAD, pages),
+        PoolNeed(kv_page_bytes(_RESTART_SHAPE, dtype, DEFAULT_CHUNK_TOKENS), 2),
+    ]
 
 
 def _writer(pool: str, keys: list[bytes], commit_early: bool) -> None:
@@ -67,16 +69,27 @@ def _writer(pool: str, keys: list[bytes], commit_early: bool) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run_killed_writer_check(pool: str, *, pages: int = 8, commit_early: bool = False) -> CheckResult:
+def run_killed_writer_check(
+    pool: str, *, pages: int = 8, commit_early: bool = False
+) -> CheckResult:
     result = CheckResult("faults.killed_writer")
     keys = [os.urandom(16) for _ in range(pages)]
-    args = [sys.executable, "-m", "kvshare.validate.faults", "--pool", pool,
-            "--keys", ",".join(k.hex() for k in keys)]
+    args = [
+        sys.executable,
+        "-m",
+        "kvshare.validate.faults",
+        "--pool",
+        pool,
+        "--keys",
+        ",".join(k.hex() for k in keys),
+    ]
     if commit_early:
         args.append("--commit-early")
     done = subprocess.run(args, capture_output=True, text=True, timeout=120)
     reserved = int(done.stdout.strip() or 0)
-    result.expect(done.returncode == -signal.SIGKILL, f"writer exited with {done.returncode}, not SIGKILL")
+    result.expect(
+        done.returncode == -signal.SIGKILL, f"writer exited with {done.returncode}, not SIGKILL"
+    )
     result.expect(reserved == pages, f"writer reserved {reserved} of {pages} pages")
     client = PoolClient(pool)
     visible = 0
@@ -87,18 +100,29 @@ def run_killed_writer_check(pool: str, *, pages: int = 8, commit_early: bool = F
     result.expect(visible == 0, f"{visible} half-written pages became visible")
     stats = client.stats()
     client.close()
-    result.counts = {"pages_written_half": reserved, "visible_after_kill": visible,
-                     "reserved_after_kill": int(stats["reserved"])}
+    result.counts = {
+        "pages_written_half": reserved,
+        "visible_after_kill": visible,
+        "reserved_after_kill": int(stats["reserved"]),
+    }
     return result
 
 
-def run_restart_check(address: str, stop: Callable[[], object], start: Callable[[], object], *,
-                      shape: str = _RESTART_SHAPE, device: str = "cpu",
-                      dtype: torch.dtype = torch.float32) -> CheckResult:
+def run_restart_check(
+    address: str,
+    stop: Callable[[], object],
+    start: Callable[[], object],
+    *,
+    shape: str = _RESTART_SHAPE,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> CheckResult:
     """`stop`/`start` stop and restart the daemon serving `address` (same paths)."""
     result = CheckResult("faults.daemon_restart")
     options = ConnectorOptions(chunk_tokens=DEFAULT_CHUNK_TOKENS)
-    harness = ConnectorHarness(address, shape, device, dtype, 2 * DEFAULT_CHUNK_TOKENS // 16 + 1, uuid.uuid4().hex, options)
+    harness = ConnectorHarness(
+        address, shape, device, dtype, 2 * DEFAULT_CHUNK_TOKENS // 16 + 1, uuid.uuid4().hex, options
+    )
     harness.store_pattern(0, 2)
     hit, ok, blocks = harness.restore(0, 2, poison=-1.0)
     harness.cache.blocks.release(blocks)
@@ -120,15 +144,23 @@ def run_restart_check(address: str, stop: Callable[[], object], start: Callable[
     hit, ok, blocks = harness.restore(2, 2, poison=-1.0)
     harness.cache.blocks.release(blocks)
     result.expect(hit == 512 and ok, "no store/restore after the daemon came back")
-    result.expect(harness.connector.client.generation != generation, "the client did not see the new daemon run")
-    result.counts = {"errors_while_down": errors_while_down,
-                     "restored_after_restart_tokens": hit}
+    result.expect(
+        harness.connector.client.generation != generation,
+        "the client did not see the new daemon run",
+    )
+    result.counts = {"errors_while_down": errors_while_down, "restored_after_restart_tokens": hit}
     harness.connector.close()
     return result
 
 
-def run_lease_loss_check(address: str, stop: Callable[[], object], start: Callable[[], object], *,
-                         device: str = "cpu", faults: FaultInjection | None = None) -> CheckResult:
+def run_lease_loss_check(
+    address: str,
+    stop: Callable[[], object],
+    start: Callable[[], object],
+    *,
+    device: str = "cpu",
+    faults: FaultInjection | None = None,
+) -> CheckResult:
     """`stop`/`start` stop and restart the daemon serving `address` (same paths). `faults`
     is injected into the restoring replica (the broken variant)."""
     result = CheckResult("faults.lease_loss")
@@ -138,15 +170,25 @@ def run_lease_loss_check(address: str, stop: Callable[[], object], start: Callab
     requests = {  # a request branching inside the prefix (a GPU prefix hit on its blocks), and
         # a follow-up that the other replica restores from the new pool, chunk 2 in full
         "branch": prompt[:150] + [rng.randrange(3, 512) for _ in range(40)],
-        "follow_up": prompt[:3 * chunk] + [rng.randrange(3, 512) for _ in range(40)],
+        "follow_up": prompt[: 3 * chunk] + [rng.randrange(3, 512) for _ in range(40)],
     }
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
     def replica(faults: FaultInjection | None = None) -> tuple[LLM, PoolConnector]:
-        llm = LLM("shape:tiny-gemma3", device=device, dtype="float32", kv_pool=address, chunk_tokens=chunk,
-                  kv_cache_memory=8 << 20, cuda_graphs=False, kv_pool_faults=faults)
+        llm = LLM(
+            "shape:tiny-gemma3",
+            device=device,
+            dtype="float32",
+            kv_pool=address,
+            chunk_tokens=chunk,
+            kv_cache_memory=8 << 20,
+            cuda_graphs=False,
+            kv_pool_faults=faults,
+        )
         assert isinstance(llm.engine.connector, PoolConnector)
-        llm.engine.connector.client.retry_interval = 0.0  # reconnect at the first call after the restart
+        llm.engine.connector.client.retry_interval = (
+            0.0  # reconnect at the first call after the restart
+        )
         return llm, llm.engine.connector
 
     def answer(llm: LLM, tokens: list[int]) -> tuple[int, ...]:
@@ -158,7 +200,9 @@ def run_lease_loss_check(address: str, stop: Callable[[], object], start: Callab
     storer, storing = replica()
     restorer, restoring = replica(faults)
     storing.set_enabled(False)
-    expected = {name: answer(storer, tokens) for name, tokens in [("prompt", prompt), *requests.items()]}
+    expected = {
+        name: answer(storer, tokens) for name, tokens in [("prompt", prompt), *requests.items()]
+    }
     storer.engine.reset_prefix_cache()
     storing.set_enabled(True)
     answer(storer, prompt)  # its 4 chunks go to the pool
@@ -172,19 +216,33 @@ def run_lease_loss_check(address: str, stop: Callable[[], object], start: Callab
 
     restoring.finish_load = restart_then_finish  # type: ignore[method-assign]
     try:
-        result.expect(answer(restorer, prompt) == expected["prompt"], "the restoring replica answered wrong")
-        result.expect(restoring.counters["lost_leases"] == 1, "the restore's lease was not lost: no fault injected")
-        result.expect(answer(restorer, requests["branch"]) == expected["branch"],
-                      "the restoring replica served a GPU prefix hit of the discarded restore")
+        result.expect(
+            answer(restorer, prompt) == expected["prompt"], "the restoring replica answered wrong"
+        )
+        result.expect(
+            restoring.counters["lost_leases"] == 1,
+            "the restore's lease was not lost: no fault injected",
+        )
+        result.expect(
+            answer(restorer, requests["branch"]) == expected["branch"],
+            "the restoring replica served a GPU prefix hit of the discarded restore",
+        )
         storer.engine.reset_prefix_cache()
         storing.client.connect()
-        result.expect(answer(storer, requests["follow_up"]) == expected["follow_up"],
-                      "the other replica restored a page stored from the discarded restore")
-        result.expect(storing.counters["hit_tokens"] == 3 * chunk, "the other replica did not restore from the new pool")
-        result.counts = {"lost_leases": restoring.counters["lost_leases"],
-                         "load_failures": restoring.counters["load_failures"],
-                         "pool_errors": restoring.counters["pool_errors"],
-                         "restored_after_restart_tokens": storing.counters["hit_tokens"]}
+        result.expect(
+            answer(storer, requests["follow_up"]) == expected["follow_up"],
+            "the other replica restored a page stored from the discarded restore",
+        )
+        result.expect(
+            storing.counters["hit_tokens"] == 3 * chunk,
+            "the other replica did not restore from the new pool",
+        )
+        result.counts = {
+            "lost_leases": restoring.counters["lost_leases"],
+            "load_failures": restoring.counters["load_failures"],
+            "pool_errors": restoring.counters["pool_errors"],
+            "restored_after_restart_tokens": storing.counters["hit_tokens"],
+        }
     finally:
         storing.close()
         restoring.close()

@@ -20,18 +20,33 @@ from kvshare.models.random_weights import fill_uniform_
 
 
 class ConnectorHarness:
-    def __init__(self, pool: str, shape: str, device: str, dtype: torch.dtype, num_blocks: int,
-                 run_id: str, options: ConnectorOptions, block_size: int = 16, *,
-                 faults: FaultInjection | None = None) -> None:
+    def __init__(
+        self,
+        pool: str,
+        shape: str,
+        device: str,
+        dtype: torch.dtype,
+        num_blocks: int,
+        run_id: str,
+        options: ConnectorOptions,
+        block_size: int = 16,
+        *,
+        faults: FaultInjection | None = None,
+    ) -> None:
         self.model = shape_preset(shape)
         self.device = torch.device(device)
         self.chunk_tokens = options.chunk_tokens
         layout = KVCacheLayout.allocate(self.model, num_blocks, block_size, dtype, self.device)
-        self.cache = PagedKVCache(layout, BlockManager(num_blocks, block_size, self.model.sliding_window))
+        self.cache = PagedKVCache(
+            layout, BlockManager(num_blocks, block_size, self.model.sliding_window)
+        )
         namespace = Namespace(
-            architecture=self.model.architecture, config_digest=self.model.digest(),
-            weights_digest=f"validate:{run_id}", kv_dtype=str(dtype),
-            layout_version=LAYOUT_VERSION, chunk_tokens=options.chunk_tokens,
+            architecture=self.model.architecture,
+            config_digest=self.model.digest(),
+            weights_digest=f"validate:{run_id}",
+            kv_dtype=str(dtype),
+            layout_version=LAYOUT_VERSION,
+            chunk_tokens=options.chunk_tokens,
         )
         self.connector = PoolConnector(PoolClient(pool), namespace, options, faults)
         self.connector.bind(self.cache)
@@ -64,8 +79,12 @@ class ConnectorHarness:
 
     def store_pattern(self, trial: int, num_chunks: int) -> list[bytes]:
         """Store trial's pattern as a prefix of num_chunks chunks; returns the chunk keys."""
-        blocks = self.cache.blocks.allocate(self.cache.blocks.blocks_needed(num_chunks * self.chunk_tokens))
-        self.kv.index_copy_(2, torch.tensor(blocks, device=self.device), self.pattern(trial, len(blocks)))
+        blocks = self.cache.blocks.allocate(
+            self.cache.blocks.blocks_needed(num_chunks * self.chunk_tokens)
+        )
+        self.kv.index_copy_(
+            2, torch.tensor(blocks, device=self.device), self.pattern(trial, len(blocks))
+        )
         tokens = self.tokens(trial, num_chunks)
         request = f"store-{trial}"
         self.connector.store(request, tokens, blocks, len(tokens) - 1)
@@ -80,7 +99,9 @@ class ConnectorHarness:
         The caller releases the blocks (cache.blocks.release) after reading them.
         """
         tokens = self.tokens(trial, num_chunks)
-        blocks = self.cache.blocks.allocate(self.cache.blocks.blocks_needed(num_chunks * self.chunk_tokens))
+        blocks = self.cache.blocks.allocate(
+            self.cache.blocks.blocks_needed(num_chunks * self.chunk_tokens)
+        )
         self.kv[:, :, torch.tensor(blocks, device=self.device)] = poison
         self.sync()
         request = f"load-{trial}"

@@ -39,8 +39,9 @@ def _pattern(key: bytes, nbytes: int) -> np.ndarray:
 def _write(client: PoolClient, page: PageRef, payload: int) -> None:
     header = PageHeader(0, page.key, bytes(16), payload, b"pool-fill")
     client.arena.view(page.offset, HEADER_BYTES)[:] = header.pack()
-    np.frombuffer(client.arena.view(page.offset + HEADER_BYTES, payload), dtype=np.uint8)[:] = \
+    np.frombuffer(client.arena.view(page.offset + HEADER_BYTES, payload), dtype=np.uint8)[:] = (
         _pattern(page.key, payload)
+    )
 
 
 def _intact(client: PoolClient, page: PageRef, payload: int) -> bool:
@@ -88,7 +89,9 @@ def _verify(client: PoolClient, pages: list[PageRef], payload: int, result: Chec
     return found
 
 
-def run_pool_fill_check(pool: str, *, payload_bytes: int = PAGE_BYTES, cycles: int = 4) -> CheckResult:
+def run_pool_fill_check(
+    pool: str, *, payload_bytes: int = PAGE_BYTES, cycles: int = 4
+) -> CheckResult:
     result = CheckResult("pool-fill")
     client = PoolClient(pool)
     client.connect()
@@ -97,8 +100,10 @@ def run_pool_fill_check(pool: str, *, payload_bytes: int = PAGE_BYTES, cycles: i
     slot = slot_bytes_for(payload_bytes)
     per_slab = stats["slab_bytes"] // slot
     total = stats["slab_count"] * per_slab
-    result.expect(client.arena.size_bytes == stats["arena_bytes"],
-                  f"arena file is {client.arena.size_bytes} bytes, configured {stats['arena_bytes']}")
+    result.expect(
+        client.arena.size_bytes == stats["arena_bytes"],
+        f"arena file is {client.arena.size_bytes} bytes, configured {stats['arena_bytes']}",
+    )
     result.expect(total * slot <= stats["arena_bytes"], "pages x slot size exceed the arena")
     pages = _fill(client, total, payload_bytes, result)
     result.expect(len(pages) == total, f"reserved {len(pages)} of {total} pages")
@@ -109,15 +114,26 @@ def run_pool_fill_check(pool: str, *, payload_bytes: int = PAGE_BYTES, cycles: i
         fresh = _fill(client, total // 2, payload_bytes, result)
         verified += _verify(client, fresh, payload_bytes, result)
         survivors = _verify(client, pages, payload_bytes, result)
-        result.expect(survivors >= len(pages) - len(fresh), "more old pages evicted than new pages needed")
+        result.expect(
+            survivors >= len(pages) - len(fresh), "more old pages evicted than new pages needed"
+        )
         pages = [p for p in pages if _present(client, p.key)] + fresh
     evictions = client.stats().get("evictions", 0) - evicted_before
     client.clear()
     end = client.stats()
-    free = sum(c["free"] for c in end["classes"] if c["slot_bytes"] == slot) + end["free_slabs"] * per_slab
+    free = (
+        sum(c["free"] for c in end["classes"] if c["slot_bytes"] == slot)
+        + end["free_slabs"] * per_slab
+    )
     result.expect(free == total, f"after clear {free} of {total} pages are free")
-    result.counts = {"pages": total, "page_bytes": payload_bytes, "cycles": cycles,
-                     "verified_pages": verified, "verified_bytes": verified * payload_bytes,
-                     "evictions": evictions, "arena_bytes": stats["arena_bytes"]}
+    result.counts = {
+        "pages": total,
+        "page_bytes": payload_bytes,
+        "cycles": cycles,
+        "verified_pages": verified,
+        "verified_bytes": verified * payload_bytes,
+        "evictions": evictions,
+        "arena_bytes": stats["arena_bytes"],
+    }
     client.close()
     return result

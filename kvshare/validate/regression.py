@@ -26,8 +26,10 @@ from kvshare.serve.auth import AccessKeys
 from kvshare.validate.result import CheckResult
 
 PIN = "x-kvshare-replica"
-_WORDS = ("harbor lamp winter storm ledger river orchard copper lantern meadow signal "
-          "engine valley market bridge archive garden compass thunder island").split()
+_WORDS = (
+    "harbor lamp winter storm ledger river orchard copper lantern meadow signal "
+    "engine valley market bridge archive garden compass thunder island"
+).split()
 # Token-id prompts: lengths in tokens, and the ids they draw from (low ids are often special).
 TOKEN_LENGTHS = (20, 300, 700, 1500, 3000)
 CHAT_TURN_TOKENS = (600, 80, 150)
@@ -62,15 +64,20 @@ def default_prompts(seed: int = 0) -> list[Prompt]:
         return " ".join(rng.choice(_WORDS) for _ in range(words))
 
     prompts = [Prompt(f"completion-{n}w", (text(n),)) for n in (12, 150, 420, 900, 1500)]
-    prompts += [Prompt(f"chat-{i}", tuple(text(n) + " Summarize that." for n in (300, 60, 120)))
-                for i in range(2)]
+    prompts += [
+        Prompt(f"chat-{i}", tuple(text(n) + " Summarize that." for n in (300, 60, 120)))
+        for i in range(2)
+    ]
     return prompts
 
 
-def default_token_prompts(seed: int = 0, vocab_size: int | None = None,
-                          lengths: tuple[int, ...] = TOKEN_LENGTHS,
-                          chat_turns: tuple[int, ...] = CHAT_TURN_TOKENS,
-                          chats: int = 2) -> list[Prompt]:
+def default_token_prompts(
+    seed: int = 0,
+    vocab_size: int | None = None,
+    lengths: tuple[int, ...] = TOKEN_LENGTHS,
+    chat_turns: tuple[int, ...] = CHAT_TURN_TOKENS,
+    chats: int = 2,
+) -> list[Prompt]:
     """Token-id prompts for a model without a tokenizer: seeded ids, the same lengths and
     chats as the text set has (a chat turn here is a question's ids)."""
     rng = random.Random(seed)
@@ -95,12 +102,17 @@ class _Service:
         self.admin = keys.authorization(True)
 
     def admin_all(self, path: str, body: dict | None = None) -> None:
-        self.http.post(f"{self.url}/admin/all/{path}", json=body or {}, headers=self.admin).raise_for_status()
+        self.http.post(
+            f"{self.url}/admin/all/{path}", json=body or {}, headers=self.admin
+        ).raise_for_status()
 
     def clear_pool(self, attempts: int = 10) -> None:
         """Clear the shared pool; a replica whose pool client is reconnecting answers 503."""
         for _ in range(attempts - 1):
-            if self.http.post(f"{self.url}/admin/all/clear_pool", headers=self.admin).status_code < 500:
+            if (
+                self.http.post(f"{self.url}/admin/all/clear_pool", headers=self.admin).status_code
+                < 500
+            ):
                 return
             time.sleep(1.0)
         self.admin_all("clear_pool")
@@ -112,8 +124,13 @@ class _Service:
         return entry
 
     def generate(self, path: str, request: dict, replica: int, max_tokens: int) -> Answer:
-        body = {"model": self.model, **request, "max_tokens": max_tokens, "temperature": 0,
-                "return_token_ids": True}
+        body = {
+            "model": self.model,
+            **request,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
         reply = self.http.post(f"{self.url}{path}", json=body, headers={PIN: str(replica)})
         reply.raise_for_status()
         return _answer(reply.json())
@@ -128,6 +145,7 @@ def _answer(reply: dict) -> Answer:
 
 # ------------------------------------------------------------ what the model accepts
 
+
 def prompts_for(entry: dict, max_tokens: int) -> list[Prompt]:
     """The default set the served model accepts (its /v1/models entry says): text with a
     tokenizer and chat template, else token ids below its vocab that fit its context."""
@@ -140,8 +158,10 @@ def prompts_for(entry: dict, max_tokens: int) -> list[Prompt]:
 
 # ------------------------------------------------------------ the check
 
-def run_regression_check(url: str, *, model: str = "", prompts: list[Prompt] | None = None,
-                         max_tokens: int = 24) -> CheckResult:
+
+def run_regression_check(
+    url: str, *, model: str = "", prompts: list[Prompt] | None = None, max_tokens: int = 24
+) -> CheckResult:
     result = CheckResult("regression")
     service = _Service(url, model)
     replicas = service.http.get(f"{service.url}/admin/replicas", headers=service.admin).json()
@@ -163,21 +183,31 @@ def run_regression_check(url: str, *, model: str = "", prompts: list[Prompt] | N
                 result.fail(f"{prompt.name} turn {turn}: {difference}")
             compared, equal = compared + 1, equal + (difference is None)
             pool_hits += answer.pool_hit_tokens
-    result.expect(pool_hits > 0, "no prompt was restored from the pool: the check compared nothing shared")
+    result.expect(
+        pool_hits > 0, "no prompt was restored from the pool: the check compared nothing shared"
+    )
     if equal < compared and entry.get("dtype") not in (None, "float32"):
         # Seen on the H200 and the CPU: bf16 answers restored byte-exactly still part from
         # recomputed ones, because the suffix is computed in a different batch shape.
-        result.fail(f"the replicas run {entry['dtype']}: a near-tied greedy token can flip with the "
-                    "batch shape even when the restored bytes are exact (see the bytes check); "
-                    "rerun this check with replicas started with --dtype float32")
+        result.fail(
+            f"the replicas run {entry['dtype']}: a near-tied greedy token can flip with the "
+            "batch shape even when the restored bytes are exact (see the bytes check); "
+            "rerun this check with replicas started with --dtype float32"
+        )
     token_prompts = sum(not isinstance(p.turns[0], str) for p in prompts)
-    result.counts = {"prompts": len(prompts), "token_id_prompts": token_prompts,
-                     "answers_compared": compared, "answers_equal": equal, "pool_hit_tokens": pool_hits}
+    result.counts = {
+        "prompts": len(prompts),
+        "token_id_prompts": token_prompts,
+        "answers_compared": compared,
+        "answers_equal": equal,
+        "pool_hit_tokens": pool_hits,
+    }
     return result
 
 
-def _run(service: _Service, prompt: Prompt, max_tokens: int,
-         reference: list[Answer] | None) -> list[Answer]:
+def _run(
+    service: _Service, prompt: Prompt, max_tokens: int, reference: list[Answer] | None
+) -> list[Answer]:
     """Answers of each turn. With a reference (the pool on), the first turn is prefilled on
     the other replica first; both runs continue from the reference (pool-off) answers."""
     answers: list[Answer] = []
@@ -226,7 +256,9 @@ def _difference(answer: Answer, reference: Answer) -> str | None:
     at = _first_difference(answer.ids, reference.ids)
     if at is None:
         return None
-    return f"first differing token at {at}: {answer.ids[at:at + 3]} vs {reference.ids[at:at + 3]}"
+    return (
+        f"first differing token at {at}: {answer.ids[at : at + 3]} vs {reference.ids[at : at + 3]}"
+    )
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:

@@ -24,5 +24,10 @@ class CheckResult:
 
     def as_dict(self) -> dict:
         status = "skipped" if self.skipped else ("passed" if self.passed else "failed")
-        return {"name": self.name, "status": status, "counts": self.counts,
-                "failures": self.failures, "skipped": self.skipped}
+        return {
+            "name": self.name,
+            "status": status,
+            "counts": self.counts,
+            "failures": self.failures,
+            "skipped": self.skipped,
+        }

@@ -76,8 +76,12 @@ class FakeCluster:
 
     async def _replicas(self, request: web.Request) -> web.Response:
         origin = str(request.url.origin())
-        return web.json_response([{"url": f"{origin}/r{i}", "healthy": True, "in_flight": 0}
-                                  for i in range(self.replicas)])
+        return web.json_response(
+            [
+                {"url": f"{origin}/r{i}", "healthy": True, "in_flight": 0}
+                for i in range(self.replicas)
+            ]
+        )
 
     async def _admin(self, request: web.Request) -> web.Response:
         replica, action = int(request.match_info["replica"]), request.match_info["action"]
@@ -90,7 +94,9 @@ class FakeCluster:
         body = await request.json() if request.can_read_body else {}
         for replica in range(self.replicas):
             self._apply(replica, action, body, via_router=True)
-        return web.json_response({"replicas": [{"index": i, "status": 200} for i in range(self.replicas)]})
+        return web.json_response(
+            {"replicas": [{"index": i, "status": 200} for i in range(self.replicas)]}
+        )
 
     def _apply(self, replica: int, action: str, body: dict[str, Any], via_router: bool) -> None:
         self.events.append(Event("admin", replica, action, body, via_router=via_router))
@@ -107,8 +113,12 @@ class FakeCluster:
 
     async def _stats(self, request: web.Request) -> web.Response:
         i = int(request.match_info["replica"])
-        kv_pool = {"loaded_bytes": self.loaded[i], "stored_bytes": self.stored[i],
-                   "hit_tokens": 0, "miss_tokens": 0}
+        kv_pool = {
+            "loaded_bytes": self.loaded[i],
+            "stored_bytes": self.stored[i],
+            "hit_tokens": 0,
+            "miss_tokens": 0,
+        }
         now = time.monotonic()
         pool = {"reserved": sum(visible > now for visible in self.pool.values())}
         return web.json_response({"engine": {"replica": i}, "kv_pool": kv_pool, "pool": pool})
@@ -143,8 +153,11 @@ class FakeCluster:
             pool = max((len(p) for p in prefixes if self.pool.get(p, now + 1) <= now), default=0)
             pool = max(0, pool - gpu)
             self.loaded[replica] += pool // CHUNK * CHUNK_BYTES
-        return {"gpu_hit_tokens": gpu, "pool_hit_tokens": pool,
-                "computed_tokens": len(tokens) - gpu - pool}
+        return {
+            "gpu_hit_tokens": gpu,
+            "pool_hit_tokens": pool,
+            "computed_tokens": len(tokens) - gpu - pool,
+        }
 
     def _store(self, replica: int, tokens: tuple[Any, ...]) -> None:
         """After the prefill: into the GPU cache, and reserved in the pool until committed."""
@@ -159,27 +172,38 @@ class FakeCluster:
         self, request: web.Request, body: dict[str, Any], tokens: tuple[Any, ...], chat: bool
     ) -> web.StreamResponse:
         replica, pinned = self._pick(request)
-        summary = {"tokens": tokens, "max_tokens": body["max_tokens"], "chat": chat,
-                   "session": request.headers.get("x-session-id")}
+        summary = {
+            "tokens": tokens,
+            "max_tokens": body["max_tokens"],
+            "chat": chat,
+            "session": request.headers.get("x-session-id"),
+        }
         self.events.append(Event("request", replica, request.path, summary, pinned))
         kv = self._lookup(replica, tokens)
         self._in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self._in_flight)
         try:
-            resp = web.StreamResponse(headers={"content-type": "text/event-stream",
-                                               "x-kvshare-replica": str(replica)})
+            resp = web.StreamResponse(
+                headers={"content-type": "text/event-stream", "x-kvshare-replica": str(replica)}
+            )
             await resp.prepare(request)
             await _send(resp, _chunk(chat, "", None))  # role-only: not content
-            await asyncio.sleep(self.first_content_delay_s + kv["computed_tokens"] * self.per_token_s)
+            await asyncio.sleep(
+                self.first_content_delay_s + kv["computed_tokens"] * self.per_token_s
+            )
             self._store(replica, tokens)
             n = body["max_tokens"]
             for k in range(n):
                 await _send(resp, _chunk(chat, f" w{replica}x{k}", 1000 + k))
                 await asyncio.sleep(0.001)
             cached = kv["gpu_hit_tokens"] + kv["pool_hit_tokens"]
-            usage = {"prompt_tokens": len(tokens), "completion_tokens": n,
-                     "total_tokens": len(tokens) + n,
-                     "prompt_tokens_details": {"cached_tokens": cached}, "kv": kv}
+            usage = {
+                "prompt_tokens": len(tokens),
+                "completion_tokens": n,
+                "total_tokens": len(tokens) + n,
+                "prompt_tokens_details": {"cached_tokens": cached},
+                "kv": kv,
+            }
             await _send(resp, {"choices": [], "usage": usage})
             await resp.write(b"data: [DONE]\n\n")
             return resp
@@ -189,7 +213,11 @@ class FakeCluster:
 
 def _chunk(chat: bool, text: str, token_id: int | None) -> dict[str, Any]:
     ids = [] if token_id is None else [token_id]
-    choice = {"index": 0, "delta": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
+    choice = (
+        {"index": 0, "delta": {"role": "assistant", "content": text}}
+        if chat
+        else {"index": 0, "text": text}
+    )
     return {"choices": [{**choice, "token_ids": ids, "finish_reason": None}]}
 
 

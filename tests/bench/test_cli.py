@@ -14,23 +14,39 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_arguments_parse_with_defaults() -> None:
-    args = build_parser().parse_args(["bench", "cross-replica", "--target", "http://h:1", "--lengths", "8,16"])
+    args = build_parser().parse_args(
+        ["bench", "cross-replica", "--target", "http://h:1", "--lengths", "8,16"]
+    )
     assert (args.lengths, args.requests_per_block, args.design.label, args.seed) == (
-        (8, 16), 8, "OFF-ON-ON-OFF", 0)
-    args = build_parser().parse_args(["bench", "sessions", "--up=--replicas 2", "--design", "on-off"])
+        (8, 16),
+        8,
+        "OFF-ON-ON-OFF",
+        0,
+    )
+    args = build_parser().parse_args(
+        ["bench", "sessions", "--up=--replicas 2", "--design", "on-off"]
+    )
     assert (args.up, args.target, args.placement, args.turns, args.design.label) == (
-        "--replicas 2", None, "both", 6, "ON-OFF")
+        "--replicas 2",
+        None,
+        "both",
+        6,
+        "ON-OFF",
+    )
     args = build_parser().parse_args(["bench", "shared-prefix", "--up", ""])
     assert (args.up, args.documents, args.concurrency) == ("", 4, 8)
 
 
-@pytest.mark.parametrize("argv", [
-    ["bench", "cross-replica"],  # neither --target nor --up
-    ["bench", "cross-replica", "--target", "u", "--up", ""],  # both
-    ["bench", "cross-replica", "--target", "u", "--design", "OFF-MAYBE"],
-    ["bench", "cross-replica", "--target", "u", "--lengths", "8,x"],
-    ["bench", "sessions", "--target", "u", "--placement", "random"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "cross-replica"],  # neither --target nor --up
+        ["bench", "cross-replica", "--target", "u", "--up", ""],  # both
+        ["bench", "cross-replica", "--target", "u", "--design", "OFF-MAYBE"],
+        ["bench", "cross-replica", "--target", "u", "--lengths", "8,x"],
+        ["bench", "sessions", "--target", "u", "--placement", "random"],
+    ],
+)
 def test_bad_arguments_exit_with_usage(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(argv)
@@ -47,12 +63,26 @@ def test_invalid_workload_values_and_unreachable_targets_fail_cleanly(
 
 
 def test_a_run_writes_json_markdown_and_png(fake: RunningFake, tmp_path: Path) -> None:
-    out = {kind: tmp_path / name for kind, name in
-           (("json", "r.json"), ("markdown", "r.md"), ("plot", "plots/r.png"))}
+    out = {
+        kind: tmp_path / name
+        for kind, name in (("json", "r.json"), ("markdown", "r.md"), ("plot", "plots/r.png"))
+    }
     out["plot"].parent.mkdir()
-    argv = ["bench", "cross-replica", "--target", fake.url, "--lengths", "16,32",
-            "--requests-per-block", "2", "--resamples", "200", "--seed", "3",
-            *(a for kind, path in out.items() for a in (f"--{kind}", str(path)))]
+    argv = [
+        "bench",
+        "cross-replica",
+        "--target",
+        fake.url,
+        "--lengths",
+        "16,32",
+        "--requests-per-block",
+        "2",
+        "--resamples",
+        "200",
+        "--seed",
+        "3",
+        *(a for kind, path in out.items() for a in (f"--{kind}", str(path))),
+    ]
     assert main(argv) == 0
 
     data = json.loads(out["json"].read_text())
@@ -74,23 +104,71 @@ def test_a_run_writes_json_markdown_and_png(fake: RunningFake, tmp_path: Path) -
     assert out["plot"].read_bytes().startswith(PNG_MAGIC)
 
 
-@pytest.mark.parametrize("workload", [
-    ["sessions", "--sessions", "1", "--turns", "2", "--context", "20", "--output-tokens", "2"],
-    ["shared-prefix", "--documents", "2", "--users", "6", "--concurrency", "2", "--doc-tokens", "24"],
-])
+@pytest.mark.parametrize(
+    "workload",
+    [
+        ["sessions", "--sessions", "1", "--turns", "2", "--context", "20", "--output-tokens", "2"],
+        [
+            "shared-prefix",
+            "--documents",
+            "2",
+            "--users",
+            "6",
+            "--concurrency",
+            "2",
+            "--doc-tokens",
+            "24",
+        ],
+    ],
+)
 def test_other_workloads_plot_too(fake: RunningFake, tmp_path: Path, workload: list[str]) -> None:
     plot = tmp_path / "p.png"
-    assert main(["bench", *workload, "--target", fake.url, "--design", "OFF-ON", "--resamples", "50",
-                 "--plot", str(plot)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                *workload,
+                "--target",
+                fake.url,
+                "--design",
+                "OFF-ON",
+                "--resamples",
+                "50",
+                "--plot",
+                str(plot),
+            ]
+        )
+        == 0
+    )
     assert plot.read_bytes().startswith(PNG_MAGIC)
 
 
 def test_stores_that_never_commit_in_time_are_flagged(fake: RunningFake, tmp_path: Path) -> None:
     fake.cluster.commit_delay_s = 5.0  # far beyond the settle timeout: pool hits cannot happen
     md = tmp_path / "r.md"
-    assert main(["bench", "cross-replica", "--target", fake.url, "--lengths", "16",
-                 "--requests-per-block", "1", "--design", "OFF-ON", "--settle-timeout", "0.05",
-                 "--resamples", "50", "--markdown", str(md)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "cross-replica",
+                "--target",
+                fake.url,
+                "--lengths",
+                "16",
+                "--requests-per-block",
+                "1",
+                "--design",
+                "OFF-ON",
+                "--settle-timeout",
+                "0.05",
+                "--resamples",
+                "50",
+                "--markdown",
+                str(md),
+            ]
+        )
+        == 0
+    )
     text = md.read_text()
     assert "warning: 1 requests were sent after waiting the whole settle timeout (0.05 s)" in text
     assert "| 0.0%/0.0% |" in text  # and indeed the ON follow-up found nothing in the pool
@@ -114,19 +192,38 @@ def _fake_up(url: str | None, logs: list[Path]) -> object:
     return cluster_target
 
 
-def test_the_cluster_log_is_removed_after_a_good_run(fake: RunningFake, monkeypatch: pytest.MonkeyPatch,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_cluster_log_is_removed_after_a_good_run(
+    fake: RunningFake, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from kvshare.bench import cluster
 
     logs: list[Path] = []
     monkeypatch.setattr(cluster, "cluster_target", _fake_up(fake.url, logs))
-    assert main(["bench", "cross-replica", "--up", "", "--lengths", "16", "--requests-per-block", "1",
-                 "--design", "OFF-ON", "--resamples", "50"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "cross-replica",
+                "--up",
+                "",
+                "--lengths",
+                "16",
+                "--requests-per-block",
+                "1",
+                "--design",
+                "OFF-ON",
+                "--resamples",
+                "50",
+            ]
+        )
+        == 0
+    )
     assert len(logs) == 1 and not logs[0].exists() and not logs[0].parent.exists()
 
 
 def test_the_cluster_log_is_kept_and_named_when_the_run_fails(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     from kvshare.bench import cluster
 
@@ -143,14 +240,35 @@ def test_the_cluster_log_is_kept_and_named_when_the_run_fails(
 
 
 def test_a_plot_of_one_length_labels_values_counts_and_the_ratio(
-    fake: RunningFake, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    fake: RunningFake,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     from kvshare.bench import driver, plots
 
     plotted: list[tuple] = []
-    monkeypatch.setattr(driver, "plot_run", lambda run, comparisons, path: plotted.append((run, comparisons)))
-    assert main(["bench", "cross-replica", "--target", fake.url, "--lengths", "16", "--requests-per-block",
-                 "2", "--resamples", "50", "--plot", str(tmp_path / "p.png")]) == 0
+    monkeypatch.setattr(
+        driver, "plot_run", lambda run, comparisons, path: plotted.append((run, comparisons))
+    )
+    assert (
+        main(
+            [
+                "bench",
+                "cross-replica",
+                "--target",
+                fake.url,
+                "--lengths",
+                "16",
+                "--requests-per-block",
+                "2",
+                "--resamples",
+                "50",
+                "--plot",
+                str(tmp_path / "p.png"),
+            ]
+        )
+        == 0
+    )
     run, comparisons = plotted[0]
     (point,) = comparisons
     texts = [t.get_text() for t in plots.plot_figure(run, comparisons).axes[0].texts]
@@ -160,12 +278,33 @@ def test_a_plot_of_one_length_labels_values_counts_and_the_ratio(
     assert f"ON/OFF {r.value:.3g} [{r.low:.3g}, {r.high:.3g}]" in texts
 
 
-def test_piped_output_is_markdown_with_whole_cells(fake: RunningFake, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "cross-replica", "--target", fake.url, "--lengths", "16", "--requests-per-block",
-                 "1", "--design", "OFF-ON", "--resamples", "50"]) == 0
+def test_piped_output_is_markdown_with_whole_cells(
+    fake: RunningFake, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        main(
+            [
+                "bench",
+                "cross-replica",
+                "--target",
+                fake.url,
+                "--lengths",
+                "16",
+                "--requests-per-block",
+                "1",
+                "--design",
+                "OFF-ON",
+                "--resamples",
+                "50",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    header = ("| metric | series | context tokens | OFF median [95%] | ON median [95%] | ON/OFF [95%] "
-              "| block medians | n OFF/ON | pool hit OFF/ON |")
+    header = (
+        "| metric | series | context tokens | OFF median [95%] | ON median [95%] | ON/OFF [95%] "
+        "| block medians | n OFF/ON | pool hit OFF/ON |"
+    )
     assert header in out.splitlines()
     row = next(line for line in out.splitlines() if line.startswith("| ttft_s |"))
     assert len(row.split("|")) == 11 and "…" not in out

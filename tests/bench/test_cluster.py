@@ -29,8 +29,26 @@ def test_a_real_cluster_loads_the_context_from_the_pool(tmp_path: Path) -> None:
     """`kvshare up` defaults (2 CPU replicas of SmolLM2-135M): the follow-up on replica 1 finds
     the 512-token context replica 0 stored, only with the pool on, and its TTFT drops."""
     out = tmp_path / "r.json"
-    assert main(["bench", "cross-replica", "--up=", "--lengths", "512", "--requests-per-block", "1",
-                 "--design", "OFF-ON", "--resamples", "50", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "cross-replica",
+                "--up=",
+                "--lengths",
+                "512",
+                "--requests-per-block",
+                "1",
+                "--design",
+                "OFF-ON",
+                "--resamples",
+                "50",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     follow = {r["condition"]: r for r in data["requests"] if r["role"] == "measure"}
     assert follow["OFF"]["usage"]["kv"]["pool_hit_tokens"] == 0

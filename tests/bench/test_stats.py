@@ -49,7 +49,9 @@ def test_intervals_are_seeded_and_narrow_with_more_data() -> None:
     assert median_interval([small], spec) == median_interval([small], spec)
     draws = [bootstrap_medians([small], 50, np.random.default_rng(seed)) for seed in (7, 7, 8)]
     assert np.array_equal(draws[0], draws[1]) and not np.array_equal(draws[0], draws[2])
-    width = [(e.high - e.low) for e in (median_interval([small], spec), median_interval([large], spec))]
+    width = [
+        (e.high - e.low) for e in (median_interval([small], spec), median_interval([large], spec))
+    ]
     assert width[1] < width[0] / 4
 
 
@@ -87,11 +89,20 @@ def test_design_parses_and_validates() -> None:
         Design((Block(1, "ON"),))
 
 
-def _record(block: Block, ttft: float | None, x: int | None = 8, role: str = MEASURE,
-            session: str | None = None, start: float = 0.0, hits: int = 0) -> RequestRecord:
+def _record(
+    block: Block,
+    ttft: float | None,
+    x: int | None = 8,
+    role: str = MEASURE,
+    session: str | None = None,
+    start: float = 0.0,
+    hits: int = 0,
+) -> RequestRecord:
     usage = {"prompt_tokens": 100, "completion_tokens": 4, "kv": {"pool_hit_tokens": hits}}
     result = StreamResult(ttft, (ttft or 0.0) + 0.5, "x", (), usage, None, 3)
-    return RequestRecord(block.index, block.condition, Tag("s", x, role, "r", session), 1, start, result)
+    return RequestRecord(
+        block.index, block.condition, Tag("s", x, role, "r", session), 1, start, result
+    )
 
 
 def _blocks(design: Design, ttfts: list[list[float]], hits: int = 0) -> list[BlockResult]:
@@ -99,8 +110,15 @@ def _blocks(design: Design, ttfts: list[list[float]], hits: int = 0) -> list[Blo
     for block, values in zip(design.blocks, ttfts):
         records = [_record(block, v, hits=hits if block.pool_enabled else 0) for v in values]
         records.append(_record(block, 99.0, role=PREFILL))  # never a sample
-        out.append(BlockResult(block, 1.0, ({"kv_pool": {"loaded_bytes": 10 * block.index}},),
-                               ({"kv_pool": {"loaded_bytes": 10 * block.index + 5}},), tuple(records)))
+        out.append(
+            BlockResult(
+                block,
+                1.0,
+                ({"kv_pool": {"loaded_bytes": 10 * block.index}},),
+                ({"kv_pool": {"loaded_bytes": 10 * block.index + 5}},),
+                tuple(records),
+            )
+        )
     return out
 
 
@@ -117,7 +135,12 @@ def test_compare_reports_per_block_medians_and_pooled_conditions() -> None:
     assert c.ratio.low <= c.ratio.value <= c.ratio.high
     assert c.hit_rates == (0.0, 0.6)
     row = block_row(blocks[1])
-    assert (row.requests, row.median_ttft_s, row.pool_hit_rate, row.loaded_bytes) == (4, 2.0, 0.6, 5)
+    assert (row.requests, row.median_ttft_s, row.pool_hit_rate, row.loaded_bytes) == (
+        4,
+        2.0,
+        0.6,
+        5,
+    )
 
 
 def test_compare_with_one_condition_has_no_ratio() -> None:
@@ -153,7 +176,9 @@ def test_a_paired_ratio_interval_widens_with_the_spread_between_pairs() -> None:
     from kvshare.bench.stats import geometric_mean_interval
 
     steady = geometric_mean_interval([0.04, 0.041, 0.039, 0.04])
-    loaded = geometric_mean_interval([0.03, 0.05, 0.035, 0.06])  # the machine's load changed between pairs
+    loaded = geometric_mean_interval(
+        [0.03, 0.05, 0.035, 0.06]
+    )  # the machine's load changed between pairs
     assert steady.low < 0.04 < steady.high and steady.high - steady.low < 0.003
     assert loaded.low < 0.03 and loaded.high > 0.05  # every pair's ratio is within reach
     with pytest.raises(ValueError):

@@ -19,7 +19,10 @@ def test_text_has_exactly_the_requested_token_count(smollm2: PromptModel, length
         text = smollm2.prompt(length, prompt_rng(0, "t", length, request))
         assert isinstance(text, str)
         assert len(smollm2.tokenizer.encode(text)) == length
-        assert len(smollm2.tokenizer.encode(smollm2.tokenizer.decode(smollm2.tokenizer.encode(text)))) == length
+        assert (
+            len(smollm2.tokenizer.encode(smollm2.tokenizer.decode(smollm2.tokenizer.encode(text))))
+            == length
+        )
 
 
 class _TrailingSpaceTokenizer:
@@ -52,7 +55,10 @@ def test_follow_up_keeps_the_context_ids_as_its_prefix(smollm2: PromptModel) -> 
 def test_prompts_are_reproducible_and_unique_per_label(smollm2: PromptModel) -> None:
     a = smollm2.prompt(500, prompt_rng(0, "x", 0, 1))
     assert a == smollm2.prompt(500, prompt_rng(0, "x", 0, 1))
-    others = {smollm2.prompt(500, prompt_rng(*labels)) for labels in [(1, "x", 0, 1), (0, "x", 1, 1), (0, "x", 0, 2)]}
+    others = {
+        smollm2.prompt(500, prompt_rng(*labels))
+        for labels in [(1, "x", 0, 1), (0, "x", 1, 1), (0, "x", 0, 2)]
+    }
     assert a not in others and len(others) == 3
 
 

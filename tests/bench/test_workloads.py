@@ -34,18 +34,28 @@ class RecordingObserver:
         self.calls.append(("done", result))
 
 
-def run(workload: Workload, fake: RunningFake, model: PromptModel, design: str = "OFF-ON-ON-OFF",
-        observer: RecordingObserver | None = None) -> BenchRun:
+def run(
+    workload: Workload,
+    fake: RunningFake,
+    model: PromptModel,
+    design: str = "OFF-ON-ON-OFF",
+    observer: RecordingObserver | None = None,
+) -> BenchRun:
     options = BenchOptions(Design.parse(design), seed=5, bootstrap=BootstrapSpec(200))
-    return asyncio.run(run_bench(workload, fake.url, options, observer or RecordingObserver(), model))
+    return asyncio.run(
+        run_bench(workload, fake.url, options, observer or RecordingObserver(), model)
+    )
 
 
 def split_blocks(events: list[Event]) -> list[list[Event]]:
     """Events cut at each block's first admin call (the kv_pool switch of replica 0 or 1)."""
     blocks: list[list[Event]] = []
     for e in events:
-        starts_block = e.kind == "admin" and e.path == "kv_pool" and (
-            not blocks or blocks[-1][-1].kind != "admin" or blocks[-1][-1].path != "kv_pool")
+        starts_block = (
+            e.kind == "admin"
+            and e.path == "kv_pool"
+            and (not blocks or blocks[-1][-1].kind != "admin" or blocks[-1][-1].path != "kv_pool")
+        )
         if starts_block:
             blocks.append([])
         blocks[-1].append(e)
@@ -57,18 +67,24 @@ def check_block_setup(events: list[Event], enabled: bool) -> list[Event]:
     all through the router (so that its cache-aware index forgets too)."""
     setup, rest = events[:6], events[6:]
     assert all(e.via_router for e in setup)
-    assert {(e.replica, e.path, e.body["enabled"]) for e in setup[:2]} == {(0, "kv_pool", enabled),
-                                                                          (1, "kv_pool", enabled)}
+    assert {(e.replica, e.path, e.body["enabled"]) for e in setup[:2]} == {
+        (0, "kv_pool", enabled),
+        (1, "kv_pool", enabled),
+    }
     assert {(e.replica, e.path) for e in setup[2:4]} == {(0, "clear_pool"), (1, "clear_pool")}
-    assert {(e.replica, e.path) for e in setup[4:]} == {(0, "reset_prefix_cache"),
-                                                        (1, "reset_prefix_cache")}
+    assert {(e.replica, e.path) for e in setup[4:]} == {
+        (0, "reset_prefix_cache"),
+        (1, "reset_prefix_cache"),
+    }
     return rest
 
 
 def test_cross_replica_prefills_on_a_and_measures_b_with_resets_between(
     fake: RunningFake, smollm2: PromptModel
 ) -> None:
-    workload = CrossReplica(lengths=(40, 80), requests_per_block=2, question_tokens=8, output_tokens=3)
+    workload = CrossReplica(
+        lengths=(40, 80), requests_per_block=2, question_tokens=8, output_tokens=3
+    )
     observer = RecordingObserver()
     result = run(workload, fake, smollm2, observer=observer)
     design = Design.parse("OFF-ON-ON-OFF")
@@ -83,8 +99,10 @@ def test_cross_replica_prefills_on_a_and_measures_b_with_resets_between(
             prefill, resets, follow = rest[i], rest[i + 1 : i + 3], rest[i + 3]
             assert (prefill.kind, prefill.replica, prefill.pinned) == ("request", 0, True)
             assert prefill.body["max_tokens"] == 1
-            assert {(e.replica, e.path) for e in resets} == {(0, "reset_prefix_cache"),
-                                                             (1, "reset_prefix_cache")}
+            assert {(e.replica, e.path) for e in resets} == {
+                (0, "reset_prefix_cache"),
+                (1, "reset_prefix_cache"),
+            }
             assert (follow.kind, follow.replica, follow.pinned) == ("request", 1, True)
             context = prefill.body["tokens"]
             assert follow.body["tokens"][: len(context)] == context
@@ -101,7 +119,9 @@ def test_cross_replica_prefills_on_a_and_measures_b_with_resets_between(
         assert record.result.ttft_s < record.result.total_s
         assert record.result.text.startswith(f" w{record.replica}x0")
     follow_ups = [r for r in result.records() if r.measured]
-    assert all((r.usage_int("kv", "pool_hit_tokens") > 0) == (r.condition == "ON") for r in follow_ups)
+    assert all(
+        (r.usage_int("kv", "pool_hit_tokens") > 0) == (r.condition == "ON") for r in follow_ups
+    )
     # Each follow-up waited for A's stores to commit (the fake takes 50 ms), and only when ON.
     for r in follow_ups:
         assert r.settle_s is not None
@@ -112,7 +132,9 @@ def test_cross_replica_prefills_on_a_and_measures_b_with_resets_between(
 
     # Randomized order within blocks, same set of lengths in each.
     orders = [[r.tag.x for r in b.records if r.measured] for b in result.blocks]
-    assert all(sorted(o) == [40, 40, 80, 80] for o in orders) and len({tuple(o) for o in orders}) > 1
+    assert (
+        all(sorted(o) == [40, 40, 80, 80] for o in orders) and len({tuple(o) for o in orders}) > 1
+    )
 
     comparisons = compare(result.blocks, design, BootstrapSpec(200))
     assert [(c.metric, c.x) for c in comparisons] == [(TTFT, 40), (TTFT, 80)]
@@ -122,17 +144,26 @@ def test_cross_replica_prefills_on_a_and_measures_b_with_resets_between(
     kinds = [kind for kind, _ in observer.calls]
     assert kinds == (["start"] + ["request"] * 8 + ["done"]) * 4
     assert [payload for kind, payload in observer.calls if kind == "start"] == [
-        (b, 8) for b in design.blocks]
+        (b, 8) for b in design.blocks
+    ]
 
 
 def test_sessions_resend_history_with_actual_answers_and_pin_by_placement(
     fake: RunningFake, smollm2: PromptModel
 ) -> None:
-    workload = Sessions(sessions=2, context_tokens=60, turns=3, question_tokens=5, output_tokens=2,
-                        placements=("alternate", "fixed"))
+    workload = Sessions(
+        sessions=2,
+        context_tokens=60,
+        turns=3,
+        question_tokens=5,
+        output_tokens=2,
+        placements=("alternate", "fixed"),
+    )
     result = run(workload, fake, smollm2, design="OFF-ON")
     requests = fake.cluster.requests()
-    assert len(requests) == 2 * 2 * 2 * 3 and all(r.path == "/v1/chat/completions" for r in requests)
+    assert len(requests) == 2 * 2 * 2 * 3 and all(
+        r.path == "/v1/chat/completions" for r in requests
+    )
     by_session: dict[tuple[int, str], list[Event]] = {}
     block = -1
     for e in fake.cluster.events:
@@ -153,13 +184,17 @@ def test_sessions_resend_history_with_actual_answers_and_pin_by_placement(
 
     comparisons = compare(result.blocks, Design.parse("OFF-ON"), BootstrapSpec(100))
     assert {(c.metric, c.series) for c in comparisons if c.metric == SESSION} == {
-        (SESSION, "alternate"), (SESSION, "fixed")}
+        (SESSION, "alternate"),
+        (SESSION, "fixed"),
+    }
     assert {c.x for c in comparisons if c.metric == TTFT} == {0, 1, 2}
     alternate_turn1 = next(c for c in comparisons if c.series == "alternate" and c.x == 1)
     assert alternate_turn1.hit_rates[0] == 0.0 and (alternate_turn1.hit_rates[1] or 0.0) > 0.5
 
 
-def test_sessions_without_a_tokenizer_send_token_ids_and_append_answer_ids(fake: RunningFake) -> None:
+def test_sessions_without_a_tokenizer_send_token_ids_and_append_answer_ids(
+    fake: RunningFake,
+) -> None:
     model = load_prompt_model("shape:tiny-llama")
     workload = Sessions(sessions=1, context_tokens=20, turns=3, question_tokens=4, output_tokens=2)
     result = run(workload, fake, model, design="ON")
@@ -170,14 +205,17 @@ def test_sessions_without_a_tokenizer_send_token_ids_and_append_answer_ids(fake:
         assert after.body["tokens"][: len(prior) + 2] == (*prior, 1000, 1001)
         assert len(after.body["tokens"]) == len(prior) + 2 + 4
     # Content is the streamed ids: TTFT still skips the empty first chunk.
-    assert all((r.result.ttft_s or 0.0) >= fake.cluster.first_content_delay_s for r in result.records())
+    assert all(
+        (r.result.ttft_s or 0.0) >= fake.cluster.first_content_delay_s for r in result.records()
+    )
 
 
 def test_shared_prefix_bounds_concurrency_and_shares_few_documents(
     fake: RunningFake, smollm2: PromptModel
 ) -> None:
-    workload = SharedPrefix(documents=2, users=12, concurrency=3, doc_tokens=64, question_tokens=6,
-                            output_tokens=2)
+    workload = SharedPrefix(
+        documents=2, users=12, concurrency=3, doc_tokens=64, question_tokens=6, output_tokens=2
+    )
     fake.cluster.commit_delay_s = 0.0  # concurrent requests do not wait for commits: no racing here
     result = run(workload, fake, smollm2, design="OFF-ON")
     assert fake.cluster.max_in_flight == 3
@@ -186,7 +224,9 @@ def test_shared_prefix_bounds_concurrency_and_shares_few_documents(
     assert {r.replica for r in requests} == {0, 1}
     for block in (requests[:12], requests[12:]):
         assert len({r.body["tokens"][:40] for r in block}) == 2  # two documents per block
-    assert not {r.body["tokens"][:40] for r in requests[:12]} & {r.body["tokens"][:40] for r in requests[12:]}
+    assert not {r.body["tokens"][:40] for r in requests[:12]} & {
+        r.body["tokens"][:40] for r in requests[12:]
+    }
     [ttft] = compare(result.blocks, Design.parse("OFF-ON"), BootstrapSpec(100))
     assert ttft.counts == (12, 12) and (ttft.hit_rates[1] or 0.0) > (ttft.hit_rates[0] or 0.0)
 
@@ -214,13 +254,19 @@ def test_demo_headlines_name_the_longest_context_and_the_session_time(
     from kvshare.bench.demo import headline
 
     design = Design.paired(2)
-    cross = run(CrossReplica(lengths=(40, 80), requests_per_block=1), fake, smollm2, design=design.label)
+    cross = run(
+        CrossReplica(lengths=(40, 80), requests_per_block=1), fake, smollm2, design=design.label
+    )
     line = headline(cross, compare(cross.blocks, design, BootstrapSpec(100)))
     assert line.startswith("cross-replica TTFT at 80 context tokens: OFF ")
     assert "s (n=2), ON " in line and "ON/OFF 0." in line and " over 2 block pairs, " in line
     assert "% less [" in line
-    sessions = run(Sessions(sessions=1, context_tokens=40, turns=2, output_tokens=2), fake, smollm2,
-                   design="OFF-ON")
+    sessions = run(
+        Sessions(sessions=1, context_tokens=40, turns=2, output_tokens=2),
+        fake,
+        smollm2,
+        design="OFF-ON",
+    )
     line = headline(sessions, compare(sessions.blocks, Design.parse("OFF-ON"), BootstrapSpec(100)))
     assert line.startswith("alternate session time (2 turns, 40-token document): OFF ")
     assert "(too few block pairs for a paired interval)" in line
@@ -229,8 +275,15 @@ def test_demo_headlines_name_the_longest_context_and_the_session_time(
 def test_cross_replica_shared_context_prefills_once_per_length_in_pool_on_blocks(
     fake: RunningFake, smollm2: PromptModel
 ) -> None:
-    workload = CrossReplica(lengths=(40, 80), requests_per_block=3, question_tokens=8, output_tokens=3,
-                            source=0, target=0, shared_context=True)
+    workload = CrossReplica(
+        lengths=(40, 80),
+        requests_per_block=3,
+        question_tokens=8,
+        output_tokens=3,
+        source=0,
+        target=0,
+        shared_context=True,
+    )
     run(workload, fake, smollm2, observer=RecordingObserver())
     design = Design.parse("OFF-ON-ON-OFF")
     for block, events in zip(design.blocks, split_blocks(fake.cluster.events)):

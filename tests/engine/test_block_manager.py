@@ -74,7 +74,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return chain
         n = -(-self.WINDOW // BS)
         for length in range(len(chain), 0, -1):
-            if all(self.complete[b] for b in chain[max(0, length - n):length]):
+            if all(self.complete[b] for b in chain[max(0, length - n) : length]):
                 return chain[:length]
         return []
 
@@ -192,8 +192,12 @@ class SlidingWindowMachine(BlockManagerMachine):
     WINDOW = 6  # 2 blocks of 4
 
 
-_SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None,
-                     suppress_health_check=[HealthCheck.too_slow])
+_SETTINGS = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 TestBlockManagerStateful = BlockManagerMachine.TestCase
 TestBlockManagerStateful.settings = _SETTINGS
 TestSlidingWindowStateful = SlidingWindowMachine.TestCase
@@ -201,6 +205,7 @@ TestSlidingWindowStateful.settings = _SETTINGS
 
 
 # ---- examples --------------------------------------------------------------------------
+
 
 def admit(bm: BlockManager, tokens: list[int]) -> list[int]:
     hashes = block_hashes(tokens, BS)
@@ -364,10 +369,16 @@ def test_salted_sequences_share_no_block_with_other_salts() -> None:
     assert bm.match_prefix(chains[0]) == [] and bm.match_prefix(chains[2]) == []
 
 
-@pytest.mark.parametrize(("salt", "says"), [
-    ("", "non-empty"), (5, "must be a string"), (["a"], "must be a string"),
-    ("x" * (MAX_CACHE_SALT_CHARS + 1), "at most"), ("\ud800", "lone surrogate"),
-])
+@pytest.mark.parametrize(
+    ("salt", "says"),
+    [
+        ("", "non-empty"),
+        (5, "must be a string"),
+        (["a"], "must be a string"),
+        ("x" * (MAX_CACHE_SALT_CHARS + 1), "at most"),
+        ("\ud800", "lone surrogate"),
+    ],
+)
 def test_malformed_cache_salts_are_refused(salt: object, says: str) -> None:
     with pytest.raises(ValueError, match=says):
         check_cache_salt(salt)

@@ -43,7 +43,9 @@ def _model_parser() -> argparse.ArgumentParser:
 
 @settings(max_examples=200, deadline=None)
 @given(engine_configs(), st.integers(0, 1 << 31))
-def test_rendered_options_parse_back_to_the_same_config(config: EngineConfig, weights_seed: int) -> None:
+def test_rendered_options_parse_back_to_the_same_config(
+    config: EngineConfig, weights_seed: int
+) -> None:
     parser = argparse.ArgumentParser()
     EngineConfig.add_arguments(parser)
     assert EngineConfig.from_args(parser.parse_args(list(config.to_argv()))) == config
@@ -60,24 +62,35 @@ def test_rendered_options_parse_back_to_the_same_config(config: EngineConfig, we
 def test_every_flagged_field_is_a_flag_of_every_engine_command(command: list[str]) -> None:
     args = build_parser({}).parse_args(command)
     flagged = EngineConfig.flag_values(EngineConfig())
-    assert flagged.keys() >= {"block_size", "cuda_graphs", "enable_prefix_caching", "kv_cache_memory"}
+    assert flagged.keys() >= {
+        "block_size",
+        "cuda_graphs",
+        "enable_prefix_caching",
+        "kv_cache_memory",
+    }
     assert {name: getattr(args, name) for name in flagged} == flagged | (
-        {"gpu_memory_fraction": None} if command == ["up"] else {})
+        {"gpu_memory_fraction": None} if command == ["up"] else {}
+    )
 
 
 def test_fields_without_a_flag_keep_their_defaults() -> None:
-    assert not {"seed", "num_state_snapshots", "snapshot_interval_tokens"} & EngineConfig.flag_values(
-        EngineConfig()).keys()
+    assert (
+        not {"seed", "num_state_snapshots", "snapshot_interval_tokens"}
+        & EngineConfig.flag_values(EngineConfig()).keys()
+    )
     defaults = EngineConfig()
     config = EngineConfig.from_argv(dataclasses.replace(defaults, block_size=32).to_argv())
     assert (config.block_size, config.seed, config.num_state_snapshots) == (32, 0, 8)
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--block-size", "12"], "block_size must be a power of two"),
-    (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
-    (["--attention-backend", "flash"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--block-size", "12"], "block_size must be a power of two"),
+        (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
+        (["--attention-backend", "flash"], "invalid choice"),
+    ],
+)
 def test_invalid_engine_flags_say_why(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EngineConfig.from_argv(argv)

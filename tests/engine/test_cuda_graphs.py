@@ -57,8 +57,13 @@ print(json.dumps(out))
 def test_graph_decode_step_equals_eager_in_the_interpreter() -> None:
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", _SCRIPT, "shape:tiny-llama", "shape:tiny-gemma3"],
-                            env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, "shape:tiny-llama", "shape:tiny-gemma3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     errors = json.loads(result.stdout)
     assert all(e < 1e-5 for e in errors.values()), errors

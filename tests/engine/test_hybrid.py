@@ -26,8 +26,13 @@ def prompt(seed: int, n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def hybrid() -> tuple[LLM, object]:
-    llm = LLM("shape:tiny-qwen3.5", dtype="float32", max_num_batched_tokens=48, weights_seed=5,
-              snapshot_interval_tokens=64)
+    llm = LLM(
+        "shape:tiny-qwen3.5",
+        dtype="float32",
+        max_num_batched_tokens=48,
+        weights_seed=5,
+        snapshot_interval_tokens=64,
+    )
     return llm, hf_model_for(llm.loaded.model)
 
 

@@ -56,8 +56,13 @@ def interpret(script: str, cases: list) -> object:
     """Run script in Triton's interpreter (set before triton is imported: a subprocess)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], env=env,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(cases)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
 
@@ -159,7 +164,9 @@ def chunk_results() -> dict:
 
 
 def test_paged_chunks_match_masked_sdpa_in_the_interpreter(chunk_results: dict) -> None:
-    assert all(e < 1e-5 for e in chunk_results["kernel"]), list(zip(CHUNK_CASES, chunk_results["kernel"]))
+    assert all(e < 1e-5 for e in chunk_results["kernel"]), list(
+        zip(CHUNK_CASES, chunk_results["kernel"])
+    )
     # The explicit-mask reference is the engine's convention (SDPABackend's _causal_mask).
     assert all(e < 1e-5 for e in chunk_results["engine"]), chunk_results["engine"]
 

@@ -108,7 +108,11 @@ def test_smollm2_real_weights_match_hf(smollm2: tuple[LLM, object]) -> None:
     chat = tok.encode_chat([{"role": "user", "content": "Name three colors of the rainbow."}])
     assert len(chat) > llm.config.max_num_batched_tokens
     assert rel_error(engine_last_logits(llm, chat), hf_last_logits(hf, chat)) < 1e-4
-    prompts = [chat, tok.encode("The quick brown fox"), tok.encode_chat([{"role": "user", "content": "Hi"}])]
+    prompts = [
+        chat,
+        tok.encode("The quick brown fox"),
+        tok.encode_chat([{"role": "user", "content": "Hi"}]),
+    ]
     for prompt, out in zip(prompts, llm.generate(prompts, GREEDY_32)):
         assert list(out.token_ids) == hf_greedy(hf, prompt, 32)
     # The chat prefix (system prompt) is now in the GPU-local cache.
@@ -120,7 +124,9 @@ def test_smollm2_real_weights_match_hf(smollm2: tuple[LLM, object]) -> None:
 
 def test_smollm2_answers_a_chat_prompt_in_english(smollm2: tuple[LLM, object]) -> None:
     llm, _ = smollm2
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(max_tokens=48, temperature=0.0))
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(max_tokens=48, temperature=0.0),
+    )
     assert "Paris" in out.text
     assert out.finish_reason == "stop"

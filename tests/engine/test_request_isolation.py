@@ -17,9 +17,16 @@ from kvshare.models.loader import load_model
 VICTIM = "victim"
 REQUESTS = {
     "greedy": (list(range(3, 40)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)),
-    "seeded": (list(range(50, 70)), SamplingParams(max_tokens=8, temperature=0.9, seed=7,
-                                                   ignore_eos=True, logprobs=True, top_logprobs=3)),
-    "top_p": (list(range(80, 95)), SamplingParams(max_tokens=8, top_p=0.5, seed=3, ignore_eos=True)),
+    "seeded": (
+        list(range(50, 70)),
+        SamplingParams(
+            max_tokens=8, temperature=0.9, seed=7, ignore_eos=True, logprobs=True, top_logprobs=3
+        ),
+    ),
+    "top_p": (
+        list(range(80, 95)),
+        SamplingParams(max_tokens=8, top_p=0.5, seed=3, ignore_eos=True),
+    ),
 }
 
 
@@ -29,7 +36,9 @@ def engine() -> LLMEngine:
     return LLMEngine(loaded, EngineConfig(kv_cache_memory=1 << 20, max_num_batched_tokens=64))
 
 
-def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, RequestOutput]:
+def run(
+    engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
+) -> dict[str, RequestOutput]:
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
     done: dict[str, RequestOutput] = {}
@@ -42,7 +51,9 @@ def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
     raise AssertionError("did not finish")
 
 
-def poison(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, value: float, after_tokens: int) -> None:
+def poison(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, value: float, after_tokens: int
+) -> None:
     """The victim's row of logits becomes `value` once it has generated `after_tokens`."""
     real = engine.runner.execute
 
@@ -56,12 +67,17 @@ def poison(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, value: float, aft
     monkeypatch.setattr(engine.runner, "execute", execute)
 
 
-@pytest.mark.parametrize(("value", "temperature"), [(float("nan"), 1.0), (float("nan"), 0.0),
-                                                    (float("inf"), 0.7)])
+@pytest.mark.parametrize(
+    ("value", "temperature"), [(float("nan"), 1.0), (float("nan"), 0.0), (float("inf"), 0.7)]
+)
 def test_a_request_whose_logits_cannot_be_sampled_fails_alone(
-        engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, value: float, temperature: float) -> None:
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, value: float, temperature: float
+) -> None:
     reference = run(engine, REQUESTS)
-    victim = (list(range(100, 130)), SamplingParams(max_tokens=8, temperature=temperature, ignore_eos=True))
+    victim = (
+        list(range(100, 130)),
+        SamplingParams(max_tokens=8, temperature=temperature, ignore_eos=True),
+    )
     poison(engine, monkeypatch, value, after_tokens=2)
     outputs = run(engine, {**REQUESTS, VICTIM: victim})
     failed = outputs.pop(VICTIM)
@@ -75,7 +91,9 @@ def test_a_request_whose_logits_cannot_be_sampled_fails_alone(
     assert engine.blocks.usage == 0.0  # the failed request's blocks were freed too
 
 
-def test_a_failing_append_ends_only_its_request(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_append_ends_only_its_request(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     reference = run(engine, REQUESTS)
     real = engine._append_token
 
@@ -89,13 +107,15 @@ def test_a_failing_append_ends_only_its_request(engine: LLMEngine, monkeypatch: 
     outputs = run(engine, {**REQUESTS, VICTIM: victim})
     failed = outputs.pop(VICTIM)
     assert failed.finish_reason == "error" and "injected fault" in (failed.error or "")
-    assert {rid: out.token_ids for rid, out in outputs.items()} == \
-        {rid: out.token_ids for rid, out in reference.items()}
+    assert {rid: out.token_ids for rid, out in outputs.items()} == {
+        rid: out.token_ids for rid, out in reference.items()
+    }
 
 
 def test_logprobs_come_from_the_raw_distribution(engine: LLMEngine) -> None:
-    params = SamplingParams(max_tokens=4, temperature=0.5, seed=1, ignore_eos=True, logprobs=True,
-                            top_logprobs=5)
+    params = SamplingParams(
+        max_tokens=4, temperature=0.5, seed=1, ignore_eos=True, logprobs=True, top_logprobs=5
+    )
     out = run(engine, {"lp": (list(range(3, 20)), params)})["lp"]
     assert len(out.logprobs) == len(out.top_logprobs) == 4
     for token, logprob, top in zip(out.token_ids, out.logprobs, out.top_logprobs):
@@ -106,4 +126,7 @@ def test_logprobs_come_from_the_raw_distribution(engine: LLMEngine) -> None:
             assert dict(top)[token] == pytest.approx(logprob, abs=1e-5)
     # Raw distribution: the probabilities of the whole vocabulary sum to 1, so the top ones
     # hold at most that (they would sum higher after temperature 0.5 sharpened them).
-    assert all(sum(torch.tensor([v for _, v in top]).exp().tolist()) <= 1 + 1e-5 for top in out.top_logprobs)
+    assert all(
+        sum(torch.tensor([v for _, v in top]).exp().tolist()) <= 1 + 1e-5
+        for top in out.top_logprobs
+    )

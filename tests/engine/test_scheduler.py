@@ -36,6 +36,7 @@ def loaded() -> LoadedModel:
 
 def make_engine(loaded: LoadedModel, num_blocks: int, **options: object) -> LLMEngine:
     """An engine whose block manager has exactly num_blocks (the runner may keep some back)."""
+
     def build(blocks: int) -> LLMEngine:
         return LLMEngine(loaded, EngineConfig(kv_cache_memory=blocks * BLOCK_BYTES, **options))  # type: ignore[arg-type]
 
@@ -63,12 +64,16 @@ class Recorder:
         execute = self.engine.runner.execute
 
         def recording(chunks: list[ScheduledChunk]) -> torch.Tensor | None:
-            self.steps.append([(c.seq, c.seq.num_computed_tokens, c.num_new_tokens) for c in chunks])
+            self.steps.append(
+                [(c.seq, c.seq.num_computed_tokens, c.num_new_tokens) for c in chunks]
+            )
             sched = self.engine.scheduler
             self.admitted.append(len(sched.running))
             self.check_blocks()
             for c in chunks:  # the blocks for this chunk's KV are there before it runs
-                assert len(c.seq.block_table) * BLOCK >= c.seq.num_computed_tokens + c.num_new_tokens
+                assert (
+                    len(c.seq.block_table) * BLOCK >= c.seq.num_computed_tokens + c.num_new_tokens
+                )
             return execute(chunks)
 
         self.engine.runner.execute = recording  # type: ignore[method-assign]
@@ -104,7 +109,9 @@ def drive(engine: LLMEngine, max_steps: int = 2000) -> dict[str, RequestOutput]:
     raise AssertionError(f"engine made no progress to completion in {max_steps} steps")
 
 
-def run(engine: LLMEngine, batch: list[list[int]], params: SamplingParams = GREEDY) -> list[RequestOutput]:
+def run(
+    engine: LLMEngine, batch: list[list[int]], params: SamplingParams = GREEDY
+) -> list[RequestOutput]:
     for i, prompt in enumerate(batch):
         engine.add_request(f"r{i}", prompt, params)
     done = drive(engine)
@@ -136,8 +143,14 @@ def test_preemption_keeps_greedy_outputs(loaded: LoadedModel, solo: LLMEngine) -
 
 
 def test_offline_api_under_preemption(loaded: LoadedModel, solo: LLMEngine) -> None:
-    llm = LLM(MODEL, dtype="float32", weights_seed=3, kv_cache_memory=6 * BLOCK_BYTES,
-              max_num_batched_tokens=32, max_num_seqs=8)
+    llm = LLM(
+        MODEL,
+        dtype="float32",
+        weights_seed=3,
+        kv_cache_memory=6 * BLOCK_BYTES,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+    )
     batch = prompts(5, (5, 40), seed=1)
     outs = llm.generate(batch, GREEDY)
     assert [o.prompt_token_ids for o in outs] == [tuple(p) for p in batch]
@@ -238,7 +251,9 @@ def test_prefix_cache_hit_reuses_full_blocks(loaded: LoadedModel, solo: LLMEngin
     assert second.token_ids == alone(solo, [*prompt, 7])
 
 
-def test_prefix_cache_hit_never_covers_the_last_prompt_token(loaded: LoadedModel, solo: LLMEngine) -> None:
+def test_prefix_cache_hit_never_covers_the_last_prompt_token(
+    loaded: LoadedModel, solo: LLMEngine
+) -> None:
     engine = make_engine(loaded, 16)
     prompt = prompts(1, (48, 48), seed=7)[0]  # exactly 3 blocks, all cached after one run
     first = run(engine, [prompt])[0]
@@ -282,7 +297,9 @@ def test_bad_prompts_are_rejected(loaded: LoadedModel) -> None:
 
 def test_generation_stops_at_max_model_len(loaded: LoadedModel) -> None:
     engine = make_engine(loaded, 16, max_model_len=32)
-    out = run(engine, [[5] * 20], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))[0]
+    out = run(engine, [[5] * 20], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))[
+        0
+    ]
     assert out.finish_reason == "length"
     assert len(out.prompt_token_ids) + len(out.token_ids) == 32
 
@@ -292,7 +309,9 @@ def test_generation_stops_when_the_sequence_fills_the_kv_cache(loaded: LoadedMod
     # forever. It now ends with "length" at the cache's capacity.
     engine = make_engine(loaded, 4)
     assert engine.max_model_len == 64
-    out = run(engine, [[5] * 40], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))[0]
+    out = run(engine, [[5] * 40], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))[
+        0
+    ]
     assert out.finish_reason == "length"
     assert len(out.prompt_token_ids) + len(out.token_ids) == 64
     assert engine.blocks.num_free_blocks == 4

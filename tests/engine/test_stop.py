@@ -51,9 +51,13 @@ def loaded() -> LoadedModel:
     return load_model("shape:tiny-qwen3", dtype="float32", seed=4)
 
 
-def make_engine(loaded: LoadedModel, tokenizer: StubTokenizer | None = None, **options: object) -> LLMEngine:
+def make_engine(
+    loaded: LoadedModel, tokenizer: StubTokenizer | None = None, **options: object
+) -> LLMEngine:
     with_tok = replace(loaded, tokenizer=tokenizer or StubTokenizer())
-    return LLMEngine(with_tok, EngineConfig(kv_cache_memory=1 << 20, max_num_batched_tokens=64, **options))  # type: ignore[arg-type]
+    return LLMEngine(
+        with_tok, EngineConfig(kv_cache_memory=1 << 20, max_num_batched_tokens=64, **options)
+    )  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +83,9 @@ def greedy(**kwargs: object) -> SamplingParams:
 _ids = iter(range(10**6))
 
 
-def run(engine: LLMEngine, params: SamplingParams, prompt: list[int] = PROMPT) -> list[RequestOutput]:
+def run(
+    engine: LLMEngine, params: SamplingParams, prompt: list[int] = PROMPT
+) -> list[RequestOutput]:
     """Every output of one request, step by step (the last one is final)."""
     rid = f"req-{next(_ids)}"
     engine.add_request(rid, prompt, params)
@@ -106,8 +112,8 @@ def test_stop_string_cuts_the_text_before_it(engine: LLMEngine, reference: list[
     stop = second_char(reference[k]) + first_char(reference[k + 1])  # spans two tokens
     out = run(engine, greedy(stop=[stop]))[-1]
     assert out.finish_reason == "stop"
-    assert out.text == text(reference)[:2 * k + 1]
-    assert list(out.token_ids) == reference[:k + 2]  # the token completing the stop string is kept
+    assert out.text == text(reference)[: 2 * k + 1]
+    assert list(out.token_ids) == reference[: k + 2]  # the token completing the stop string is kept
 
 
 def test_stop_string_included_on_request(engine: LLMEngine, reference: list[int]) -> None:
@@ -115,7 +121,7 @@ def test_stop_string_included_on_request(engine: LLMEngine, reference: list[int]
     stop = second_char(reference[k]) + first_char(reference[k + 1])
     out = run(engine, greedy(stop=[stop], include_stop_str_in_output=True))[-1]
     assert out.finish_reason == "stop"
-    assert out.text == text(reference)[:2 * k + 1] + stop
+    assert out.text == text(reference)[: 2 * k + 1] + stop
 
 
 def test_earliest_stop_string_wins(engine: LLMEngine, reference: list[int]) -> None:
@@ -124,17 +130,17 @@ def test_earliest_stop_string_wins(engine: LLMEngine, reference: list[int]) -> N
     later, earlier = second_char(reference[k]), first_char(reference[k])
     out = run(engine, greedy(stop=[later, earlier]))[-1]
     assert out.finish_reason == "stop"
-    assert out.text == text(reference)[:2 * k]
+    assert out.text == text(reference)[: 2 * k]
     assert later not in out.text and earlier not in out.text
     out = run(engine, greedy(stop=[later, earlier], include_stop_str_in_output=True))[-1]
-    assert out.text == text(reference)[:2 * k] + earlier
+    assert out.text == text(reference)[: 2 * k] + earlier
 
 
 def test_stop_token_id_stops_before_its_text(engine: LLMEngine, reference: list[int]) -> None:
     k = new_at(reference)
     out = run(engine, greedy(stop_token_ids=[reference[k]]))[-1]
     assert out.finish_reason == "stop"
-    assert list(out.token_ids) == reference[:k + 1]
+    assert list(out.token_ids) == reference[: k + 1]
     assert out.text == text(reference[:k])
 
 
@@ -143,7 +149,7 @@ def test_eos_gives_stop(loaded: LoadedModel, reference: list[int]) -> None:
     engine = make_engine(loaded, StubTokenizer(eos=[reference[k]]))
     out = run(engine, greedy())[-1]
     assert out.finish_reason == "stop"
-    assert list(out.token_ids) == reference[:k + 1]
+    assert list(out.token_ids) == reference[: k + 1]
     assert out.text == text(reference[:k])
     ignored = run(engine, greedy(ignore_eos=True))[-1]
     assert ignored.finish_reason == "length" and list(ignored.token_ids) == reference
@@ -156,7 +162,9 @@ def test_max_tokens_gives_length(engine: LLMEngine, reference: list[int]) -> Non
 
 
 @pytest.mark.parametrize("limit", ["max_tokens", "max_model_len"])
-def test_length_finish_flushes_held_back_text(loaded: LoadedModel, reference: list[int], limit: str) -> None:
+def test_length_finish_flushes_held_back_text(
+    loaded: LoadedModel, reference: list[int], limit: str
+) -> None:
     # The last token ends inside a character: the final text still shows everything decoded.
     n = 6
     tok = StubTokenizer(partial=[reference[n - 1]])
@@ -183,12 +191,17 @@ STREAM_CASES = {
 
 
 @pytest.mark.parametrize("case", list(STREAM_CASES))
-def test_streamed_deltas_build_the_final_text(engine: LLMEngine, reference: list[int], case: str) -> None:
+def test_streamed_deltas_build_the_final_text(
+    engine: LLMEngine, reference: list[int], case: str
+) -> None:
     k = new_at(reference)
     full = text(reference)
     # SPAN3A: token k's text then one character: after token k, 2 of its 3 characters show.
-    spans = {"SPAN3": full[2 * k + 1:2 * k + 4], "SPAN3A": full[2 * k:2 * k + 3],
-             "SPAN2": full[2 * k + 1:2 * k + 3]}
+    spans = {
+        "SPAN3": full[2 * k + 1 : 2 * k + 4],
+        "SPAN3A": full[2 * k : 2 * k + 3],
+        "SPAN2": full[2 * k + 1 : 2 * k + 3],
+    }
     kwargs = dict(STREAM_CASES[case])
     stops = [kwargs["stop"]] if isinstance(kwargs.get("stop"), str) else kwargs.get("stop", [])
     if stops:
@@ -212,6 +225,7 @@ def test_streamed_deltas_build_the_final_text(engine: LLMEngine, reference: list
 
 # ---- a real model and tokenizer --------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def smollm2() -> LLM:
     try:
@@ -222,7 +236,9 @@ def smollm2() -> LLM:
 
 def test_smollm2_eos_and_stop_strings(smollm2: LLM) -> None:
     tok = smollm2.tokenizer
-    prompt = tok.encode_chat([{"role": "user", "content": "What is the capital of France? Answer in one word."}])
+    prompt = tok.encode_chat(
+        [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    )
     outs = run(smollm2.engine, greedy(max_tokens=24), prompt)
     final = outs[-1]
     # The chat turn ends with an EOS token, which ends the text before itself.
@@ -232,12 +248,14 @@ def test_smollm2_eos_and_stop_strings(smollm2: LLM) -> None:
     assert "".join(o.new_text for o in outs) == final.text
     # A stop string across the boundary of tokens 2 and 3.
     boundary = len(tok.decode(tokens[:2]))
-    stop = final.text[boundary - 2:boundary + 2]
+    stop = final.text[boundary - 2 : boundary + 2]
     cut = final.text.find(stop)
     outs = run(smollm2.engine, greedy(max_tokens=24, stop=[stop]), prompt)
     shown = "".join(o.new_text for o in outs)
     assert outs[-1].finish_reason == "stop" and shown == outs[-1].text == final.text[:cut]
-    included = run(smollm2.engine, greedy(max_tokens=24, stop=[stop], include_stop_str_in_output=True), prompt)
-    assert included[-1].text == final.text[:cut + len(stop)]
+    included = run(
+        smollm2.engine, greedy(max_tokens=24, stop=[stop], include_stop_str_in_output=True), prompt
+    )
+    assert included[-1].text == final.text[: cut + len(stop)]
     short = run(smollm2.engine, greedy(max_tokens=2), prompt)[-1]
     assert short.finish_reason == "length" and list(short.token_ids) == tokens[:2]

@@ -21,24 +21,47 @@ def main() -> None:
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--skip-state-restore", action="store_true",
-                        help="broken variant: restore a hybrid model's KV without its state")
+    parser.add_argument(
+        "--skip-state-restore",
+        action="store_true",
+        help="broken variant: restore a hybrid model's KV without its state",
+    )
     args = parser.parse_args()
     with open(args.prompts) as f:
         prompts = json.load(f)
-    llm = LLM(args.model, dtype="float32", kv_pool=args.pool, chunk_tokens=args.chunk_tokens,
-              max_num_batched_tokens=args.max_num_batched_tokens, weights_seed=3,
-              kv_pool_faults=FaultInjection(skip_state_restore=args.skip_state_restore))
-    outs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
-                                                ignore_eos=True, logprobs=True))
+    llm = LLM(
+        args.model,
+        dtype="float32",
+        kv_pool=args.pool,
+        chunk_tokens=args.chunk_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        weights_seed=3,
+        kv_pool_faults=FaultInjection(skip_state_restore=args.skip_state_restore),
+    )
+    outs = llm.generate(
+        prompts,
+        SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, logprobs=True),
+    )
     if llm.engine.connector is not None:
         llm.engine.connector.wait_idle()
     stats = llm.engine.connector.stats() if llm.engine.connector else {}
-    print(json.dumps({
-        "outputs": [{"token_ids": list(o.token_ids), "logprobs": list(o.logprobs), "gpu_hit": o.gpu_hit_tokens,
-                     "pool_hit": o.pool_hit_tokens, "computed": o.computed_tokens} for o in outs],
-        "stats": stats,
-    }))
+    print(
+        json.dumps(
+            {
+                "outputs": [
+                    {
+                        "token_ids": list(o.token_ids),
+                        "logprobs": list(o.logprobs),
+                        "gpu_hit": o.gpu_hit_tokens,
+                        "pool_hit": o.pool_hit_tokens,
+                        "computed": o.computed_tokens,
+                    }
+                    for o in outs
+                ],
+                "stats": stats,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -38,7 +38,9 @@ def _check(pool: PoolProcess, device: str, trials: int, **overrides: object) -> 
 
 
 @pytest.mark.parametrize("shape, num_chunks", [("tiny-gemma3", 6), ("tiny-llama", 3)])
-def test_cpu_bytes_exact_with_delayed_producers(pool: PoolProcess, shape: str, num_chunks: int) -> None:
+def test_cpu_bytes_exact_with_delayed_producers(
+    pool: PoolProcess, shape: str, num_chunks: int
+) -> None:
     summary = _check(pool, "cpu", 4, shape=shape, num_chunks=num_chunks, delay=0.05)
     assert summary["failed_trials"] == 0, summary
     assert summary["mismatched_bytes"] == 0
@@ -65,7 +67,7 @@ def test_cuda_bytes_exact_with_sleep_on_producing_stream(pool: PoolProcess, shap
 @pytest.mark.cuda
 @pytest.mark.parametrize("broken", ["store", "load"])
 def test_cuda_broken_stream_wait_is_caught_every_trial(pool: PoolProcess, broken: str) -> None:
-    summary = _check(pool, "cuda", CUDA_TRIALS, shape="qwen3-8b", num_chunks=2, delay=0.05,
-                     break_order=broken)
+    summary = _check(
+        pool, "cuda", CUDA_TRIALS, shape="qwen3-8b", num_chunks=2, delay=0.05, break_order=broken
+    )
     assert summary["failed_trials"] == summary["trials"] == CUDA_TRIALS, summary
-

@@ -66,11 +66,17 @@ print(json.dumps({v: {n: case(n, v) for n in CASES} for v in ("kernel", "other-c
 def test_checksum_kernel_equals_the_cpu_checksum_in_the_interpreter() -> None:
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout)
     assert all(out["kernel"].values()), out["kernel"]
     assert not any(out["other-constants"].values()), out["other-constants"]
     # A one-segment row has no second segment for the split to move into.
-    assert out["split-off-by-one"] == {"tiles": False, "one-segment": True, "short": False, "all-ones": False}
+    assert out["split-off-by-one"] == {
+        "tiles": False,
+        "one-segment": True,
+        "short": False,
+        "all-ones": False,
+    }

@@ -189,8 +189,18 @@ def test_ensure_private_dir_creates_tightens_and_refuses(pools: PoolFactory) -> 
 
 
 def _pool_argv(socket_path: str, arena_path: str, *more: str) -> list[str]:
-    return ["pool", "--size", "4MiB", "--slab-size", "1MiB", "--socket", socket_path,
-            "--arena", arena_path, *more]
+    return [
+        "pool",
+        "--size",
+        "4MiB",
+        "--slab-size",
+        "1MiB",
+        "--socket",
+        socket_path,
+        "--arena",
+        arena_path,
+        *more,
+    ]
 
 
 def test_pool_stats_finds_the_running_pool_without_an_address(
@@ -216,9 +226,16 @@ def test_a_second_daemon_on_a_live_arena_refuses_and_the_first_keeps_serving(
     inode = os.stat(arena).st_ino
     other_socket = os.path.join(pools.folder, "other.sock")
     second = subprocess.run(
-        [sys.executable, "-m", "kvshare.kvpool.cli",
-         *_pool_argv(other_socket, arena, "--no-runtime-dir")],
-        env=child_env(), capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "kvshare.kvpool.cli",
+            *_pool_argv(other_socket, arena, "--no-runtime-dir"),
+        ],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert second.returncode == 1
     assert "in use by another live pool daemon" in second.stderr
@@ -237,8 +254,13 @@ def test_a_socket_in_a_folder_others_can_write_is_refused(pools: PoolFactory) ->
     os.chmod(shared, 0o777)
     socket_path = os.path.join(shared, "pool.sock")
     argv = _pool_argv(socket_path, os.path.join(pools.folder, "x.arena"), "--no-runtime-dir")
-    result = subprocess.run([sys.executable, "-m", "kvshare.kvpool.cli", *argv],
-                            env=child_env(), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvshare.kvpool.cli", *argv],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 1
     assert "writable by group or others" in result.stderr
     assert os.listdir(shared) == []
@@ -250,8 +272,11 @@ def test_the_next_start_removes_what_a_killed_daemon_left(pools: PoolFactory) ->
     killed = pools.start()
     os.kill(killed.pid, signal.SIGKILL)
     killed.wait(10)
-    leftovers = [killed.config.socket_path, killed.config.socket_path + ".lock",
-                 killed.config.arena_path]
+    leftovers = [
+        killed.config.socket_path,
+        killed.config.socket_path + ".lock",
+        killed.config.arena_path,
+    ]
     assert all(os.path.exists(path) for path in leftovers)
     pools.start()
     assert not any(os.path.exists(path) for path in leftovers)
@@ -263,8 +288,11 @@ def test_cleanup_removes_dead_daemons_files_and_leaves_live_ones(
     live = pools.start()
     killed = pools.start()
     killed.kill()
-    leftovers = [killed.config.socket_path, killed.config.socket_path + ".lock",
-                 killed.config.arena_path]
+    leftovers = [
+        killed.config.socket_path,
+        killed.config.socket_path + ".lock",
+        killed.config.arena_path,
+    ]
     assert main(["pool", "--cleanup", "--runtime-dir", pools.runtime_dir]) == 0
     out = capsys.readouterr().out
     for path in leftovers:

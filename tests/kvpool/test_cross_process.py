@@ -34,12 +34,28 @@ def pool() -> Iterator[PoolProcess]:
     factory.close()
 
 
-def run_engine(tmp_path: Path, model: str, prompts: list[list[int]], pool: str | None,
-               chunk_tokens: int = 256, hash_seed: str = "0", *extra: str) -> dict:
+def run_engine(
+    tmp_path: Path,
+    model: str,
+    prompts: list[list[int]],
+    pool: str | None,
+    chunk_tokens: int = 256,
+    hash_seed: str = "0",
+    *extra: str,
+) -> dict:
     prompt_file = tmp_path / f"prompts-{uuid.uuid4().hex}.json"
     prompt_file.write_text(json.dumps(prompts))
-    args = [sys.executable, "-m", "tests.kvpool.engine_worker", "--model", model,
-            "--prompts", str(prompt_file), "--chunk-tokens", str(chunk_tokens)]
+    args = [
+        sys.executable,
+        "-m",
+        "tests.kvpool.engine_worker",
+        "--model",
+        model,
+        "--prompts",
+        str(prompt_file),
+        "--chunk-tokens",
+        str(chunk_tokens),
+    ]
     if pool:
         args += ["--pool", pool]
     args += list(extra)
@@ -59,13 +75,19 @@ def random_tokens(seed: int, n: int, vocab: int) -> list[int]:
     [
         ("shape:tiny-llama", 512, 256, 1000),
         ("shape:tiny-llama", 512, 16, 203),
-        ("shape:tiny-gemma3", 512, 256, 700),  # window 64: earlier chunks restore global layers only
+        (
+            "shape:tiny-gemma3",
+            512,
+            256,
+            700,
+        ),  # window 64: earlier chunks restore global layers only
         ("shape:tiny-gemma3", 512, 32, 301),
         ("shape:tiny-qwen3.5", 512, 256, 600),  # hybrid: KV + the state snapshot at 512
     ],
 )
-def test_fresh_process_restores_every_full_chunk(pool: PoolProcess, tmp_path: Path, model: str,
-                                                 vocab: int, chunk: int, context: int) -> None:
+def test_fresh_process_restores_every_full_chunk(
+    pool: PoolProcess, tmp_path: Path, model: str, vocab: int, chunk: int, context: int
+) -> None:
     prefix = random_tokens(context, context, vocab)
     follow_up = prefix + random_tokens(context + 1, 37, vocab)
     # Different hash seeds: keys must not depend on Python's hash() (docs/architecture.md F4).
@@ -85,9 +107,13 @@ def test_smollm2_2k_prompt_restored_in_fresh_process(pool: PoolProcess, tmp_path
     from kvshare.models.packaged import packaged_model_path
 
     tok = read_gguf_tokenizer(packaged_model_path("smollm2-135m"))
-    story = " ".join(f"Chapter {i}: the harbor town kept its lamps lit through the winter storms."
-                     for i in range(150))
-    context = tok.encode_chat([{"role": "user", "content": story}], add_generation_prompt=False)[:2048]
+    story = " ".join(
+        f"Chapter {i}: the harbor town kept its lamps lit through the winter storms."
+        for i in range(150)
+    )
+    context = tok.encode_chat([{"role": "user", "content": story}], add_generation_prompt=False)[
+        :2048
+    ]
     question = tok.encode_chat([{"role": "user", "content": "Summarize the story in one line."}])
     run_engine(tmp_path, "smollm2-135m", [context], pool.address)
     follow_up = context + question
@@ -118,8 +144,9 @@ def test_hybrid_restore_without_its_state_is_caught(pool: PoolProcess, tmp_path:
     follow_up = prefix + random_tokens(22, 30, 512)
     run_engine(tmp_path, "shape:tiny-qwen3.5", [prefix], pool.address)
     correct = run_engine(tmp_path, "shape:tiny-qwen3.5", [follow_up], pool.address)
-    broken = run_engine(tmp_path, "shape:tiny-qwen3.5", [follow_up], pool.address, 256, "0",
-                        "--skip-state-restore")
+    broken = run_engine(
+        tmp_path, "shape:tiny-qwen3.5", [follow_up], pool.address, 256, "0", "--skip-state-restore"
+    )
     without = run_engine(tmp_path, "shape:tiny-qwen3.5", [follow_up], None)
     assert correct["outputs"][0]["pool_hit"] == broken["outputs"][0]["pool_hit"] == 512
     reference = without["outputs"][0]["logprobs"]

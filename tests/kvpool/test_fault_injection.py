@@ -25,6 +25,16 @@ def test_no_faults_break_nothing() -> None:
 def test_kvshare_serve_injects_faults_only_when_an_unsafe_flag_asks() -> None:
     parser = build_parser({})
     assert injected_faults(parser.parse_args(["serve"])) is None
-    args = parser.parse_args(["serve", "--unsafe-break-stream-order", "load", "--unsafe-load-delay", "0.5",
-                              "--unsafe-skip-checksums"])
-    assert injected_faults(args) == FaultInjection(break_order="load", load_delay=0.5, skip_checksums=True)
+    args = parser.parse_args(
+        [
+            "serve",
+            "--unsafe-break-stream-order",
+            "load",
+            "--unsafe-load-delay",
+            "0.5",
+            "--unsafe-skip-checksums",
+        ]
+    )
+    assert injected_faults(args) == FaultInjection(
+        break_order="load", load_delay=0.5, skip_checksums=True
+    )

@@ -228,7 +228,9 @@ def test_an_invalidated_page_leaves_the_index_and_its_slot_waits_for_its_last_pi
     stats = index.stats()
     assert (stats["invalid"], stats["pinned"], stats["invalidated_keys"]) == (0, 0, 1)
     assert stats["free"] == stats["pages"] - 1  # only key 1 is left
-    reserved, _, dropped = index.reserve(A, keys(3, 4, 5), PAYLOAD)  # the 3 other slots, no eviction
+    reserved, _, dropped = index.reserve(
+        A, keys(3, 4, 5), PAYLOAD
+    )  # the 3 other slots, no eviction
     assert dropped == 0 and offsets[1] in {offset for _, offset in reserved}
     assert live_keys(index) == set(keys(1, 3, 4, 5))
 

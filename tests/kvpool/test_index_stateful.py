@@ -62,8 +62,10 @@ class IndexMachine(RuleBasedStateMachine):
 
     def taken(self) -> dict[int, int]:
         """Every slot in use, live or invalidated: offset -> slot bytes."""
-        return {**{self.offset[k]: self.slot[k] for k in self.offset},
-                **{offset: slot for offset, (slot, _) in self.invalid.items()}}
+        return {
+            **{self.offset[k]: self.slot[k] for k in self.offset},
+            **{offset: slot for offset, (slot, _) in self.invalid.items()},
+        }
 
     def has_room(self, slot: int) -> bool:
         """A class has a free slot in its slabs, or a free slab exists (empty slabs
@@ -104,7 +106,9 @@ class IndexMachine(RuleBasedStateMachine):
     def held(self, conn: int) -> int:
         reserved = sum(self.slot[k] for k, owner in self.owner.items() if owner == conn)
         leased = sum(
-            self.slot[k] for holder, run, _ in self.live_leases.values() if holder == conn
+            self.slot[k]
+            for holder, run, _ in self.live_leases.values()
+            if holder == conn
             for k in run
         )
         return reserved + leased
@@ -251,7 +255,9 @@ class IndexMachine(RuleBasedStateMachine):
             return
         _, run, offsets = self.live_leases[lease]
         keys = data.draw(st.lists(st.sampled_from(run + self.candidates()), max_size=4))
-        doomed = {k: o for k, o in zip(run, offsets, strict=True) if k in keys and self.offset.get(k) == o}
+        doomed = {
+            k: o for k, o in zip(run, offsets, strict=True) if k in keys and self.offset.get(k) == o
+        }
         assert self.index.invalidate(conn, lease, keys) == len(doomed)
         for key, offset in doomed.items():
             self.invalid[offset] = [self.slot[key], self.pins.pop(key)]
@@ -307,7 +313,10 @@ class IndexMachine(RuleBasedStateMachine):
         stats = self.index.stats()
         slabs = 0
         for klass in stats["classes"]:
-            assert klass["free"] + klass["reserved"] + klass["committed"] + klass["invalid"] == klass["pages"]
+            assert (
+                klass["free"] + klass["reserved"] + klass["committed"] + klass["invalid"]
+                == klass["pages"]
+            )
             assert klass["pages"] == klass["slabs"] * klass["slots_per_slab"]
             assert klass["free"] >= 0
             slabs += klass["slabs"]

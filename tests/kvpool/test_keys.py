@@ -206,7 +206,9 @@ def test_a_request_salt_is_separate_from_the_namespace_salt() -> None:
     """A request salt never lands on the chain of a deployment salted with the same text."""
     tokens = list(range(32))
     salted_deployment = dataclasses.replace(NAMESPACE, cache_salt="tenant-a")
-    assert not set(chunk_keys(NAMESPACE, tokens, "tenant-a")) & set(chunk_keys(salted_deployment, tokens))
+    assert not set(chunk_keys(NAMESPACE, tokens, "tenant-a")) & set(
+        chunk_keys(salted_deployment, tokens)
+    )
 
 
 @pytest.mark.parametrize("salt", ["", 7, b"tenant"])

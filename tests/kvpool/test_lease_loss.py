@@ -32,7 +32,7 @@ PROMPT = [_rng.randrange(3, 512) for _ in range(4 * CHUNK + 20)]
 # Shares 150 tokens with PROMPT: a GPU prefix hit on its blocks, window reaching into chunk 1.
 BRANCH = PROMPT[:150] + [_rng.randrange(3, 512) for _ in range(40)]
 # Shares 3 chunks with PROMPT: restored from the pool, chunk 2 with every layer.
-FOLLOW_UP = PROMPT[:3 * CHUNK] + [_rng.randrange(3, 512) for _ in range(40)]
+FOLLOW_UP = PROMPT[: 3 * CHUNK] + [_rng.randrange(3, 512) for _ in range(40)]
 SEEDED = SamplingParams(max_tokens=4, temperature=1.0, seed=99, ignore_eos=True)
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
@@ -45,8 +45,15 @@ def pool() -> Iterator[PoolProcess]:
 
 
 def replica(pool: PoolProcess, faults: FaultInjection | None = None) -> LLM:
-    llm = LLM("shape:tiny-gemma3", dtype="float32", kv_pool=pool.address, weights_seed=3,
-              chunk_tokens=CHUNK, kv_cache_memory=8 << 20, kv_pool_faults=faults)
+    llm = LLM(
+        "shape:tiny-gemma3",
+        dtype="float32",
+        kv_pool=pool.address,
+        weights_seed=3,
+        chunk_tokens=CHUNK,
+        kv_cache_memory=8 << 20,
+        kv_pool_faults=faults,
+    )
     connector_of(llm).client.retry_interval = 0.0  # reconnect at the first call after the restart
     return llm
 
@@ -78,8 +85,14 @@ def restart_pool_before_first_verification(connector: PoolConnector, pool: PoolP
 def test_a_restore_whose_lease_died_with_the_daemon_is_recomputed(pool: PoolProcess) -> None:
     first, second = replica(pool), replica(pool, FaultInjection(load_delay=0.5))
     connector_of(first).set_enabled(False)
-    expected = {name: generate(first, prompt, params).token_ids for name, prompt, params in (
-        ("prompt", PROMPT, SEEDED), ("branch", BRANCH, GREEDY), ("follow_up", FOLLOW_UP, GREEDY))}
+    expected = {
+        name: generate(first, prompt, params).token_ids
+        for name, prompt, params in (
+            ("prompt", PROMPT, SEEDED),
+            ("branch", BRANCH, GREEDY),
+            ("follow_up", FOLLOW_UP, GREEDY),
+        )
+    }
     first.engine.reset_prefix_cache()
     connector_of(first).set_enabled(True)
     generate(first, PROMPT, GREEDY)  # the prompt's 4 chunks go to the pool

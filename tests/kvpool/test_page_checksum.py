@@ -51,8 +51,12 @@ def test_checksum_is_the_documented_function_of_key_words_and_position() -> None
     k0, k1, k2, k3 = (int(k) for k in checksum_constants(KEY))
     assert k1 % 2 == 1 and k3 % 2 == 1
     first = 77  # a segment that starts at word 77 of its page
-    lane_a = sum(fmix64(((int(w) ^ k0) + (first + i) * k1) % WRAP) for i, w in enumerate(words)) % WRAP
-    lane_b = sum(fmix64(((int(w) ^ k2) + (first + i) * k3) % WRAP) for i, w in enumerate(words)) % WRAP
+    lane_a = (
+        sum(fmix64(((int(w) ^ k0) + (first + i) * k1) % WRAP) for i, w in enumerate(words)) % WRAP
+    )
+    lane_b = (
+        sum(fmix64(((int(w) ^ k2) + (first + i) * k3) % WRAP) for i, w in enumerate(words)) % WRAP
+    )
     assert payload_checksum(words, checksum_constants(KEY), first).tolist() == [lane_a, lane_b]
 
 
@@ -84,22 +88,30 @@ def crafted_pair_swaps(words: np.ndarray, i: int, j: int) -> tuple[np.ndarray, n
 
 
 @given(st.integers(0, 509), st.integers(1, WRAP - 1), st.integers(0, 2**32))
-def test_plus_minus_rewrite_passes_the_old_checksum_and_fails_the_new(i: int, d: int, seed: int) -> None:
+def test_plus_minus_rewrite_passes_the_old_checksum_and_fails_the_new(
+    i: int, d: int, seed: int
+) -> None:
     words = page_words(seed)
     rewritten = plus_minus_rewrite(words, i, d)
     assert not np.array_equal(rewritten, words)
     assert old_checksum(rewritten) == old_checksum(words)
     constants = checksum_constants(KEY)
-    assert not np.array_equal(payload_checksum(rewritten, constants), payload_checksum(words, constants))
+    assert not np.array_equal(
+        payload_checksum(rewritten, constants), payload_checksum(words, constants)
+    )
 
 
 @given(st.integers(0, 200), st.integers(300, 510), st.integers(0, 2**32))
-def test_crafted_word_swaps_pass_the_old_checksum_and_fail_the_new(i: int, j: int, seed: int) -> None:
+def test_crafted_word_swaps_pass_the_old_checksum_and_fail_the_new(
+    i: int, j: int, seed: int
+) -> None:
     words, swapped = crafted_pair_swaps(page_words(seed), i, j)
     assert not np.array_equal(swapped, words)
     assert old_checksum(swapped) == old_checksum(words)
     constants = checksum_constants(KEY)
-    assert not np.array_equal(payload_checksum(swapped, constants), payload_checksum(words, constants))
+    assert not np.array_equal(
+        payload_checksum(swapped, constants), payload_checksum(words, constants)
+    )
 
 
 def test_same_bytes_under_another_key_or_position_checksum_differently() -> None:
@@ -127,7 +139,9 @@ def harness(pool: PoolProcess) -> Iterator[ConnectorHarness]:
     # tiny-gemma3 at 32-token chunks: 48 KiB pages, and a 64-token window, so a one-chunk
     # restore reads the whole page (both checksummed segments).
     options = ConnectorOptions(chunk_tokens=32)
-    made = ConnectorHarness(pool.address, "tiny-gemma3", "cpu", torch.float32, 16, uuid.uuid4().hex, options)
+    made = ConnectorHarness(
+        pool.address, "tiny-gemma3", "cpu", torch.float32, 16, uuid.uuid4().hex, options
+    )
     yield made
     made.connector.close()
 
@@ -137,7 +151,9 @@ def trials() -> Iterator[int]:
     return itertools.count()
 
 
-def flip_and_restore(harness: ConnectorHarness, trial: int, where: int, bit: int) -> tuple[int, bool]:
+def flip_and_restore(
+    harness: ConnectorHarness, trial: int, where: int, bit: int
+) -> tuple[int, bool]:
     """Store trial's page, flip one bit at byte `where` of its slot, restore it."""
     key = harness.store_pattern(trial, 1)[0]
     client = harness.connector.client
@@ -162,10 +178,15 @@ def test_an_intact_page_restores(harness: ConnectorHarness, trials: Iterator[int
 @settings(max_examples=60, deadline=None)
 @given(where=st.data(), bit=st.integers(0, 7))
 def test_any_flipped_bit_of_header_or_payload_fails_the_restore(
-        harness: ConnectorHarness, trials: Iterator[int], where: st.DataObject, bit: int) -> None:
+    harness: ConnectorHarness, trials: Iterator[int], where: st.DataObject, bit: int
+) -> None:
     payload = harness.connector.layout.payload_bytes if harness.connector.layout else 0
-    at = where.draw(st.one_of(st.integers(0, HEADER_BYTES - 1),
-                              st.integers(HEADER_BYTES, HEADER_BYTES + payload - 1)), label="byte")
+    at = where.draw(
+        st.one_of(
+            st.integers(0, HEADER_BYTES - 1), st.integers(HEADER_BYTES, HEADER_BYTES + payload - 1)
+        ),
+        label="byte",
+    )
     failures = harness.connector.counters["load_failures"]
     hit, ok = flip_and_restore(harness, next(trials), at, bit)
     assert hit == 32 and not ok

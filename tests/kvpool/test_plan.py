@@ -11,8 +11,14 @@ from kvshare.kvpool.plan import plan_load, plan_store, storable_chunks
 from kvshare.kvpool.verify import checksums_match, header_matches
 
 # 2 blocks per page; 3 cache slots, the first 2 global, 128 bytes each
-LAYOUT = PageLayout(chunk_tokens=32, block_size=16, num_slots=3, num_global_slots=2, slot_bytes=128,
-                    dtype=torch.float32)
+LAYOUT = PageLayout(
+    chunk_tokens=32,
+    block_size=16,
+    num_slots=3,
+    num_global_slots=2,
+    slot_bytes=128,
+    dtype=torch.float32,
+)
 
 
 def page(j: int, checksum: bytes = b"") -> PageRef:
@@ -50,7 +56,9 @@ def test_a_store_copies_complete_reserved_chunks_chained_to_their_parents() -> N
     keys = [bytes([j]) * 16 for j in range(4)]
     table = list(range(8))
     incomplete = {3}
-    chunks = storable_chunks(0, 4, table, LAYOUT.blocks_per_page, lambda bs: not set(bs) & incomplete)
+    chunks = storable_chunks(
+        0, 4, table, LAYOUT.blocks_per_page, lambda bs: not set(bs) & incomplete
+    )
     assert chunks == [0, 2, 3]  # chunk 1 (blocks 2, 3) is incomplete
     reserved = {keys[0]: page(0), keys[3]: page(3)}  # chunk 2 is in the pool already
     plan = plan_store(chunks, keys, reserved, table, LAYOUT, chain_seed=b"seed")

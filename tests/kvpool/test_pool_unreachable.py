@@ -26,7 +26,11 @@ def pool() -> Iterator[PoolProcess]:
 
 
 def pool_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "kv pool" in r.getMessage()]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and "kv pool" in r.getMessage()
+    ]
 
 
 def test_an_unreachable_pool_is_one_warning_naming_the_address_and_the_reason(
@@ -35,12 +39,16 @@ def test_an_unreachable_pool_is_one_warning_naming_the_address_and_the_reason(
     with caplog.at_level(logging.WARNING):
         llm = LLM(MODEL, dtype="float32", kv_pool=MISSING)
     [warning] = pool_warnings(caplog)
-    assert warning.startswith(f"kv pool {MISSING} unreachable (No such file or directory): running without")
+    assert warning.startswith(
+        f"kv pool {MISSING} unreachable (No such file or directory): running without"
+    )
     assert "--require-kv-pool" in warning
     assert llm.generate([[5, 6, 7]])[0].token_ids  # and the engine serves without it
 
 
-def test_a_reachable_pool_prints_no_warning(pool: PoolProcess, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_reachable_pool_prints_no_warning(
+    pool: PoolProcess, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level(logging.WARNING):
         LLM(MODEL, dtype="float32", kv_pool=pool.address, require_kv_pool=True)
     assert not pool_warnings(caplog)
@@ -54,11 +62,14 @@ def test_require_kv_pool_makes_it_an_error(caplog: pytest.LogCaptureFixture) -> 
 
 @pytest.mark.parametrize("command", [["generate", "7 8 9"], ["serve", "--port", "0"]])
 def test_the_commands_exit_2_with_one_sentence_and_no_traceback(
-    command: list[str], capsys: pytest.CaptureFixture[str],
+    command: list[str],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert main([*command, "--model", MODEL, "--kv-pool", MISSING, "--require-kv-pool"]) == 2
     err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
-    assert f"kv pool {MISSING} unreachable (No such file or directory) and a pool is required" in err
+    assert (
+        f"kv pool {MISSING} unreachable (No such file or directory) and a pool is required" in err
+    )
     assert "Traceback" not in err
 
 

@@ -60,7 +60,7 @@ def answer(llm: LLM, params: SamplingParams = GREEDY) -> RequestOutput:
 def corrupt_chunk(connector: PoolConnector, chunk: int, fill: bytes = b"\x7f") -> None:
     """Overwrite 64 payload bytes of a committed page with `fill` (0x7f: large finite floats)."""
     keys = chunk_keys(connector.namespace, PROMPT)
-    found = connector.client.lookup(keys[:chunk + 1])
+    found = connector.client.lookup(keys[: chunk + 1])
     assert len(found.pages) == chunk + 1, "the prompt's chunks are not all in the pool"
     page = found.pages[chunk]
     connector.client.arena.view(page.offset + HEADER_BYTES + 4096, 64)[:] = fill * 64
@@ -96,7 +96,9 @@ def test_a_corrupt_restore_is_discarded_and_recomputed(llm: LLM, reference: Requ
     assert blocks.num_free_blocks == blocks.num_blocks  # the discarded restore leaked nothing
 
 
-def test_unverified_the_corrupt_page_would_change_the_answer(llm: LLM, reference: RequestOutput) -> None:
+def test_unverified_the_corrupt_page_would_change_the_answer(
+    llm: LLM, reference: RequestOutput
+) -> None:
     connector = connector_of(llm)
     corrupt_chunk(connector, 1)
     faults = connector.faults
@@ -126,11 +128,14 @@ def test_a_failed_restore_draws_no_sample(llm: LLM, reference: RequestOutput, fi
 
 
 def test_a_corrupt_page_leaves_the_pool_at_its_first_detection(
-        llm: LLM, reference: RequestOutput, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    llm: LLM, reference: RequestOutput, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
     connector = connector_of(llm)
     failures = connector.counters["checksum_failures"]
     corrupt_chunk(connector, 1)
-    monkeypatch.setattr(connector, "store", lambda *args, **kwargs: None)  # the recompute stores nothing
+    monkeypatch.setattr(
+        connector, "store", lambda *args, **kwargs: None
+    )  # the recompute stores nothing
     assert answer(llm).pool_hit_tokens == 0
     other = PoolClient(pool.address)  # another replica's client
     found = other.lookup(chunk_keys(connector.namespace, PROMPT))
@@ -139,7 +144,9 @@ def test_a_corrupt_page_leaves_the_pool_at_its_first_detection(
     assert len(found.pages) == 1, "the corrupt page is still served to other readers"
     assert connector.counters["invalidated_pages"] >= 1
     monkeypatch.undo()
-    assert answer(llm).pool_hit_tokens == 256  # chunk 0 restores; chunk 1 is computed and stored again
+    assert (
+        answer(llm).pool_hit_tokens == 256
+    )  # chunk 0 restores; chunk 1 is computed and stored again
     again = answer(llm)
     assert again.pool_hit_tokens == 512 and again.token_ids == reference.token_ids
     assert connector.counters["checksum_failures"] == failures + 1

@@ -16,9 +16,17 @@ from kvshare.kvpool.transfer_cpu import ThreadTransfer
 from kvshare.models.presets import shape_preset
 
 
-@given(st.lists(st.sampled_from([64, 128, 4096]), max_size=40), st.integers(4096, 40000), st.integers(1, 9))
-def test_page_groups_cover_every_copy_in_order(sizes: list[int], staging: int, max_pages: int) -> None:
-    copies = [PageCopy(offset=i * 8192, nbytes=n, blocks=(i,), key=bytes(16)) for i, n in enumerate(sizes)]
+@given(
+    st.lists(st.sampled_from([64, 128, 4096]), max_size=40),
+    st.integers(4096, 40000),
+    st.integers(1, 9),
+)
+def test_page_groups_cover_every_copy_in_order(
+    sizes: list[int], staging: int, max_pages: int
+) -> None:
+    copies = [
+        PageCopy(offset=i * 8192, nbytes=n, blocks=(i,), key=bytes(16)) for i, n in enumerate(sizes)
+    ]
     groups = page_groups(copies, staging, max_pages)
     assert [i for g in groups for i in g] == list(range(len(copies)))
     for g in groups:
@@ -28,13 +36,17 @@ def test_page_groups_cover_every_copy_in_order(sizes: list[int], staging: int, m
     # Maximal runs: a group ends only when full, at a size change or at the end.
     for g, nxt in pairwise(groups):
         size = copies[g.start].nbytes
-        assert len(g) == max_pages or (len(g) + 1) * size > staging or copies[nxt.start].nbytes != size
+        assert (
+            len(g) == max_pages or (len(g) + 1) * size > staging or copies[nxt.start].nbytes != size
+        )
 
 
 def test_cpu_transfer_checksums_each_segment_at_its_place_in_the_page() -> None:
     """A store checksums both segments of a page under its key, each word at its index in
     the page; a load of the whole page, or of its global prefix, gives the same bits."""
-    cache = KVCacheLayout.allocate(shape_preset("tiny-gemma3"), 8, 16, torch.float32, torch.device("cpu"))
+    cache = KVCacheLayout.allocate(
+        shape_preset("tiny-gemma3"), 8, 16, torch.float32, torch.device("cpu")
+    )
     cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(2)))
     layout = PageLayout.of(cache, 32)
     transfer = ThreadTransfer(cache.kv, layout)
@@ -42,9 +54,15 @@ def test_cpu_transfer_checksums_each_segment_at_its_place_in_the_page() -> None:
     key = bytes(range(16))
     stored = transfer.store([PageCopy(0, layout.payload_bytes, (5, 2), key)])
     stored.wait()
-    words, constants, split = payload_words(transfer.arena), checksum_constants(key), layout.global_bytes // 8
-    expected = [payload_checksum(words[:split], constants).tobytes(),
-                payload_checksum(words[split:], constants, split).tobytes()]
+    words, constants, split = (
+        payload_words(transfer.arena),
+        checksum_constants(key),
+        layout.global_bytes // 8,
+    )
+    expected = [
+        payload_checksum(words[:split], constants).tobytes(),
+        payload_checksum(words[split:], constants, split).tobytes(),
+    ]
     assert stored.checksums() == [expected]
     whole = transfer.load([PageCopy(0, layout.payload_bytes, (1, 3), key)])
     prefix = transfer.load([PageCopy(0, layout.global_bytes, (4, 6), key)])
@@ -58,7 +76,9 @@ def test_cpu_transfer_checksums_each_segment_at_its_place_in_the_page() -> None:
 def test_cpu_store_of_a_global_only_page_writes_only_that_page() -> None:
     """A page that holds the first slots only gets exactly those bytes; the arena bytes
     after it (the next page) stay as they were."""
-    cache = KVCacheLayout.allocate(shape_preset("tiny-gemma3"), 8, 16, torch.float32, torch.device("cpu"))
+    cache = KVCacheLayout.allocate(
+        shape_preset("tiny-gemma3"), 8, 16, torch.float32, torch.device("cpu")
+    )
     cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(1)))
     layout = PageLayout.of(cache, 32)
     transfer = ThreadTransfer(cache.kv, layout)
@@ -68,5 +88,5 @@ def test_cpu_store_of_a_global_only_page_writes_only_that_page() -> None:
     transfer.store([PageCopy(offset=0, nbytes=nbytes, blocks=(5, 2), key=bytes(16))]).wait()
     assert 0 < nbytes < layout.payload_bytes
     assert bool((arena[nbytes:] == 0x5A).all())
-    expected = cache.kv[:layout.num_global_slots][:, :, [5, 2]]
+    expected = cache.kv[: layout.num_global_slots][:, :, [5, 2]]
     assert torch.equal(transfer.page_view(arena, nbytes), expected)

@@ -17,8 +17,14 @@ from kvshare.models.decoder import CausalLM
 
 
 class DenseContext:
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 *, carry_state: bool = True) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        *,
+        carry_state: bool = True,
+    ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -36,8 +42,16 @@ class DenseContext:
         bounds = itertools.accumulate(self.seq_lens, initial=0)
         return [slice(a, b) for a, b in itertools.pairwise(bounds)]
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-               scale: float, window: int | None) -> torch.Tensor:
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
         outs = []
         for seq, segment in zip(self.seq_ids, self._segments()):
             old_k, old_v = self.kv.get((seq, layer), (k[:0], v[:0]))
@@ -51,11 +65,21 @@ class DenseContext:
         convs, recs = [], []
         for seq in self.seq_ids:
             conv, rec = self.states.get((seq, layer), (None, None))
-            convs.append(torch.zeros(conv_shape, dtype=self.dtype, device=self.device) if conv is None else conv)
-            recs.append(torch.zeros(rec_shape, dtype=torch.float32, device=self.device) if rec is None else rec)
+            convs.append(
+                torch.zeros(conv_shape, dtype=self.dtype, device=self.device)
+                if conv is None
+                else conv
+            )
+            recs.append(
+                torch.zeros(rec_shape, dtype=torch.float32, device=self.device)
+                if rec is None
+                else rec
+            )
         return torch.stack(convs), torch.stack(recs)
 
-    def save_state(self, layer: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
+    def save_state(
+        self, layer: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor
+    ) -> None:
         assert conv_state.dtype == self.dtype and recurrent_state.dtype == torch.float32
         assert conv_state.shape == (len(self.seq_ids), *self.config.conv_state_shape)
         assert recurrent_state.shape == (len(self.seq_ids), *self.config.recurrent_state_shape)
@@ -64,8 +88,9 @@ class DenseContext:
                 self.states[seq, layer] = conv_state[i], recurrent_state[i]
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      window: int | None) -> torch.Tensor:
+def _causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None
+) -> torch.Tensor:
     """HF eager attention for the last len(q) of len(k) positions: q [Tq, Hq, D], k/v [Tk, Hkv, D]."""
     repeat = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
@@ -81,21 +106,32 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 
 @torch.inference_mode()
-def forward_step(model: CausalLM, ctx: DenseContext, steps: Sequence[tuple[str, Sequence[int], int]]) -> torch.Tensor:
+def forward_step(
+    model: CausalLM, ctx: DenseContext, steps: Sequence[tuple[str, Sequence[int], int]]
+) -> torch.Tensor:
     """One step over (sequence id, new tokens, position of the first) triples: logits [T, V]."""
     ctx.begin_step([s for s, _, _ in steps], [len(t) for _, t, _ in steps])
     ids = torch.tensor([t for _, tokens, _ in steps for t in tokens], device=ctx.device)
-    positions = torch.tensor([p + i for _, tokens, p in steps for i in range(len(tokens))], device=ctx.device)
+    positions = torch.tensor(
+        [p + i for _, tokens, p in steps for i in range(len(tokens))], device=ctx.device
+    )
     return model.compute_logits(model(ids, positions, ctx))
 
 
-def greedy(model: CausalLM, ctx: DenseContext, prompt: list[int], n: int, *,
-           pieces: Sequence[int] = (), seq: str = "s") -> tuple[torch.Tensor, list[int]]:
+def greedy(
+    model: CausalLM,
+    ctx: DenseContext,
+    prompt: list[int],
+    n: int,
+    *,
+    pieces: Sequence[int] = (),
+    seq: str = "s",
+) -> tuple[torch.Tensor, list[int]]:
     """Prefill `prompt` in steps of the given piece sizes (the rest in one last step), then
     decode n greedy tokens one per step. Returns (logits of the prompt's last token, tokens)."""
     done = 0
     for size in (*pieces, len(prompt) - sum(pieces)):
-        logits = forward_step(model, ctx, [(seq, prompt[done:done + size], done)])
+        logits = forward_step(model, ctx, [(seq, prompt[done : done + size], done)])
         done += size
     last = logits[-1]
     tokens = [int(last.argmax())]

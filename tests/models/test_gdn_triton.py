@@ -30,15 +30,27 @@ CASES = [
 ]
 
 
-def random_inputs(seq_lens: tuple[int, ...], key_heads: int, value_heads: int, key_dim: int,
-                  value_dim: int, dtype: torch.dtype, device: str = "cpu") -> list[torch.Tensor]:
+def random_inputs(
+    seq_lens: tuple[int, ...],
+    key_heads: int,
+    value_heads: int,
+    key_dim: int,
+    value_dim: int,
+    dtype: torch.dtype,
+    device: str = "cpu",
+) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(sum(seq_lens) + key_dim)
     tokens = sum(seq_lens)
     # q, k, v as the module passes them: views into one projection row per token.
     qkv = torch.randn(tokens, 2 * key_heads * key_dim + value_heads * value_dim, generator=gen)
-    q, k, v = qkv.to(dtype).split((key_heads * key_dim, key_heads * key_dim, value_heads * value_dim), -1)
+    q, k, v = qkv.to(dtype).split(
+        (key_heads * key_dim, key_heads * key_dim, value_heads * value_dim), -1
+    )
     return [
-        *(x.to(device).view(tokens, -1, d) for x, d in ((q, key_dim), (k, key_dim), (v, value_dim))),
+        *(
+            x.to(device).view(tokens, -1, d)
+            for x, d in ((q, key_dim), (k, key_dim), (v, value_dim))
+        ),
         (-torch.rand(tokens, value_heads, generator=gen) * 2.0).to(device),
         torch.rand(tokens, value_heads, generator=gen).to(device),
         torch.randn(len(seq_lens), value_heads, key_dim, value_dim, generator=gen).to(device),
@@ -52,13 +64,19 @@ def errors(case: tuple, device: str = "cpu") -> tuple[float, float]:
     inputs = random_inputs(tuple(seq_lens), *shape, getattr(torch, dtype), device)
     out, final = gdn_triton.gated_delta_rule(*inputs, tuple(seq_lens))
     ref_out, ref_final = gated_delta_rule_reference(*(x.cpu() for x in inputs), tuple(seq_lens))
-    rel = [((a.cpu() - b).norm() / b.norm()).item() for a, b in ((out, ref_out), (final, ref_final))]
+    rel = [
+        ((a.cpu() - b).norm() / b.norm()).item() for a, b in ((out, ref_out), (final, ref_final))
+    ]
     return rel[0], rel[1]
 
 
 # (seq_lens, channels, dtype) of the causal conv: segments shorter than its state, several
 # sequences, channel counts that are no multiple of the kernel's block.
-CONV_CASES = [((9, 2, 1, 5), 24, "float32"), ((70,), 200, "float32"), ((3, 130, 1), 136, "bfloat16")]
+CONV_CASES = [
+    ((9, 2, 1, 5), 24, "float32"),
+    ((70,), 200, "float32"),
+    ((3, 130, 1), 136, "bfloat16"),
+]
 
 
 def conv_errors(case: tuple, device: str = "cpu") -> tuple[float, bool]:
@@ -66,7 +84,10 @@ def conv_errors(case: tuple, device: str = "cpu") -> tuple[float, bool]:
 
     seq_lens, channels, dtype = case
     gen = torch.Generator().manual_seed(channels)
-    x, weight = torch.randn(sum(seq_lens), channels, generator=gen), torch.randn(channels, 4, generator=gen)
+    x, weight = (
+        torch.randn(sum(seq_lens), channels, generator=gen),
+        torch.randn(channels, 4, generator=gen),
+    )
     state = torch.randn(len(seq_lens), channels, 3, generator=gen)
     args = [t.to(getattr(torch, dtype)) for t in (x, weight, state)]
     out, new_state = gdn_triton.causal_conv1d(*(t.to(device) for t in args), tuple(seq_lens))
@@ -90,23 +111,35 @@ def tolerance(dtype: str) -> float:
 def test_kernels_match_the_reference_in_the_interpreter() -> None:
     pytest.importorskip("triton")  # a test dependency on x86-64 Linux (pyproject.toml)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps([CASES, CONV_CASES])], env=env,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, json.dumps([CASES, CONV_CASES])],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rule, conv = json.loads(result.stdout)
     for case, (out_err, state_err) in zip(CASES, rule):
-        assert out_err < tolerance(case[-1]) and state_err < tolerance(case[-1]), (case, out_err, state_err)
+        assert out_err < tolerance(case[-1]) and state_err < tolerance(case[-1]), (
+            case,
+            out_err,
+            state_err,
+        )
     for case, (out_err, state_equal) in zip(CONV_CASES, conv):
         assert out_err < tolerance(case[-1]) and state_equal, (case, out_err)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", [
-    *CASES,
-    ((4096,), 16, 48, 128, 128, "bfloat16"),  # Qwen3.5-27B's heads
-    ((1000, 1, 333, 64), 16, 48, 128, 128, "float32"),
-    ((1,) * 32, 16, 48, 128, 128, "bfloat16"),
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        *CASES,
+        ((4096,), 16, 48, 128, 128, "bfloat16"),  # Qwen3.5-27B's heads
+        ((1000, 1, 333, 64), 16, 48, 128, 128, "float32"),
+        ((1,) * 32, 16, 48, 128, 128, "bfloat16"),
+    ],
+)
 def test_kernels_match_the_reference_on_cuda(case: tuple) -> None:
     out_err, state_err = errors(case, "cuda")
     # TF32 matmuls for 16-bit inputs: a little looser than their own rounding.
@@ -128,8 +161,11 @@ def test_tiny_model_on_cuda_matches_cpu() -> None:
     cpu = load_model("shape:tiny-qwen3.5", seed=7).model
     gpu = load_model("shape:tiny-qwen3.5", seed=7, device="cuda").model
     prompt = list(range(3, 150))
-    cpu_last, cpu_tokens = greedy(cpu, DenseContext(cpu.config, torch.float32), prompt, 16, pieces=(70,))
-    gpu_last, gpu_tokens = greedy(gpu, DenseContext(gpu.config, torch.float32, "cuda"), prompt, 16,
-                                  pieces=(70,))
+    cpu_last, cpu_tokens = greedy(
+        cpu, DenseContext(cpu.config, torch.float32), prompt, 16, pieces=(70,)
+    )
+    gpu_last, gpu_tokens = greedy(
+        gpu, DenseContext(gpu.config, torch.float32, "cuda"), prompt, 16, pieces=(70,)
+    )
     assert ((gpu_last.cpu() - cpu_last).norm() / cpu_last.norm()).item() < 1e-4
     assert gpu_tokens == cpu_tokens

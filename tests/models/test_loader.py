@@ -39,7 +39,9 @@ def hf_tensor_for(ours: str, hf: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module", params=TINY)
-def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, dict]:
+def saved(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, Path, dict]:
     name = request.param
     path = tmp_path_factory.mktemp(name)
     model = hf_model(shape_preset(name))
@@ -59,8 +61,13 @@ def test_hf_directory_round_trip(saved: tuple[str, Path, dict]) -> None:
     if not loaded.config.tie_word_embeddings:
         assert torch.equal(loaded.model.lm_head.weight, hf["lm_head.weight"])
     # Every HF tensor landed somewhere (tied lm_head aside).
-    covered = {n.replace(fused, part) for n in params for fused, parts in FUSED.items()
-               if f".{fused}." in n for part in parts} | set(params)
+    covered = {
+        n.replace(fused, part)
+        for n in params
+        for fused, parts in FUSED.items()
+        if f".{fused}." in n
+        for part in parts
+    } | set(params)
     assert set(hf) - covered <= {"lm_head.weight"}
 
 
@@ -89,7 +96,9 @@ def write_checkpoint(path: Path, config: ModelConfig, tensors: dict[str, torch.T
 def test_missing_tensor_is_a_clear_error(saved: tuple[str, Path, dict], tmp_path: Path) -> None:
     name, _, hf = saved
     tensors = {k: v for k, v in hf.items() if k != "model.layers.1.self_attn.k_proj.weight"}
-    with pytest.raises(ValueError, match=r"checkpoint lacks 1 tensors.*layers\.1\.self_attn\.qkv_proj\.weight#1"):
+    with pytest.raises(
+        ValueError, match=r"checkpoint lacks 1 tensors.*layers\.1\.self_attn\.qkv_proj\.weight#1"
+    ):
         load_model(str(write_checkpoint(tmp_path, shape_preset(name), tensors)))
 
 
@@ -97,14 +106,19 @@ def test_wrong_shape_is_a_clear_error(saved: tuple[str, Path, dict], tmp_path: P
     name, _, hf = saved
     tensors = dict(hf)
     tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"][:-1]
-    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.up_proj.weight' has shape \(127, 64\), expected \(128, 64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'model.layers.0.mlp.up_proj.weight' has shape \(127, 64\), expected \(128, 64\)",
+    ):
         load_model(str(write_checkpoint(tmp_path, shape_preset(name), tensors)))
 
 
 def test_unexpected_tensor_is_a_clear_error(saved: tuple[str, Path, dict], tmp_path: Path) -> None:
     name, _, hf = saved
     tensors = {**hf, "model.layers.0.self_attn.extra.weight": torch.zeros(2)}
-    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.extra\.weight' has no place"):
+    with pytest.raises(
+        ValueError, match=r"'model\.layers\.0\.self_attn\.extra\.weight' has no place"
+    ):
         load_model(str(write_checkpoint(tmp_path, shape_preset(name), tensors)))
 
 
@@ -131,6 +145,7 @@ def test_directory_without_weights_or_config(tmp_path: Path) -> None:
 
 # ---- ModelConfig -----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", sorted(SHAPE_PRESETS))
 def test_hf_config_round_trip(name: str) -> None:
     config = SHAPE_PRESETS[name]
@@ -143,18 +158,32 @@ def test_hf_config_round_trip(name: str) -> None:
 
 
 def test_llama3_rope_round_trip() -> None:
-    rope = RopeConfig(theta=5e5, scaling="llama3", factor=32.0, low_freq_factor=1.0,
-                      high_freq_factor=4.0, original_max_position=8192)
+    rope = RopeConfig(
+        theta=5e5,
+        scaling="llama3",
+        factor=32.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position=8192,
+    )
     config = replace(shape_preset("tiny-llama"), rope=rope)
     assert ModelConfig.from_hf(config.to_hf()) == config
 
 
 def test_equal_configs_have_equal_digests() -> None:
     base = shape_preset("tiny-gemma3")
-    ints = replace(base, rope=replace(base.rope, theta=1_000_000, factor=8),
-                   query_pre_attn_scalar=16, rms_norm_eps=0)
-    floats = replace(base, rope=replace(base.rope, theta=1e6, factor=8.0),
-                     query_pre_attn_scalar=16.0, rms_norm_eps=0.0)
+    ints = replace(
+        base,
+        rope=replace(base.rope, theta=1_000_000, factor=8),
+        query_pre_attn_scalar=16,
+        rms_norm_eps=0,
+    )
+    floats = replace(
+        base,
+        rope=replace(base.rope, theta=1e6, factor=8.0),
+        query_pre_attn_scalar=16.0,
+        rms_norm_eps=0.0,
+    )
     assert ints == floats and ints.digest() == floats.digest()
     assert replace(base, sliding_window=32).digest() != base.digest()
 
@@ -167,34 +196,46 @@ def test_gemma3_multimodal_config_is_unwrapped() -> None:
     assert ModelConfig.from_hf({"model_type": "gemma3", "text_config": text}) == config
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"vocab_size": 0}, "vocab_size must be positive"),
-    ({"num_layers": -1}, "num_layers must be positive"),
-    ({"num_kv_heads": 3}, r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"),
-    ({"head_dim": 15}, "head_dim must be even"),
-    ({"layer_kinds": ("full",)}, "1 layer kinds for 2 layers"),
-    ({"layer_kinds": ("full", "sliding")}, "sliding layers need a positive sliding_window"),
-    ({"architecture": "gemma3"}, "gemma3 needs query_pre_attn_scalar"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"vocab_size": 0}, "vocab_size must be positive"),
+        ({"num_layers": -1}, "num_layers must be positive"),
+        ({"num_kv_heads": 3}, r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"),
+        ({"head_dim": 15}, "head_dim must be even"),
+        ({"layer_kinds": ("full",)}, "1 layer kinds for 2 layers"),
+        ({"layer_kinds": ("full", "sliding")}, "sliding layers need a positive sliding_window"),
+        ({"architecture": "gemma3"}, "gemma3 needs query_pre_attn_scalar"),
+    ],
+)
 def test_invalid_model_config(change: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         replace(shape_preset("tiny-llama"), **change)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"theta": 0.0}, "rope theta must be positive"),
-    ({"factor": -1.0}, "rope scaling factor must be positive"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"theta": 0.0}, "rope theta must be positive"),
+        ({"factor": -1.0}, "rope scaling factor must be positive"),
+    ],
+)
 def test_invalid_rope_config(change: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         RopeConfig(**{"theta": 1e4, **change})  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"model_type": "mistral"}, "unsupported model_type 'mistral'"),
-    ({"hidden_act": "relu"}, "unsupported activation 'relu'"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope scaling type 'yarn'"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model_type": "mistral"}, "unsupported model_type 'mistral'"),
+        ({"hidden_act": "relu"}, "unsupported activation 'relu'"),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+            "unsupported rope scaling type 'yarn'",
+        ),
+    ],
+)
 def test_unsupported_hf_configs(change: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf({**shape_preset("tiny-qwen3").to_hf(), **change})

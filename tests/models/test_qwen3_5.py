@@ -54,15 +54,35 @@ PUBLISHED_27B = {
     "architectures": ["Qwen3_5ForConditionalGeneration"],
     "model_type": "qwen3_5",
     "text_config": {
-        "attention_bias": False, "attn_output_gate": True, "eos_token_id": 248044,
-        "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_size": 5120,
-        "intermediate_size": 17408, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
-        "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_value_head_dim": 128,
-        "max_position_embeddings": 262144, "model_type": "qwen3_5_text", "num_attention_heads": 24,
-        "num_hidden_layers": 64, "num_key_value_heads": 4, "rms_norm_eps": 1e-6,
-        "partial_rotary_factor": 0.25, "tie_word_embeddings": False, "vocab_size": 248320,
-        "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10],
-                            "partial_rotary_factor": 0.25, "rope_theta": 10000000, "rope_type": "default"},
+        "attention_bias": False,
+        "attn_output_gate": True,
+        "eos_token_id": 248044,
+        "full_attention_interval": 4,
+        "head_dim": 256,
+        "hidden_act": "silu",
+        "hidden_size": 5120,
+        "intermediate_size": 17408,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48,
+        "linear_value_head_dim": 128,
+        "max_position_embeddings": 262144,
+        "model_type": "qwen3_5_text",
+        "num_attention_heads": 24,
+        "num_hidden_layers": 64,
+        "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-6,
+        "partial_rotary_factor": 0.25,
+        "tie_word_embeddings": False,
+        "vocab_size": 248320,
+        "rope_parameters": {
+            "mrope_interleaved": True,
+            "mrope_section": [11, 11, 10],
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 10000000,
+            "rope_type": "default",
+        },
         "layer_types": ["linear_attention"] * 3 + ["full_attention"],
     },
 }
@@ -95,6 +115,7 @@ def random_prompt(seed: int, n: int) -> list[int]:
 
 
 # ---- config --------------------------------------------------------------------------------
+
 
 def test_published_27b_config_reads_as_the_preset() -> None:
     config = ModelConfig.from_hf(json.loads(json.dumps(PUBLISHED_27B)))
@@ -132,14 +153,17 @@ def test_models_without_linear_layers_have_no_state() -> None:
     assert config.state_bytes_per_sequence(2) == 0 and config.rotary_dim == config.head_dim
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"architecture": "qwen3"}, "linear .* layers need architecture qwen3_5"),
-    ({"linear_num_key_heads": 0}, "linear_num_key_heads must be positive"),
-    ({"linear_num_value_heads": 3}, r"linear_num_value_heads \(3\) must be a multiple of"),
-    ({"linear_conv_kernel_dim": 1}, "linear_conv_kernel_dim must be at least 2"),
-    ({"partial_rotary_factor": 0.0}, r"partial_rotary_factor must be in \(0, 1\]"),
-    ({"partial_rotary_factor": 0.3}, "rotary part of a head must be even"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"architecture": "qwen3"}, "linear .* layers need architecture qwen3_5"),
+        ({"linear_num_key_heads": 0}, "linear_num_key_heads must be positive"),
+        ({"linear_num_value_heads": 3}, r"linear_num_value_heads \(3\) must be a multiple of"),
+        ({"linear_conv_kernel_dim": 1}, "linear_conv_kernel_dim must be at least 2"),
+        ({"partial_rotary_factor": 0.0}, r"partial_rotary_factor must be in \(0, 1\]"),
+        ({"partial_rotary_factor": 0.3}, "rotary part of a head must be even"),
+    ],
+)
 def test_invalid_qwen3_5_config(change: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         replace(shape_preset(TINY), **change)  # type: ignore[arg-type]
@@ -154,11 +178,18 @@ def test_unknown_layer_type_is_rejected() -> None:
 
 # ---- parity with HF ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("pieces", [(), (7, 64, 5), (1,) * 40], ids=["whole", "steps", "token-by-token"])
-def test_matches_hf(tiny: tuple[CausalLM, transformers.PreTrainedModel], pieces: tuple[int, ...]) -> None:
+
+@pytest.mark.parametrize(
+    "pieces", [(), (7, 64, 5), (1,) * 40], ids=["whole", "steps", "token-by-token"]
+)
+def test_matches_hf(
+    tiny: tuple[CausalLM, transformers.PreTrainedModel], pieces: tuple[int, ...]
+) -> None:
     model, hf = tiny
     prompt = random_prompt(1, 150)
-    last, tokens = greedy(model, DenseContext(model.config, torch.float32), prompt, 32, pieces=pieces)
+    last, tokens = greedy(
+        model, DenseContext(model.config, torch.float32), prompt, 32, pieces=pieces
+    )
     assert rel_error(last, hf_last_logits(hf, prompt)) < 1e-4
     assert tokens == hf_greedy(hf, prompt, 32)
 
@@ -172,7 +203,9 @@ def test_every_position_matches_hf(tiny: tuple[CausalLM, transformers.PreTrained
     assert rel_error(ours, theirs) < 1e-4
 
 
-def test_dropping_the_state_between_steps_is_caught(tiny: tuple[CausalLM, transformers.PreTrainedModel]) -> None:
+def test_dropping_the_state_between_steps_is_caught(
+    tiny: tuple[CausalLM, transformers.PreTrainedModel],
+) -> None:
     model, hf = tiny
     prompt = random_prompt(1, 150)
     broken = DenseContext(model.config, torch.float32, carry_state=False)
@@ -181,30 +214,45 @@ def test_dropping_the_state_between_steps_is_caught(tiny: tuple[CausalLM, transf
     assert tokens != hf_greedy(hf, prompt, 32)
 
 
-def test_packed_sequences_match_separate_runs(tiny: tuple[CausalLM, transformers.PreTrainedModel]) -> None:
+def test_packed_sequences_match_separate_runs(
+    tiny: tuple[CausalLM, transformers.PreTrainedModel],
+) -> None:
     model, _ = tiny
     prompts = {"a": random_prompt(3, 70), "b": random_prompt(4, 5), "c": random_prompt(5, 1)}
-    alone = {s: forward_step(model, DenseContext(model.config, torch.float32), [(s, p, 0)])
-             for s, p in prompts.items()}
+    alone = {
+        s: forward_step(model, DenseContext(model.config, torch.float32), [(s, p, 0)])
+        for s, p in prompts.items()
+    }
     ctx = DenseContext(model.config, torch.float32)
     # Step 1: a's first 40 tokens, b and c whole; step 2: the rest of a with one decode each.
-    packed = forward_step(model, ctx, [("a", prompts["a"][:40], 0), ("b", prompts["b"], 0),
-                                       ("c", prompts["c"], 0)])
+    packed = forward_step(
+        model, ctx, [("a", prompts["a"][:40], 0), ("b", prompts["b"], 0), ("c", prompts["c"], 0)]
+    )
     assert rel_error(packed[:40], alone["a"][:40]) < 1e-5
     assert rel_error(packed[40:45], alone["b"]) < 1e-5 and rel_error(packed[45:], alone["c"]) < 1e-5
     nxt = {s: int(alone[s][-1].argmax()) for s in "bc"}
-    packed = forward_step(model, ctx, [("b", [nxt["b"]], 5), ("a", prompts["a"][40:], 40),
-                                       ("c", [nxt["c"]], 1)])
+    packed = forward_step(
+        model, ctx, [("b", [nxt["b"]], 5), ("a", prompts["a"][40:], 40), ("c", [nxt["c"]], 1)]
+    )
     assert rel_error(packed[1:31], alone["a"][40:]) < 1e-5
     for s, row in (("b", 0), ("c", 31)):
-        ref = forward_step(model, DenseContext(model.config, torch.float32), [(s, [*prompts[s], nxt[s]], 0)])
+        ref = forward_step(
+            model, DenseContext(model.config, torch.float32), [(s, [*prompts[s], nxt[s]], 0)]
+        )
         assert rel_error(packed[row], ref[-1]) < 1e-5
 
 
 # ---- the gated delta rule and the conv -----------------------------------------------------
 
-def random_inputs(seq_lens: tuple[int, ...], key_heads: int = 2, value_heads: int = 4,
-                  key_dim: int = 32, value_dim: int = 16, seed: int = 0) -> list[torch.Tensor]:
+
+def random_inputs(
+    seq_lens: tuple[int, ...],
+    key_heads: int = 2,
+    value_heads: int = 4,
+    key_dim: int = 32,
+    value_dim: int = 16,
+    seed: int = 0,
+) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     tokens = sum(seq_lens)
     return [
@@ -220,14 +268,25 @@ def random_inputs(seq_lens: tuple[int, ...], key_heads: int = 2, value_heads: in
 @pytest.mark.parametrize("length", [1, 5, 64, 65, 130])
 def test_chunked_and_recurrent_forms_match_hf(length: int) -> None:
     q, k, v, g, beta, state = random_inputs((length,))
-    hf_args = dict(query=q[None], key=k[None], value=v[None], g=g[None], beta=beta[None],
-                   initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    hf_args = dict(
+        query=q[None],
+        key=k[None],
+        value=v[None],
+        g=g[None],
+        beta=beta[None],
+        initial_state=state,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
     hf_out, hf_state = hf_qwen3_5.torch_recurrent_gated_delta_rule(**hf_args)
     hf_chunk_out, hf_chunk_state = hf_qwen3_5.torch_chunk_gated_delta_rule(**hf_args)
     pq, pk = (x.transpose(0, 1) for x in prepare_qk(q, k, 4))
     args = (pq, pk, v.transpose(0, 1), g.t(), beta.t(), state[0])
-    for out, final in (recurrent_gated_delta_rule(*args), chunk_gated_delta_rule(*args),
-                       chunk_gated_delta_rule(*args, chunk=16)):
+    for out, final in (
+        recurrent_gated_delta_rule(*args),
+        chunk_gated_delta_rule(*args),
+        chunk_gated_delta_rule(*args, chunk=16),
+    ):
         assert rel_error(out.transpose(0, 1), hf_out[0]) < 1e-5
         assert rel_error(final, hf_state[0]) < 1e-5
     assert rel_error(hf_chunk_out, hf_out) < 1e-5 and rel_error(hf_chunk_state, hf_state) < 1e-5
@@ -261,18 +320,21 @@ def test_causal_conv_carries_its_state() -> None:
         out, state = causal_conv1d(x, weight, state, (len(x),))
         outs.append(out)
     assert torch.allclose(torch.cat(outs), whole, atol=1e-6)
-    assert torch.equal(state[0], torch.cat(xs)[-(kernel - 1):].t())
+    assert torch.equal(state[0], torch.cat(xs)[-(kernel - 1) :].t())
     # Several sequences packed in one call, each from its own state.
     states = torch.randn(3, channels, kernel - 1, generator=gen)
     packed, new = causal_conv1d(torch.cat(xs[:3]), weight, states, lengths[:3])
     for i, (x, out) in enumerate(zip(xs[:3], packed.split(lengths[:3]))):
-        alone, alone_state = causal_conv1d(x, weight, states[i:i + 1], (len(x),))
+        alone, alone_state = causal_conv1d(x, weight, states[i : i + 1], (len(x),))
         assert torch.allclose(out, alone, atol=1e-6) and torch.equal(new[i], alone_state[0])
 
 
 # ---- loading and random weights ------------------------------------------------------------
 
-def test_hf_checkpoint_round_trip(tiny: tuple[CausalLM, transformers.PreTrainedModel], tmp_path: Path) -> None:
+
+def test_hf_checkpoint_round_trip(
+    tiny: tuple[CausalLM, transformers.PreTrainedModel], tmp_path: Path
+) -> None:
     model, hf = tiny
     hf.save_pretrained(tmp_path)
     loaded = load_model(str(tmp_path))
@@ -281,22 +343,31 @@ def test_hf_checkpoint_round_trip(tiny: tuple[CausalLM, transformers.PreTrainedM
         assert torch.equal(ours, theirs), name
 
 
-def test_multimodal_checkpoint_names(tiny: tuple[CausalLM, transformers.PreTrainedModel], tmp_path: Path) -> None:
+def test_multimodal_checkpoint_names(
+    tiny: tuple[CausalLM, transformers.PreTrainedModel], tmp_path: Path
+) -> None:
     model, _ = tiny
-    tensors = {name.replace("model.", "model.language_model.", 1): t
-               for name, t in hf_state_dict(model).items()}
+    tensors = {
+        name.replace("model.", "model.language_model.", 1): t
+        for name, t in hf_state_dict(model).items()
+    }
     # Vision tower and multi-token-prediction head of the published checkpoints: not ours.
-    tensors |= {"model.visual.blocks.0.attn.qkv.weight": torch.zeros(3, 2),
-                "mtp.layers.0.mlp.up_proj.weight": torch.zeros(2, 2)}
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5",
-                                                      "text_config": model.config.to_hf()}))
+    tensors |= {
+        "model.visual.blocks.0.attn.qkv.weight": torch.zeros(3, 2),
+        "mtp.layers.0.mlp.up_proj.weight": torch.zeros(2, 2),
+    }
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "qwen3_5", "text_config": model.config.to_hf()})
+    )
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
     loaded = load_model(str(tmp_path))
     a = loaded.model.model.layers[0].linear_attn.in_proj.weight
     assert torch.equal(a, model.model.layers[0].linear_attn.in_proj.weight)
     del tensors["model.language_model.layers.2.linear_attn.in_proj_b.weight"]
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"lacks 1 tensors.*layers\.2\.linear_attn\.in_proj\.weight#2"):
+    with pytest.raises(
+        ValueError, match=r"lacks 1 tensors.*layers\.2\.linear_attn\.in_proj\.weight#2"
+    ):
         load_model(str(tmp_path))
 
 
@@ -314,9 +385,19 @@ def test_random_gdn_parameters_are_in_range() -> None:
 
 def test_random_64_layer_model_stays_finite(monkeypatch: pytest.MonkeyPatch) -> None:
     """The 27B layer pattern and head ratios, narrow: bf16 activations stay finite and bounded."""
-    narrow = replace(shape_preset("qwen3.5-27b"), vocab_size=1024, hidden_size=256, intermediate_size=768,
-                     num_heads=6, num_kv_heads=1, head_dim=64, linear_num_key_heads=2,
-                     linear_num_value_heads=6, linear_key_head_dim=32, linear_value_head_dim=32)
+    narrow = replace(
+        shape_preset("qwen3.5-27b"),
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=768,
+        num_heads=6,
+        num_kv_heads=1,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=6,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+    )
     monkeypatch.setitem(SHAPE_PRESETS, "narrow-qwen3.5", narrow)
     model = load_model("shape:narrow-qwen3.5", dtype="bfloat16", seed=0).model
     ctx = DenseContext(narrow, torch.bfloat16)

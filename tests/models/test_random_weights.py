@@ -17,8 +17,12 @@ from kvshare.models.decoder import CausalLM
 from kvshare.models.loader import load_model
 from kvshare.models.random_weights import fill_random_weights_, fill_uniform_
 
-CASES = [("tiny-llama", 0, "float32"), ("tiny-gemma3", 7, "bfloat16"), ("tiny-qwen3", 1, "float16"),
-         ("tiny-qwen3.5", 2, "bfloat16")]
+CASES = [
+    ("tiny-llama", 0, "float32"),
+    ("tiny-gemma3", 7, "bfloat16"),
+    ("tiny-qwen3", 1, "float16"),
+    ("tiny-qwen3.5", 2, "bfloat16"),
+]
 BOUND = 0.02 * math.sqrt(3.0)
 
 _DIGEST_SCRIPT = """
@@ -46,9 +50,18 @@ def digest(shape: str, seed: int, dtype: str) -> str:
 
 
 def test_bit_identical_in_another_process() -> None:
-    env = {**os.environ, "PYTHONHASHSEED": str(int(os.environ.get("PYTHONHASHSEED", "0") or 0) + 4711)}
-    result = subprocess.run([sys.executable, "-c", _DIGEST_SCRIPT, json.dumps(CASES)],
-                            env=env, capture_output=True, text=True, timeout=120, check=True)
+    env = {
+        **os.environ,
+        "PYTHONHASHSEED": str(int(os.environ.get("PYTHONHASHSEED", "0") or 0) + 4711),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", _DIGEST_SCRIPT, json.dumps(CASES)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     assert json.loads(result.stdout) == [digest(*case) for case in CASES]
 
 
@@ -61,11 +74,16 @@ def test_seed_shape_and_dtype_change_the_weights() -> None:
     for name in a:  # every tensor changes with the seed, not just some
         assert not torch.equal(a[name], b[name]), name
     # Each parameter draws its own stream: same-shaped tensors differ.
-    q0, q1 = a["model.layers.0.self_attn.qkv_proj.weight"], a["model.layers.1.self_attn.qkv_proj.weight"]
+    q0, q1 = (
+        a["model.layers.0.self_attn.qkv_proj.weight"],
+        a["model.layers.1.self_attn.qkv_proj.weight"],
+    )
     assert not torch.equal(q0, q1)
 
 
-@pytest.mark.parametrize(("shape", "dtype"), [("tiny-llama", "float32"), ("tiny-gemma3", "bfloat16")])
+@pytest.mark.parametrize(
+    ("shape", "dtype"), [("tiny-llama", "float32"), ("tiny-gemma3", "bfloat16")]
+)
 def test_values_lie_in_the_intended_range(shape: str, dtype: str) -> None:
     loaded = load_model("shape:" + shape, dtype=dtype, seed=3)
     norm_center = 0.0 if loaded.config.unit_offset_norms else 1.0
@@ -121,7 +139,10 @@ def test_fill_is_independent_of_the_model_instance() -> None:
 
 
 def test_weights_id_names_shape_seed_and_dtype() -> None:
-    assert load_model("shape:tiny-qwen3", seed=9, dtype="bfloat16").weights_id == "random:tiny-qwen3:9:bfloat16"
+    assert (
+        load_model("shape:tiny-qwen3", seed=9, dtype="bfloat16").weights_id
+        == "random:tiny-qwen3:9:bfloat16"
+    )
     assert load_model("shape:tiny-llama").weights_id == "random:tiny-llama:0:float32"
     assert load_model("shape:tiny-llama", dtype="fp16").weights_id == "random:tiny-llama:0:float16"
 

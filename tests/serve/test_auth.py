@@ -50,7 +50,9 @@ def guarded_app(keys: AccessKeys, remote: str | None = None) -> tuple[web.Applic
     async def handle(request: web.Request) -> web.Response:
         if request.path not in OPEN_PATHS:
             calls.append(f"{request.method} {request.path}")
-        return web.json_response({"status": "ok", "instance": "fake", "path": request.path, "data": []})
+        return web.json_response(
+            {"status": "ok", "instance": "fake", "path": request.path, "data": []}
+        )
 
     @web.middleware
     async def pose(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -75,10 +77,17 @@ def serving(app: web.Application) -> Iterator[httpx.Client]:
 
 
 def statuses(client: httpx.Client, headers: dict[str, str] | None = None) -> dict[str, int]:
-    paths = {"v1": ("POST", "/v1/completions"), "admin": ("POST", "/admin/clear_pool"),
-             "health": ("GET", "/health"), "metrics": ("GET", "/metrics"), "version": ("GET", "/version")}
-    return {name: client.request(method, path, headers=headers).status_code
-            for name, (method, path) in paths.items()}
+    paths = {
+        "v1": ("POST", "/v1/completions"),
+        "admin": ("POST", "/admin/clear_pool"),
+        "health": ("GET", "/health"),
+        "metrics": ("GET", "/metrics"),
+        "version": ("GET", "/version"),
+    }
+    return {
+        name: client.request(method, path, headers=headers).status_code
+        for name, (method, path) in paths.items()
+    }
 
 
 OPEN = {"health": 200, "metrics": 200, "version": 200}
@@ -141,8 +150,11 @@ def test_keys_from_flag_file_or_environment(tmp_path: Path) -> None:
     assert read_key(None, None, ADMIN_KEY_ENV, env) is None
     assert read_key(None, None, API_KEY_ENV, {API_KEY_ENV: ""}) is None
     (tmp_path / "empty").write_text("\n")
-    for flag, path, message in (("a", str(key_file), "not both"), (None, str(tmp_path / "empty"), "empty"),
-                                (None, str(tmp_path / "missing"), "cannot read")):
+    for flag, path, message in (
+        ("a", str(key_file), "not both"),
+        (None, str(tmp_path / "empty"), "empty"),
+        (None, str(tmp_path / "missing"), "cannot read"),
+    ):
         with pytest.raises(ValueError, match=message):
             read_key(flag, path, API_KEY_ENV, env)
     for bad in ("", " padded", "two\nlines"):
@@ -152,8 +164,9 @@ def test_keys_from_flag_file_or_environment(tmp_path: Path) -> None:
     assert AccessKeys(api_key=API).admin_credential == API
 
 
-def test_serve_and_router_read_keys_from_environment_and_files(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_and_router_read_keys_from_environment_and_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
     admin_file = tmp_path / "admin"
@@ -173,8 +186,13 @@ def keyed_router(keys: AccessKeys) -> Iterator[tuple[httpx.Client, list[list[str
     """A router with `keys` over two fake replicas that hold the same keys."""
     replicas = [guarded_app(keys) for _ in range(2)]
     servers = [BackgroundServer(app) for app, _ in replicas]
-    config = RouterConfig(tuple(s.url for s in servers), "round-robin", health_interval=60.0,
-                          api_key=keys.api_key, admin_key=keys.admin_key)
+    config = RouterConfig(
+        tuple(s.url for s in servers),
+        "round-robin",
+        health_interval=60.0,
+        api_key=keys.api_key,
+        admin_key=keys.admin_key,
+    )
     try:
         with serving(build_router_app(config, RoutingKeys(None, 16))) as client:
             yield client, [calls for _, calls in replicas]
@@ -204,15 +222,24 @@ def test_router_guards_api_and_admin_with_its_keys() -> None:
 def test_router_fan_out_sends_the_api_key_when_there_is_no_admin_key() -> None:
     with keyed_router(AccessKeys(api_key=API)) as (client, calls):
         answer = client.get("/admin/all/stats", headers=bearer(API))
-        assert answer.status_code == 200 and [a["status"] for a in answer.json()["replicas"]] == [200, 200]
+        assert answer.status_code == 200 and [a["status"] for a in answer.json()["replicas"]] == [
+            200,
+            200,
+        ]
     assert all(c == ["GET /admin/stats"] for c in calls)
 
 
 def raw_request(client: httpx.Client, method: str, target: str, headers: dict[str, str]) -> int:
     """The status of `target` sent byte for byte (httpx would normalize the path)."""
     host, port = client.base_url.host, client.base_url.port
-    lines = [f"{method} {target} HTTP/1.1", f"Host: {host}", "Content-Type: application/json",
-             "Content-Length: 2", "Connection: close", *(f"{k}: {v}" for k, v in headers.items())]
+    lines = [
+        f"{method} {target} HTTP/1.1",
+        f"Host: {host}",
+        "Content-Type: application/json",
+        "Content-Length: 2",
+        "Connection: close",
+        *(f"{k}: {v}" for k, v in headers.items()),
+    ]
     with socket.create_connection((host, port), timeout=10) as sock:
         sock.sendall(("\r\n".join(lines) + "\r\n\r\n{}").encode())
         reply = b""
@@ -221,13 +248,23 @@ def raw_request(client: httpx.Client, method: str, target: str, headers: dict[st
     return int(reply.split(b" ", 2)[1])
 
 
-TRAVERSALS = ("/admin/all/..%2Fv1%2Fcompletions", "/admin/all/..%2fv1%2fcompletions",
-              "/admin/all/%2E%2E%2Fv1%2Fcompletions", "/admin/all/../../v1/completions",
-              "/admin/all/..%5Cv1%5Ccompletions", "/admin/all/stats%2F..%2F..%2Fv1%2Fmodels",
-              "/admin/all/clear_pool/extra", "/admin/all/replicas", "/admin/all/..",
-              "/v1/..%2Fadmin%2Fclear_pool", "/v1/../admin/clear_pool", "/v1/%2e%2e/admin/clear_pool",
-              "/v1/x/..%2F..%2Fadmin%2Fclear_pool", "/v1/.%2F..%2Fadmin/clear_pool",
-              "/v1/completions/..%2F..%2Fadmin%2Fclear_pool")
+TRAVERSALS = (
+    "/admin/all/..%2Fv1%2Fcompletions",
+    "/admin/all/..%2fv1%2fcompletions",
+    "/admin/all/%2E%2E%2Fv1%2Fcompletions",
+    "/admin/all/../../v1/completions",
+    "/admin/all/..%5Cv1%5Ccompletions",
+    "/admin/all/stats%2F..%2F..%2Fv1%2Fmodels",
+    "/admin/all/clear_pool/extra",
+    "/admin/all/replicas",
+    "/admin/all/..",
+    "/v1/..%2Fadmin%2Fclear_pool",
+    "/v1/../admin/clear_pool",
+    "/v1/%2e%2e/admin/clear_pool",
+    "/v1/x/..%2F..%2Fadmin%2Fclear_pool",
+    "/v1/.%2F..%2Fadmin/clear_pool",
+    "/v1/completions/..%2F..%2Fadmin%2Fclear_pool",
+)
 
 
 @pytest.mark.parametrize("keys", [AccessKeys(), AccessKeys(API, ADMIN)], ids=["no-keys", "keys"])
@@ -243,7 +280,9 @@ def test_router_reaches_nothing_but_the_named_calls(keys: AccessKeys) -> None:
     assert calls == [[], []]
 
 
-def test_bench_and_validate_clients_send_the_keys_of_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bench_and_validate_clients_send_the_keys_of_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv(API_KEY_ENV, API)
     monkeypatch.setenv(ADMIN_KEY_ENV, ADMIN)
     keys = AccessKeys.from_environment()

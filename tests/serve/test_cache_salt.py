@@ -45,8 +45,9 @@ class Tenancy:
         body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0}
         if salt is not None:
             body["cache_salt"] = salt
-        resp = self.client.post(f"{self.router.url}/v1/completions", json=body,
-                                headers={REPLICA_HEADER: str(replica)})
+        resp = self.client.post(
+            f"{self.router.url}/v1/completions", json=body, headers={REPLICA_HEADER: str(replica)}
+        )
         assert resp.status_code == 200, resp.text
         kv = resp.json()["usage"]["kv"]
         if kv["computed_tokens"] >= 2 * 256:  # it computed (so stores) both chunks itself
@@ -71,8 +72,12 @@ def tenancy() -> Iterator[Tenancy]:
     servers: list[BackgroundServer] = []
     try:
         for _ in range(2):
-            llm = LLM("shape:tiny-llama", kv_pool=pool.address, kv_cache_memory=16 << 20,
-                      max_num_batched_tokens=1024)
+            llm = LLM(
+                "shape:tiny-llama",
+                kv_pool=pool.address,
+                kv_cache_memory=16 << 20,
+                max_num_batched_tokens=1024,
+            )
             servers.append(BackgroundServer(build_app(llm.engine, ServeConfig(MODEL))))
         config = RouterConfig(tuple(s.url for s in servers), "cache-aware", health_interval=30.0)
         router = BackgroundServer(build_router_app(config, RoutingKeys(None, 16)))
@@ -98,7 +103,10 @@ def test_the_same_salt_hits_and_other_salts_share_nothing(tenancy: Tenancy) -> N
     # Replica 1 never saw the prompt: tenant-a restores it from the pool, a new tenant
     # (the pool now holds it under three chains, none of them its own) computes it.
     assert tenancy.send(1, prompt, "tenant-c") == {
-        "gpu_hit_tokens": 0, "pool_hit_tokens": 0, "computed_tokens": PROMPT_TOKENS}
+        "gpu_hit_tokens": 0,
+        "pool_hit_tokens": 0,
+        "computed_tokens": PROMPT_TOKENS,
+    }
     moved = tenancy.send(1, prompt, "tenant-a")
     assert moved["pool_hit_tokens"] == 512 and moved["gpu_hit_tokens"] == 0
 
@@ -152,7 +160,9 @@ def test_cache_salt_required_refuses_unsalted_requests(salt_required: str) -> No
             error = resp.json()["error"]
             assert error["param"] == "cache_salt" and "requires a cache_salt" in error["message"]
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-        assert client.post("/v1/chat/completions", json=chat).json()["error"]["param"] == "cache_salt"
+        assert (
+            client.post("/v1/chat/completions", json=chat).json()["error"]["param"] == "cache_salt"
+        )
         done = client.post("/v1/completions", json={**body, "cache_salt": "tenant-a"})
         assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 1
         assert client.get("/v1/models").status_code == 200  # no prompt, no salt needed
@@ -165,5 +175,8 @@ def test_kvshare_up_passes_cache_salt_required_to_every_replica() -> None:
 
     parser = argparse.ArgumentParser()
     add_up_arguments(parser)
-    assert "--cache-salt-required" in up_config(parser.parse_args(["--cache-salt-required"])).engine_args
+    assert (
+        "--cache-salt-required"
+        in up_config(parser.parse_args(["--cache-salt-required"])).engine_args
+    )
     assert "--cache-salt-required" not in up_config(parser.parse_args([])).engine_args

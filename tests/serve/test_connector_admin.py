@@ -33,11 +33,19 @@ class RecordingConnector(KVConnector):
     def bind(self, cache: PagedKVCache) -> None:
         pass
 
-    def match(self, request_id: str, token_ids: Sequence[int], num_local_tokens: int, *,
-              cache_salt: str | None = None) -> PoolMatch:
+    def match(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_local_tokens: int,
+        *,
+        cache_salt: str | None = None,
+    ) -> PoolMatch:
         return PoolMatch(0)
 
-    def load(self, request_id: str, block_table: Sequence[int], state_slot: int | None = None) -> bool:
+    def load(
+        self, request_id: str, block_table: Sequence[int], state_slot: int | None = None
+    ) -> bool:
         return False
 
     def finish_load(self, request_id: str) -> bool:
@@ -46,12 +54,26 @@ class RecordingConnector(KVConnector):
     def cancel(self, request_id: str) -> None:
         pass
 
-    def store(self, request_id: str, token_ids: Sequence[int], block_table: Sequence[int],
-              num_computed_tokens: int, *, cache_salt: str | None = None) -> None:
+    def store(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        block_table: Sequence[int],
+        num_computed_tokens: int,
+        *,
+        cache_salt: str | None = None,
+    ) -> None:
         pass
 
-    def store_state(self, request_id: str, token_ids: Sequence[int], boundary: int,
-                    snapshot_slot: int, *, cache_salt: str | None = None) -> None:
+    def store_state(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        boundary: int,
+        snapshot_slot: int,
+        *,
+        cache_salt: str | None = None,
+    ) -> None:
         pass
 
     def poll(self) -> None:
@@ -86,14 +108,18 @@ class RecordingConnector(KVConnector):
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[httpx.Client, RecordingConnector]]:
     connector = RecordingConnector()
-    llm = LLM("shape:tiny-llama", kv_pool=connector, kv_cache_memory=16 << 20, max_num_batched_tokens=256)
+    llm = LLM(
+        "shape:tiny-llama", kv_pool=connector, kv_cache_memory=16 << 20, max_num_batched_tokens=256
+    )
     server = BackgroundServer(build_app(llm.engine, ServeConfig("tiny")))
     with httpx.Client(base_url=server.url, timeout=60) as client:
         yield client, connector
     server.close()
 
 
-def test_stats_and_clear_reach_any_connectors_store(served: tuple[httpx.Client, RecordingConnector]) -> None:
+def test_stats_and_clear_reach_any_connectors_store(
+    served: tuple[httpx.Client, RecordingConnector],
+) -> None:
     client, connector = served
     connector.reachable, connector.pages = True, 7
     assert client.get("/admin/stats").json()["pool"] == {"pages": 7}
@@ -102,7 +128,8 @@ def test_stats_and_clear_reach_any_connectors_store(served: tuple[httpx.Client, 
 
 
 def test_an_unreachable_store_is_absent_from_stats_and_a_503_to_clear(
-        served: tuple[httpx.Client, RecordingConnector]) -> None:
+    served: tuple[httpx.Client, RecordingConnector],
+) -> None:
     client, connector = served
     connector.reachable = False
     try:
@@ -113,10 +140,14 @@ def test_an_unreachable_store_is_absent_from_stats_and_a_503_to_clear(
         connector.reachable = True
 
 
-def test_an_idle_engine_flushes_the_connector(served: tuple[httpx.Client, RecordingConnector]) -> None:
+def test_an_idle_engine_flushes_the_connector(
+    served: tuple[httpx.Client, RecordingConnector],
+) -> None:
     client, connector = served
     before = connector.idle_flushes
-    response = client.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2})
+    response = client.post(
+        "/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
+    )
     assert response.status_code == 200, response.text
     deadline = time.monotonic() + 30
     while connector.idle_flushes == before and time.monotonic() < deadline:

@@ -23,8 +23,14 @@ def ids(n: int, seed: int) -> list[int]:
 
 def complete(url: str, prompt: list[int], replica: int | None = None, **fields: object) -> dict:
     headers = {} if replica is None else {"x-kvshare-replica": str(replica)}
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
-            **fields}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+        **fields,
+    }
     resp = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=300)
     assert resp.status_code == 200, resp.text
     return resp.json()
@@ -32,8 +38,16 @@ def complete(url: str, prompt: list[int], replica: int | None = None, **fields: 
 
 async def _concurrent(url: str, n: int) -> list[int]:
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        bodies = [{"model": MODEL, "prompt": ids(300 + 50 * i, 100 + i), "max_tokens": 32,
-                   "ignore_eos": True, "stream": True} for i in range(n)]
+        bodies = [
+            {
+                "model": MODEL,
+                "prompt": ids(300 + 50 * i, 100 + i),
+                "max_tokens": 32,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            for i in range(n)
+        ]
         responses = await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
     return [r.status_code for r in responses if not r.text.rstrip().endswith("[DONE]")]
 
@@ -41,9 +55,16 @@ async def _concurrent(url: str, n: int) -> list[int]:
 @pytest.mark.cuda
 @pytest.mark.slow
 def test_two_replicas_on_one_gpu_share_prefixes_through_the_pool(tmp_path: Path) -> None:
-    config = UpConfig(replicas=2, model=MODEL, device="cuda", port=0, pool_size=4 << 30,
-                      gpu_memory_fraction=0.45, engine_args=("--max-model-len", "16384"),
-                      ready_timeout=600)
+    config = UpConfig(
+        replicas=2,
+        model=MODEL,
+        device="cuda",
+        port=0,
+        pool_size=4 << 30,
+        gpu_memory_fraction=0.45,
+        engine_args=("--max-model-len", "16384"),
+        ready_timeout=600,
+    )
     with (tmp_path / "cluster.log").open("w") as log, Cluster(config, log=log) as cluster:
         stats = [httpx.get(u + "/admin/stats").json()["engine"] for u in cluster.replica_urls]
         assert all(s["num_blocks"] > 1000 for s in stats), stats

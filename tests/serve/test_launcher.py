@@ -27,8 +27,16 @@ from kvshare.serve import launcher
 from kvshare.serve.auth import ADMIN_KEY_ENV, API_KEY_ENV
 from kvshare.serve.launcher import Cluster, ReplicaRestarts, RestartPolicy, UpConfig
 
-TINY = ("--model", "shape:tiny-llama", "--replicas", "1", "--pool-size", "64MiB",
-        "--kv-cache-memory", "16MiB")
+TINY = (
+    "--model",
+    "shape:tiny-llama",
+    "--replicas",
+    "1",
+    "--pool-size",
+    "64MiB",
+    "--kv-cache-memory",
+    "16MiB",
+)
 
 
 @pytest.fixture
@@ -43,9 +51,13 @@ def runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 
 def _start_up() -> tuple[subprocess.Popen[str], str]:
     """`kvshare up` in its own process group; returns it and its output up to ready."""
-    process = subprocess.Popen([sys.executable, "-m", "kvshare", "up", *TINY, "--port", "0"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvshare", "up", *TINY, "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines = []
     assert process.stdout is not None
     for line in process.stdout:
@@ -57,20 +69,53 @@ def _start_up() -> tuple[subprocess.Popen[str], str]:
 
 def test_up_config_from_args_matches_the_command() -> None:
     default = UpConfig.from_args([])
-    assert (default.replicas, default.model, default.device, default.port) == (2, "smollm2-135m", "cpu", 8080)
+    assert (default.replicas, default.model, default.device, default.port) == (
+        2,
+        "smollm2-135m",
+        "cpu",
+        8080,
+    )
     assert default.pool_size == 2 << 30 and default.policy == "cache-aware" and default.kv_pool
     assert default.replica_gpu_fraction is None  # the CPU has no fraction to split
-    gpu = UpConfig.from_args(["--device", "cuda", "--replicas", "2", "--kv-cache-memory", "1GiB",
-                              "--no-kv-pool", "--port", "0"])
+    gpu = UpConfig.from_args(
+        [
+            "--device",
+            "cuda",
+            "--replicas",
+            "2",
+            "--kv-cache-memory",
+            "1GiB",
+            "--no-kv-pool",
+            "--port",
+            "0",
+        ]
+    )
     assert gpu.replica_gpu_fraction == 0.45 and not gpu.kv_pool and gpu.port == 0
     assert EngineConfig.from_argv(gpu.engine_args).kv_cache_memory == 1 << 30
-    engine = EngineConfig.from_argv(UpConfig.from_args(
-        ["--block-size", "32", "--no-cuda-graphs", "--no-enable-prefix-caching"]).engine_args)
-    assert (engine.block_size, engine.cuda_graphs, engine.enable_prefix_caching) == (32, False, False)
-    assert UpConfig.from_args(["--gpu-memory-fraction", "0.3", "--device", "cuda"]).replica_gpu_fraction == 0.3
+    engine = EngineConfig.from_argv(
+        UpConfig.from_args(
+            ["--block-size", "32", "--no-cuda-graphs", "--no-enable-prefix-caching"]
+        ).engine_args
+    )
+    assert (engine.block_size, engine.cuda_graphs, engine.enable_prefix_caching) == (
+        32,
+        False,
+        False,
+    )
+    assert (
+        UpConfig.from_args(
+            ["--gpu-memory-fraction", "0.3", "--device", "cuda"]
+        ).replica_gpu_fraction
+        == 0.3
+    )
     assert UpConfig(pool_size=256 << 20).slab_bytes == 256 << 20
-    for bad in (dict(replicas=0), dict(policy="random"), dict(device="tpu"), dict(port=70000),
-                dict(gpu_memory_fraction=1.5)):
+    for bad in (
+        dict(replicas=0),
+        dict(policy="random"),
+        dict(device="tpu"),
+        dict(port=70000),
+        dict(gpu_memory_fraction=1.5),
+    ):
         with pytest.raises(ValueError):
             UpConfig(**bad)  # type: ignore[arg-type]
 
@@ -78,8 +123,12 @@ def test_up_config_from_args_matches_the_command() -> None:
 def _imported_modules(path: str) -> set[str]:
     """Every module a file imports, at the top or inside a function."""
     tree = ast.parse(Path(path).read_text())
-    names = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-    return names | {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+    names = {
+        node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+    }
+    return names | {
+        a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names
+    }
 
 
 def test_the_launcher_does_not_import_the_cli_that_imports_it() -> None:
@@ -87,8 +136,12 @@ def test_the_launcher_does_not_import_the_cli_that_imports_it() -> None:
 
 
 def test_invalid_up_arguments_exit_with_status_2() -> None:
-    result = subprocess.run([sys.executable, "-m", "kvshare", "up", "--replicas", "0"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvshare", "up", "--replicas", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "replicas must be >= 1" in result.stderr
 
 
@@ -104,8 +157,11 @@ def test_kvshare_up_stops_cleanly_on_sigterm(runtime: str) -> None:
         assert f"pool unix:{socket_path[1]}" in output
         with open(os.path.join(runtime, "kvshare", "pool.address")) as address:
             assert address.read().strip() == f"unix:{socket_path[1]}"
-        resp = httpx.post(router[1] + "/v1/completions", timeout=60,
-                          json={"model": "shape:tiny-llama", "prompt": [5, 6, 7], "max_tokens": 2})
+        resp = httpx.post(
+            router[1] + "/v1/completions",
+            timeout=60,
+            json={"model": "shape:tiny-llama", "prompt": [5, 6, 7], "max_tokens": 2},
+        )
         assert resp.status_code == 200
         process.send_signal(signal.SIGTERM)
         rest = process.communicate(timeout=60)[0]
@@ -129,8 +185,12 @@ def test_kill_9_of_kvshare_up_leaves_files_that_cleanup_removes(runtime: str) ->
         process.communicate(timeout=60)
     leftovers = [arena[1], socket_path[1], socket_path[1] + ".lock"]
     assert all(os.path.exists(path) for path in leftovers)
-    result = subprocess.run([sys.executable, "-m", "kvshare", "pool", "--cleanup"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvshare", "pool", "--cleanup"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     for path in leftovers:
         assert f"removed {path}" in result.stdout and not os.path.exists(path)
@@ -155,7 +215,9 @@ def test_cluster_notices_a_dead_child(runtime: str) -> None:
 
 
 def test_restarts_back_off_and_give_up_after_fast_crashes_in_a_row() -> None:
-    policy = RestartPolicy(first_delay_s=1.0, max_delay_s=5.0, fast_crash_s=60.0, max_fast_crashes=4)
+    policy = RestartPolicy(
+        first_delay_s=1.0, max_delay_s=5.0, fast_crash_s=60.0, max_fast_crashes=4
+    )
     restarts = ReplicaRestarts(policy, started_at=0.0)
     now, delays = 0.0, []
     for _ in range(3):
@@ -190,17 +252,35 @@ def _cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 
 
-@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
-                    reason="needs /proc/PID/task/PID/children")
+@pytest.mark.skipif(
+    not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
+    reason="needs /proc/PID/task/PID/children",
+)
 def test_kvshare_up_with_keys_restarts_a_killed_replica(tmp_path: Path) -> None:
     api_key, admin_key = "api-7f3c9e", "admin-41b8d2"
     admin_file = tmp_path / "admin.key"
     admin_file.write_text(admin_key + "\n")
     env = dict(os.environ, **{API_KEY_ENV: api_key})
     env.pop(ADMIN_KEY_ENV, None)
-    process = subprocess.Popen([sys.executable, "-m", "kvshare", "up", *TINY, "--replicas", "2",
-                                "--port", "0", "--admin-key-file", str(admin_file)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvshare",
+            "up",
+            *TINY,
+            "--replicas",
+            "2",
+            "--port",
+            "0",
+            "--admin-key-file",
+            str(admin_file),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     lines: list[str] = []
     started = threading.Event()
 
@@ -225,7 +305,9 @@ def test_kvshare_up_with_keys_restarts_a_killed_replica(tmp_path: Path) -> None:
             assert api_key not in _cmdline(pid) and admin_key not in _cmdline(pid)
         with httpx.Client(timeout=60) as client:
             assert client.post(router + "/v1/completions", json=body).status_code == 401
-            assert client.post(router + "/v1/completions", json=body, headers=api).status_code == 200
+            assert (
+                client.post(router + "/v1/completions", json=body, headers=api).status_code == 200
+            )
             assert client.post(replicas[1] + "/v1/completions", json=body).status_code == 401
             assert client.get(replicas[1] + "/admin/stats", headers=api).status_code == 401
             assert client.post(router + "/admin/all/clear_pool", headers=api).status_code == 401
@@ -240,8 +322,15 @@ def test_kvshare_up_with_keys_restarts_a_killed_replica(tmp_path: Path) -> None:
                 resp = client.post(router + "/v1/completions", json=body, headers=api)
                 assert resp.status_code == 200, resp.text
                 revived = [p for p in _children(process.pid) if f"--port {port} " in _cmdline(p)]
-                if revived and client.post(router + "/v1/completions", json=body,
-                                           headers={**api, "x-kvshare-replica": "1"}).status_code == 200:
+                if (
+                    revived
+                    and client.post(
+                        router + "/v1/completions",
+                        json=body,
+                        headers={**api, "x-kvshare-replica": "1"},
+                    ).status_code
+                    == 200
+                ):
                     break
                 assert time.monotonic() < deadline, "".join(lines[-30:])
                 time.sleep(0.2)

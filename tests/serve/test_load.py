@@ -29,13 +29,21 @@ class Tally:
     served_by: set[str] = field(default_factory=set)
 
 
-async def _turn(client: httpx.AsyncClient, session: str, messages: list[dict[str, str]],
-                tally: Tally) -> str | None:
-    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+async def _turn(
+    client: httpx.AsyncClient, session: str, messages: list[dict[str, str]], tally: Tally
+) -> str | None:
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=body,
-                                 headers={"x-session-id": session}) as resp:
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=body, headers={"x-session-id": session}
+        ) as resp:
             if resp.status_code != 200:
                 tally.errors.append(f"{session}: HTTP {resp.status_code}")
                 return None
@@ -59,7 +67,9 @@ async def _session(client: httpx.AsyncClient, index: int, deadline: float, tally
         if len(messages) >= 6:  # a new conversation every three turns
             messages = []
         turn += 1
-        messages.append({"role": "user", "content": f"Session {index}, question {turn}: name a color."})
+        messages.append(
+            {"role": "user", "content": f"Session {index}, question {turn}: name a color."}
+        )
         answer = await _turn(client, f"load-{index}", messages, tally)
         messages.append({"role": "assistant", "content": answer or ""})
 
@@ -67,10 +77,13 @@ async def _session(client: httpx.AsyncClient, index: int, deadline: float, tally
 async def _run(url: str, sessions: int, seconds: float) -> Tally:
     tally = Tally()
     deadline = time.monotonic() + seconds
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120.0, connect=10.0)) as client:
+    async with httpx.AsyncClient(
+        base_url=url, timeout=httpx.Timeout(120.0, connect=10.0)
+    ) as client:
         await asyncio.wait_for(
             asyncio.gather(*(_session(client, i, deadline, tally) for i in range(sessions))),
-            seconds + 180)
+            seconds + 180,
+        )
     return tally
 
 
@@ -87,9 +100,14 @@ def rss_bytes(pid: int) -> int:
 def wait_idle(cluster: Cluster) -> None:
     deadline = time.monotonic() + 60
     while True:
-        engines = [httpx.get(url + "/admin/stats", timeout=30).json()["engine"] for url in cluster.replica_urls]
+        engines = [
+            httpx.get(url + "/admin/stats", timeout=30).json()["engine"]
+            for url in cluster.replica_urls
+        ]
         routed = httpx.get(cluster.url + "/admin/replicas").json()
-        if all(e["running"] == e["waiting"] == 0 for e in engines) and not any(r["in_flight"] for r in routed):
+        if all(e["running"] == e["waiting"] == 0 for e in engines) and not any(
+            r["in_flight"] for r in routed
+        ):
             return
         assert time.monotonic() < deadline, f"still busy: {engines} {routed}"
         time.sleep(0.2)
@@ -117,7 +135,8 @@ def test_concurrent_streaming_sessions_for_a_minute(cluster: Cluster) -> None:
     deadline = time.monotonic() + 30
     while any(open_files(pid) > files[name] + FD_SLACK for name, pid in children.items()):
         assert time.monotonic() < deadline, {
-            name: (files[name], open_files(pid)) for name, pid in children.items()}
+            name: (files[name], open_files(pid)) for name, pid in children.items()
+        }
         time.sleep(0.5)
     for name, pid in children.items():
         grown = rss_bytes(pid) - rss[name]

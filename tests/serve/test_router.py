@@ -98,11 +98,13 @@ def fakes() -> Iterator[Fakes]:
 
 
 @contextlib.contextmanager
-def routed(urls: list[str], policy: str = "round-robin", health_interval: float = 0.2,
-           **limits: Any) -> Iterator[tuple[httpx.Client, Router]]:
+def routed(
+    urls: list[str], policy: str = "round-robin", health_interval: float = 0.2, **limits: Any
+) -> Iterator[tuple[httpx.Client, Router]]:
     """A router over `urls` and a client of it."""
-    config = RouterConfig(tuple(urls), policy, health_interval=health_interval, health_timeout=1.0,
-                          **limits)
+    config = RouterConfig(
+        tuple(urls), policy, health_interval=health_interval, health_timeout=1.0, **limits
+    )
     app = build_router_app(config, RoutingKeys(None, 16))
     server = BackgroundServer(app)
     try:
@@ -112,8 +114,12 @@ def routed(urls: list[str], policy: str = "round-robin", health_interval: float 
         server.close()
 
 
-def post(client: httpx.Client, headers: dict[str, str] | None = None, **body: object) -> httpx.Response:
-    return client.post("/v1/completions", json={"model": "m", "prompt": "hi", **body}, headers=headers)
+def post(
+    client: httpx.Client, headers: dict[str, str] | None = None, **body: object
+) -> httpx.Response:
+    return client.post(
+        "/v1/completions", json={"model": "m", "prompt": "hi", **body}, headers=headers
+    )
 
 
 def test_a_dead_replica_leaves_rotation_and_requests_are_retried(fakes: Fakes) -> None:
@@ -155,7 +161,9 @@ def test_streams_pass_through_chunk_by_chunk(fakes: Fakes) -> None:
         start = time.monotonic()
         body = {"model": "m", "prompt": "x", "stream": True, "chunks": 3}
         with client.stream("POST", "/v1/completions", json=body) as resp:
-            arrivals = [time.monotonic() - start for line in resp.iter_lines() if line.startswith("data:")]
+            arrivals = [
+                time.monotonic() - start for line in resp.iter_lines() if line.startswith("data:")
+            ]
     assert len(arrivals) == 4  # 3 chunks and [DONE]
     # The first chunk arrives before the replica has even produced the second one.
     assert arrivals[0] < STREAM_GAP_S * 0.9 and arrivals[-1] > 2 * STREAM_GAP_S
@@ -179,8 +187,11 @@ def test_admin_all_fans_out_to_every_replica(fakes: Fakes) -> None:
         assert reset.status_code == 200
         assert [a["body"] for a in reset.json()["replicas"]] == [{"replica": "a"}, {"replica": "b"}]
         assert client.get("/admin/all/stats").status_code == 200
-    assert fakes.states[0].admin_calls == fakes.states[1].admin_calls == [
-        "POST /admin/reset_prefix_cache", "GET /admin/stats"]
+    assert (
+        fakes.states[0].admin_calls
+        == fakes.states[1].admin_calls
+        == ["POST /admin/reset_prefix_cache", "GET /admin/stats"]
+    )
 
 
 def test_no_healthy_replica_is_a_503() -> None:
@@ -224,8 +235,11 @@ def test_a_pinned_request_is_forwarded_while_its_prompt_is_hashed() -> None:
     ids = list(range(64))
     try:
         with httpx.Client(base_url=router.url, timeout=10) as client:
-            resp = client.post("/v1/completions", json={"model": "m", "prompt": ids},
-                               headers={"x-kvshare-replica": "0"})
+            resp = client.post(
+                "/v1/completions",
+                json={"model": "m", "prompt": ids},
+                headers={"x-kvshare-replica": "0"},
+            )
     finally:
         router.close()
         replica.close()
@@ -242,8 +256,11 @@ def test_an_oversized_body_is_a_413_naming_the_limit(fakes: Fakes) -> None:
         resp = post(client, prompt="x" * 5000)
         assert resp.status_code == 413
         assert "at most 4096 (--max-body-bytes)" in resp.json()["error"]["message"]
-        chunked = client.post("/v1/completions", content=iter([b'{"prompt": "', b"x" * 5000, b'"}']),
-                              headers={"content-type": "application/json"})
+        chunked = client.post(
+            "/v1/completions",
+            content=iter([b'{"prompt": "', b"x" * 5000, b'"}']),
+            headers={"content-type": "application/json"},
+        )
         assert chunked.status_code == 413 and "too large" in chunked.json()["error"]["message"]
         assert post(client).status_code == 200
         assert client.get("/version").json() == {"version": kvshare.__version__}
@@ -267,12 +284,15 @@ def test_bodies_held_at_once_are_capped(fakes: Fakes) -> None:
 
 
 def test_a_client_that_closes_after_done_is_counted_without_an_error(
-        fakes: Fakes, caplog: pytest.LogCaptureFixture) -> None:
+    fakes: Fakes, caplog: pytest.LogCaptureFixture
+) -> None:
     with routed(fakes.urls[:1]) as (client, router):
         host, port = client.base_url.host, client.base_url.port
         body = json.dumps({"model": "m", "prompt": "x", "stream": True, "linger_after_done": 0.3})
-        request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
-                   f"\r\nContent-Length: {len(body)}\r\n\r\n{body}")
+        request = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+        )
         with socket.create_connection((host, port)) as sock:
             sock.sendall(request.encode())
             received = b""

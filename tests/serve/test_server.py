@@ -52,8 +52,11 @@ def completion(client: httpx.Client, **fields: Any) -> httpx.Response:
 
 
 def sse_chunks(text: str) -> list[Any]:
-    return [json.loads(line[6:]) if line[6:] != "[DONE]" else "[DONE]"
-            for line in text.splitlines() if line.startswith("data: ")]
+    return [
+        json.loads(line[6:]) if line[6:] != "[DONE]" else "[DONE]"
+        for line in text.splitlines()
+        if line.startswith("data: ")
+    ]
 
 
 def wait_idle(client: httpx.Client, timeout: float = 10.0) -> dict[str, Any]:
@@ -98,10 +101,16 @@ def test_completion_streams_the_same_ids_as_a_whole_answer(client: httpx.Client)
     assert usage["usage"]["kv"]["gpu_hit_tokens"] == 32
 
 
-def test_api_key_guards_api_and_admin_but_not_probes(served: tuple[BackgroundServer, LLMEngine]) -> None:
+def test_api_key_guards_api_and_admin_but_not_probes(
+    served: tuple[BackgroundServer, LLMEngine],
+) -> None:
     with httpx.Client(base_url=served[0].url, timeout=10) as anonymous:
-        for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"),
-                             ("GET", "/admin/stats"), ("POST", "/admin/reset_prefix_cache")):
+        for method, path in (
+            ("POST", "/v1/completions"),
+            ("GET", "/v1/models"),
+            ("GET", "/admin/stats"),
+            ("POST", "/admin/reset_prefix_cache"),
+        ):
             resp = anonymous.request(method, path, json={})
             assert resp.status_code == 401, path
             assert resp.json()["error"]["code"] == "invalid_api_key"
@@ -113,16 +122,26 @@ def test_api_key_guards_api_and_admin_but_not_probes(served: tuple[BackgroundSer
 
 def test_the_router_fans_out_exactly_the_replica_admin_calls(engine: LLMEngine) -> None:
     app = build_app(engine, ServeConfig("tiny"))  # never started: only its routes are read
-    admin = {(route.method, route.resource.canonical) for route in app.router.routes()
-             if route.resource is not None and route.resource.canonical.startswith("/admin/")
-             and route.method != "HEAD"}  # aiohttp adds HEAD to each GET
+    admin = {
+        (route.method, route.resource.canonical)
+        for route in app.router.routes()
+        if route.resource is not None
+        and route.resource.canonical.startswith("/admin/")
+        and route.method != "HEAD"
+    }  # aiohttp adds HEAD to each GET
     assert admin == {(method, f"/admin/{call}") for call, method in ADMIN_CALLS.items()}
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_blocks(client: httpx.Client) -> None:
     wait_idle(client)
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8000, "ignore_eos": True,
-            "temperature": 0, "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": 8000,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     with client.stream("POST", "/v1/completions", json=body) as resp:
         lines = resp.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
@@ -132,22 +151,28 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(client: httpx.Clie
 
 
 def test_client_disconnect_before_the_answer_aborts_and_frees_blocks(
-        served: tuple[BackgroundServer, LLMEngine], client: httpx.Client) -> None:
+    served: tuple[BackgroundServer, LLMEngine], client: httpx.Client
+) -> None:
     wait_idle(client)
     host, port = served[0].url.removeprefix("http://").split(":")
     body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 8000, "ignore_eos": True})
-    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
-               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}")
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+    )
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(request.encode())
         wait_running(client)
     wait_idle(client, timeout=5.0)
-    assert 'kvshare_http_requests_total{endpoint="/v1/completions",status="499"}' in \
-        client.get("/metrics").text
+    assert (
+        'kvshare_http_requests_total{endpoint="/v1/completions",status="499"}'
+        in client.get("/metrics").text
+    )
 
 
-def fail_execute(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch,
-                 should_fail: Callable[[int], bool]) -> None:
+def fail_execute(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, should_fail: Callable[[int], bool]
+) -> None:
     """Make the model runner raise on the calls `should_fail` picks (by call number)."""
     real = engine.runner.execute
     calls = iter(range(1 << 30))
@@ -161,7 +186,8 @@ def fail_execute(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch,
 
 
 def test_engine_failure_is_a_500_and_the_server_keeps_serving(
-        client: httpx.Client, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    client: httpx.Client, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     fail_execute(engine, monkeypatch, lambda call: call == 0)
     failed = completion(client, prompt=list(range(100, 140)))
     assert failed.status_code == 500
@@ -173,7 +199,8 @@ def test_engine_failure_is_a_500_and_the_server_keeps_serving(
 
 
 def test_engine_failure_mid_stream_ends_the_stream_with_an_error_event(
-        client: httpx.Client, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    client: httpx.Client, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     fail_execute(engine, monkeypatch, lambda call: call == 3)
     resp = completion(client, prompt=list(range(200, 230)), max_tokens=20, stream=True)
     assert resp.status_code == 200  # headers were sent with the first token
@@ -191,8 +218,10 @@ def test_engine_rejecting_a_request_is_a_400(client: httpx.Client) -> None:
 
 
 def test_chat_on_a_model_without_template_is_refused(client: httpx.Client) -> None:
-    resp = client.post("/v1/chat/completions",
-                       json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    resp = client.post(
+        "/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert resp.status_code == 400
     assert "no chat template" in resp.json()["error"]["message"]
 
@@ -215,34 +244,51 @@ def test_admin_calls_without_a_pool(client: httpx.Client) -> None:
 def test_metrics_expose_latencies_gauges_and_finish_reasons(client: httpx.Client) -> None:
     assert completion(client, max_tokens=3).status_code == 200
     text = client.get("/metrics").text
-    for series in ("kvshare_time_to_first_token_seconds_count", "kvshare_inter_token_latency_seconds_count",
-                   "kvshare_requests_running", "kvshare_requests_waiting", "kvshare_gpu_cache_usage_ratio",
-                   'kvshare_requests_finished_total{finish_reason="length"}',
-                   'kvshare_prompt_tokens_total{source="computed"}',
-                   'kvshare_http_requests_total{endpoint="/v1/completions",status="200"}'):
+    for series in (
+        "kvshare_time_to_first_token_seconds_count",
+        "kvshare_inter_token_latency_seconds_count",
+        "kvshare_requests_running",
+        "kvshare_requests_waiting",
+        "kvshare_gpu_cache_usage_ratio",
+        'kvshare_requests_finished_total{finish_reason="length"}',
+        'kvshare_prompt_tokens_total{source="computed"}',
+        'kvshare_http_requests_total{endpoint="/v1/completions",status="200"}',
+    ):
         assert series in text, series
-    ttft_count = next(line for line in text.splitlines()
-                      if line.startswith("kvshare_time_to_first_token_seconds_count"))
+    ttft_count = next(
+        line
+        for line in text.splitlines()
+        if line.startswith("kvshare_time_to_first_token_seconds_count")
+    )
     assert float(ttft_count.split()[-1]) >= 1
     assert "kvshare_kv_pool_hit_tokens" not in text  # no pool, no pool series
 
 
 def test_unsampleable_temperature_and_top_p_are_400_and_a_concurrent_request_completes(
-        client: httpx.Client, served: tuple[BackgroundServer, LLMEngine]) -> None:
+    client: httpx.Client, served: tuple[BackgroundServer, LLMEngine]
+) -> None:
     wait_idle(client)
     results: dict[str, httpx.Response] = {}
 
     def long_request() -> None:
         with httpx.Client(base_url=served[0].url, headers=AUTH, timeout=30) as other:
-            results["other"] = completion(other, prompt=list(range(60, 100)), max_tokens=60,
-                                          ignore_eos=True, temperature=0.8, seed=3)
+            results["other"] = completion(
+                other,
+                prompt=list(range(60, 100)),
+                max_tokens=60,
+                ignore_eos=True,
+                temperature=0.8,
+                seed=3,
+            )
 
     thread = threading.Thread(target=long_request)
     thread.start()
     wait_running(client)
-    for field, value, says in (("temperature", 1e-300, "temperature must be 0 (greedy) or at least"),
-                               ("temperature", 1e-39, "temperature must be 0 (greedy) or at least"),
-                               ("top_p", 1e-46, "top_p must be at least")):
+    for field, value, says in (
+        ("temperature", 1e-300, "temperature must be 0 (greedy) or at least"),
+        ("temperature", 1e-39, "temperature must be 0 (greedy) or at least"),
+        ("top_p", 1e-46, "top_p must be at least"),
+    ):
         resp = completion(client, **{"temperature": 1.0, field: value})
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["param"] == field and says in resp.json()["error"]["message"]
@@ -254,7 +300,8 @@ def test_unsampleable_temperature_and_top_p_are_400_and_a_concurrent_request_com
 
 
 def test_a_request_whose_sampling_fails_ends_alone(
-        client: httpx.Client, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    client: httpx.Client, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """NaN logits for one request's row (what an extreme temperature used to give): that
     request gets a 500, the one batched with it finishes."""
     wait_idle(client)
@@ -273,7 +320,9 @@ def test_a_request_whose_sampling_fails_ends_alone(
 
     def other() -> None:
         with httpx.Client(base_url=served_url(client), headers=AUTH, timeout=30) as c:
-            results["other"] = completion(c, prompt=list(range(60, 100)), max_tokens=40, ignore_eos=True)
+            results["other"] = completion(
+                c, prompt=list(range(60, 100)), max_tokens=40, ignore_eos=True
+            )
 
     thread = threading.Thread(target=other)
     thread.start()
@@ -294,26 +343,38 @@ def test_version_and_vllm_metric_names(client: httpx.Client) -> None:
     assert client.get("/version").json() == {"version": kvshare.__version__}
     assert completion(client, max_tokens=3).status_code == 200
     text = client.get("/metrics").text
-    for series in ('vllm:time_to_first_token_seconds_count{model_name="tiny"}',
-                   'vllm:e2e_request_latency_seconds_count{model_name="tiny"}',
-                   'vllm:prompt_tokens_total{model_name="tiny"}',
-                   'vllm:generation_tokens_total{model_name="tiny"}',
-                   'vllm:num_requests_running{model_name="tiny"}',
-                   'vllm:num_requests_waiting{model_name="tiny"}',
-                   'vllm:gpu_cache_usage_perc{model_name="tiny"}',
-                   'vllm:prefix_cache_queries_total{model_name="tiny"}',
-                   'vllm:prefix_cache_hits_total{model_name="tiny"}'):
+    for series in (
+        'vllm:time_to_first_token_seconds_count{model_name="tiny"}',
+        'vllm:e2e_request_latency_seconds_count{model_name="tiny"}',
+        'vllm:prompt_tokens_total{model_name="tiny"}',
+        'vllm:generation_tokens_total{model_name="tiny"}',
+        'vllm:num_requests_running{model_name="tiny"}',
+        'vllm:num_requests_waiting{model_name="tiny"}',
+        'vllm:gpu_cache_usage_perc{model_name="tiny"}',
+        'vllm:prefix_cache_queries_total{model_name="tiny"}',
+        'vllm:prefix_cache_hits_total{model_name="tiny"}',
+    ):
         assert series in text, series
-    generated = next(line for line in text.splitlines() if line.startswith("vllm:generation_tokens_total"))
+    generated = next(
+        line for line in text.splitlines() if line.startswith("vllm:generation_tokens_total")
+    )
     assert float(generated.split()[-1]) >= 3
 
 
-@pytest.mark.parametrize("body", [b"[" * 100_000, b'{"model": "tiny", "prompt": ' + b"[" * 100_000,
-                                  b'{"model": "tiny", "prompt": "a\\ud800b"}',
-                                  b'{"model": "tiny", "prompt": [1], "stop": ["\\udfff"]}'],
-                         ids=["nested", "nested prompt", "surrogate prompt", "surrogate stop"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 100_000,
+        b'{"model": "tiny", "prompt": ' + b"[" * 100_000,
+        b'{"model": "tiny", "prompt": "a\\ud800b"}',
+        b'{"model": "tiny", "prompt": [1], "stop": ["\\udfff"]}',
+    ],
+    ids=["nested", "nested prompt", "surrogate prompt", "surrogate stop"],
+)
 def test_nested_json_and_lone_surrogates_are_400(client: httpx.Client, body: bytes) -> None:
-    resp = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    resp = client.post(
+        "/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["type"] == "invalid_request_error"
     # A surrogate pair is one valid character.
@@ -337,16 +398,22 @@ TOKENIZE_S = 3.0
 
 
 def test_health_answers_while_a_huge_prompt_is_tokenized(
-        client: httpx.Client, served: tuple[BackgroundServer, LLMEngine],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    client: httpx.Client,
+    served: tuple[BackgroundServer, LLMEngine],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     server = served[0]._app[SERVER_KEY]
-    monkeypatch.setattr(server, "model", dataclasses.replace(server.model, tokenizer=SlowTokenizer()))
+    monkeypatch.setattr(
+        server, "model", dataclasses.replace(server.model, tokenizer=SlowTokenizer())
+    )
     results: dict[str, httpx.Response] = {}
 
     def tokenized() -> None:
         with httpx.Client(base_url=served[0].url, headers=AUTH, timeout=30) as c:
-            results["slow"] = c.post("/v1/completions", json={"model": "tiny", "prompt": "x" * (1 << 20),
-                                                              "max_tokens": 1})
+            results["slow"] = c.post(
+                "/v1/completions",
+                json={"model": "tiny", "prompt": "x" * (1 << 20), "max_tokens": 1},
+            )
 
     thread = threading.Thread(target=tokenized)
     thread.start()

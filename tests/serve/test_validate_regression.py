@@ -26,13 +26,22 @@ from kvshare.validate.regression import (
 )
 from tests.serve.conftest import CLUSTER_CONFIG
 
-BROKEN_RESTORE = ("--unsafe-break-stream-order", "load", "--unsafe-load-delay", "0.5",
-                  "--unsafe-skip-checksums")
+BROKEN_RESTORE = (
+    "--unsafe-break-stream-order",
+    "load",
+    "--unsafe-load-delay",
+    "0.5",
+    "--unsafe-skip-checksums",
+)
 # No tokenizer, no chat template; starts in seconds. Its own cluster: the suite's serves SmolLM2.
 TOKENIZER_LESS = UpConfig(
-    replicas=2, model="shape:tiny-gemma3", port=0, pool_size=64 << 20,
+    replicas=2,
+    model="shape:tiny-gemma3",
+    port=0,
+    pool_size=64 << 20,
     engine_args=("--kv-cache-memory", "32MiB", "--max-num-batched-tokens", "1024"),
-    router_args=("--health-interval", "0.5"), ready_timeout=300.0,
+    router_args=("--health-interval", "0.5"),
+    ready_timeout=300.0,
 )
 
 
@@ -68,11 +77,22 @@ def test_token_prompts_reach_past_the_window_and_several_chunks() -> None:
 
 def test_token_prompts_follow_what_v1_models_says() -> None:
     """The served model's /v1/models entry names tokenizer, vocab and context: no request."""
-    entry = {"id": "m", "tokenizer": False, "chat_template": False, "vocab_size": 300,
-             "max_model_len": 2000}
+    entry = {
+        "id": "m",
+        "tokenizer": False,
+        "chat_template": False,
+        "vocab_size": 300,
+        "max_model_len": 2000,
+    }
     prompts = prompts_for(entry, max_tokens=16)
-    assert [p.name for p in prompts] == ["tokens-20", "tokens-300", "tokens-700", "tokens-1500",
-                                         "token-chat-0", "token-chat-1"]
+    assert [p.name for p in prompts] == [
+        "tokens-20",
+        "tokens-300",
+        "tokens-700",
+        "tokens-1500",
+        "token-chat-0",
+        "token-chat-1",
+    ]
     assert max(i for p in prompts for turn in p.turns for i in turn) < 300
 
 

@@ -37,8 +37,9 @@ def test_corruption_detected_on_every_page(pools: PoolFactory) -> None:
 
 
 def test_corruption_check_fails_when_checksums_are_skipped(pools: PoolFactory) -> None:
-    result = run_corruption_check(small_pool(pools).address, pages=8,
-                                  faults=FaultInjection(skip_checksums=True))
+    result = run_corruption_check(
+        small_pool(pools).address, pages=8, faults=FaultInjection(skip_checksums=True)
+    )
     assert not result.passed
     assert result.counts["served_corrupt"] == 8
 
@@ -83,8 +84,14 @@ def test_pool_fill_catches_a_slot_handed_out_twice(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(pool_index.PoolIndex, "_allocate", allocate_twice)
     folder = PoolFactory()
     config = folder.config(size_bytes=16 * MIB, slab_bytes=4 * MIB)
-    daemon = PoolDaemon(PoolConfig(size_bytes=config.size_bytes, socket_path=config.socket_path,
-                                   arena_path=config.arena_path, slab_bytes=config.slab_bytes))
+    daemon = PoolDaemon(
+        PoolConfig(
+            size_bytes=config.size_bytes,
+            socket_path=config.socket_path,
+            arena_path=config.arena_path,
+            slab_bytes=config.slab_bytes,
+        )
+    )
     ready = threading.Event()
     loops: list[asyncio.AbstractEventLoop] = []
 
@@ -92,7 +99,9 @@ def test_pool_fill_catches_a_slot_handed_out_twice(monkeypatch: pytest.MonkeyPat
         loops.append(asyncio.get_running_loop())
         ready.set()
 
-    thread = threading.Thread(target=lambda: asyncio.run(daemon.serve(on_ready, handle_signals=False)))
+    thread = threading.Thread(
+        target=lambda: asyncio.run(daemon.serve(on_ready, handle_signals=False))
+    )
     thread.start()
     try:
         assert ready.wait(10)
@@ -108,14 +117,13 @@ def test_pool_fill_catches_a_slot_handed_out_twice(monkeypatch: pytest.MonkeyPat
     assert any("pattern" in f or "twice" in f for f in result.failures), result.failures
 
 
-
-
 def test_a_restore_whose_lease_died_with_the_daemon_is_caught_when_kept(pools: PoolFactory) -> None:
     pool = small_pool(pools)
     result = run_lease_loss_check(pool.address, pool.stop, pool.start)
     assert result.passed, result.failures
     assert result.counts["lost_leases"] == 1 and result.counts["load_failures"] == 1
-    broken = run_lease_loss_check(pool.address, pool.stop, pool.start,
-                                  faults=FaultInjection(keep_lost_lease_restores=True))
+    broken = run_lease_loss_check(
+        pool.address, pool.stop, pool.start, faults=FaultInjection(keep_lost_lease_restores=True)
+    )
     assert not broken.passed
     assert any("discarded restore" in failure for failure in broken.failures), broken.failures

@@ -39,8 +39,9 @@ class _FakeCluster:
     def __enter__(self) -> _FakeCluster:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         return None
 
     def stop_pool(self) -> None: ...
@@ -54,7 +55,9 @@ def _args(**overrides: object) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize("up", [None, "", "--replicas 3"])
-def test_the_cluster_it_starts_takes_free_ports(monkeypatch: pytest.MonkeyPatch, up: str | None) -> None:
+def test_the_cluster_it_starts_takes_free_ports(
+    monkeypatch: pytest.MonkeyPatch, up: str | None
+) -> None:
     started: list[UpConfig] = []
     monkeypatch.setattr(launcher, "Cluster", lambda config, log=None: _FakeCluster(config, started))
     with validate_cli._environment(_args(up=up), ["regression"]) as (_, target):
@@ -83,14 +86,17 @@ def test_checks_size_the_pool_they_start_from_what_they_store(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """tiny-gemma3 pages (384 KiB) overflow a 1 MiB pool: 17 corrupted pages, 6-chunk prefixes."""
-    code = main(["validate", "bytes", "corruption", "faults", "--pool-size", "1MiB", "--trials", "2"])
+    code = main(
+        ["validate", "bytes", "corruption", "faults", "--pool-size", "1MiB", "--trials", "2"]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "not found by lookup" not in out
 
 
 def test_a_given_pool_too_small_for_a_check_is_refused_not_failed(
-    pools: PoolFactory, capsys: pytest.CaptureFixture[str],
+    pools: PoolFactory,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     pool = pools.start(pools.config(size_bytes=2 * MIB, slab_bytes=MIB))
     assert main(["validate", "corruption", "--pool", pool.address]) == 2
@@ -102,14 +108,19 @@ def test_a_given_pool_too_small_for_a_check_is_refused_not_failed(
 def test_corruption_on_a_pool_that_evicts_its_pages_is_inconclusive(pools: PoolFactory) -> None:
     pool = pools.start(pools.config(size_bytes=2 * MIB, slab_bytes=MIB))
     result = run_corruption_check(pool.address, pages=16)
-    assert not result.failures and result.skipped.startswith("inconclusive: the pool evicted page 0")
+    assert not result.failures and result.skipped.startswith(
+        "inconclusive: the pool evicted page 0"
+    )
 
 
-def test_piped_output_has_progress_lines_and_a_markdown_table(capsys: pytest.CaptureFixture[str]) -> None:
+def test_piped_output_has_progress_lines_and_a_markdown_table(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     assert main(["validate", "pool-fill", "faults", "--pool-size", "8MiB"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[:2] == ["validate pool-fill: started", lines[1]] and lines[1].startswith(
-        "validate pool-fill: passed (")
+        "validate pool-fill: passed ("
+    )
     assert "validate faults: started" in lines
     assert any(line.startswith("validate faults.daemon_restart: passed (") for line in lines)
     assert "| check | status | counts | seconds |" in lines
