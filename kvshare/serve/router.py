@@ -82,6 +82,10 @@ class RouterConfig:
     block_tokens: int = 16  # routing-key block: the engine's block size
     health_interval: float = 1.0
     health_timeout: float = 5.0
+    # Failed health checks in a row that take a replica out of rotation: one check can fail
+    # while the whole host stalls for a moment, and a replica marked down for nothing turns
+    # every request of that interval into a 503. A failed request still removes it at once.
+    health_failures_to_leave: int = 2
     connect_timeout: float = 5.0
     max_body_bytes: int = 64 << 20
     api_key: str | None = None
@@ -101,6 +105,8 @@ class RouterConfig:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
         if min(self.health_interval, self.health_timeout, self.connect_timeout) <= 0:
             raise ValueError("health_interval, health_timeout and connect_timeout must be > 0")
+        if self.health_failures_to_leave < 1:
+            raise ValueError("health_failures_to_leave must be >= 1")
         if self.block_tokens < 1 or self.max_body_bytes < 1024:
             raise ValueError("block_tokens must be >= 1 and max_body_bytes >= 1024")
         if self.max_buffered_bytes < self.max_body_bytes:
@@ -147,6 +153,7 @@ class Replica:
     healthy: bool = True  # optimistic until the first health check says otherwise
     in_flight: int = 0
     instance: str | None = None
+    failed_checks: int = 0  # health checks failed in a row
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -214,7 +221,15 @@ class Router:
             if replica.instance is not None:  # restarted: its GPU cache is empty
                 self.policy.forget_replica(replica.index)
             replica.instance = info.get("instance")
-        self._set_health(replica, healthy)
+        replica.failed_checks = 0 if healthy else replica.failed_checks + 1
+        # A replica that never answered leaves at its first failed check.
+        never_answered = replica.instance is None
+        if (
+            healthy
+            or never_answered
+            or replica.failed_checks >= self.config.health_failures_to_leave
+        ):
+            self._set_health(replica, healthy)
 
     def _set_health(self, replica: Replica, healthy: bool, reason: str = "") -> None:
         if healthy != replica.healthy:

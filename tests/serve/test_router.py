@@ -304,3 +304,40 @@ def test_a_client_that_closes_after_done_is_counted_without_an_error(
             time.sleep(0.05)
         assert router.replicas[0].in_flight == 0
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_one_failed_health_check_does_not_take_a_replica_out() -> None:
+    """A host that stalls through one check must not turn every request of an interval into
+    a 503: a replica that answered before leaves at the second failed check in a row."""
+    failing = threading.Event()
+
+    async def health(request: web.Request) -> web.Response:
+        if failing.is_set():
+            return web.json_response({"error": "stalled"}, status=503)
+        return web.json_response({"status": "ok", "instance": "flaky"})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    server = BackgroundServer(app)
+    try:
+        with routed([server.url], health_interval=60.0) as (client, router):
+            replica = router.replicas[0]
+            check = router._check  # one health round, driven by the test, on the router's loop
+
+            def one_check() -> bool:
+                asyncio.run_coroutine_threadsafe(check(replica), router_loop(router)).result(5)
+                return client.get("/admin/replicas").json()[0]["healthy"]
+
+            failing.set()
+            assert one_check() is True  # one failed check: still in rotation
+            failing.clear()
+            assert one_check() is True  # a good one resets the count
+            failing.set()
+            assert [one_check(), one_check()] == [True, False]  # two in a row: out
+    finally:
+        server.close()
+
+
+def router_loop(router: Router) -> asyncio.AbstractEventLoop:
+    assert router._health_task is not None
+    return router._health_task.get_loop()
