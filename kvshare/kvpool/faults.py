@@ -41,6 +41,11 @@ class FaultInjection:
             raise ValueError(f"load_delay must be >= 0, got {self.load_delay}")
 
 
+def injected(faults: FaultInjection) -> FaultInjection | None:
+    """`faults`, or None when it breaks nothing (None is what production passes)."""
+    return None if faults == FaultInjection() else faults
+
+
 def breaks(faults: FaultInjection | None, order: BreakOrder) -> bool:
     """Whether `faults` drops the stream dependency of `order` ("store" or "load")."""
     return faults is not None and faults.break_order == order

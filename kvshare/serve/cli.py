@@ -132,14 +132,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def injected_faults(args: argparse.Namespace) -> FaultInjection | None:
     """The faults the hidden --unsafe-* flags inject (None: none, the only production value)."""
-    from kvshare.kvpool.faults import FaultInjection
+    from kvshare.kvpool.faults import FaultInjection, injected
 
-    faults = FaultInjection(
-        break_order=args.unsafe_break_stream_order,
-        load_delay=args.unsafe_load_delay,
-        skip_checksums=args.unsafe_skip_checksums,
+    return injected(
+        FaultInjection(
+            break_order=args.unsafe_break_stream_order,
+            load_delay=args.unsafe_load_delay,
+            skip_checksums=args.unsafe_skip_checksums,
+        )
     )
-    return None if faults == FaultInjection() else faults
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -135,13 +135,14 @@ def _environment(
 def _injected_faults(args: argparse.Namespace) -> FaultInjection | None:
     """The faults the hidden --unsafe-* flags inject into the checks' connectors (None: none).
     The bytes check takes its broken order from the same flag, per role (store or load)."""
-    from kvshare.kvpool.faults import FaultInjection
+    from kvshare.kvpool.faults import FaultInjection, injected
 
-    faults = FaultInjection(
-        skip_checksums=args.unsafe_skip_checksums,
-        keep_lost_lease_restores=args.unsafe_keep_lost_lease_restores,
+    return injected(
+        FaultInjection(
+            skip_checksums=args.unsafe_skip_checksums,
+            keep_lost_lease_restores=args.unsafe_keep_lost_lease_restores,
+        )
     )
-    return None if faults == FaultInjection() else faults
 
 
 def _shape_and_dtype(args: argparse.Namespace) -> tuple[str, torch.dtype]:
