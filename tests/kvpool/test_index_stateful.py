@@ -105,11 +105,13 @@ class IndexMachine(RuleBasedStateMachine):
 
     def held(self, conn: int) -> int:
         reserved = sum(self.slot[k] for k, owner in self.owner.items() if owner == conn)
+        # By offset: a leased page that was invalidated has left the index, not the lease.
+        taken = self.taken()
         leased = sum(
-            self.slot[k]
-            for holder, run, _ in self.live_leases.values()
+            taken[offset]
+            for holder, _, offsets in self.live_leases.values()
             if holder == conn
-            for k in run
+            for offset in offsets
         )
         return reserved + leased
 
