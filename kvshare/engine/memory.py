@@ -111,6 +111,7 @@ def plan_device_memory(
     weights_bytes: int,
     staging_bytes: int = 0,
     cuda_graphs: bool = False,
+    free_bytes: int | None = None,
 ) -> DeviceMemoryPlan:
     """The budget of one engine on a device of `device_bytes`; ValueError naming every
     part when they do not fit `config.gpu_memory_fraction` of it.
@@ -119,6 +120,9 @@ def plan_device_memory(
     `staging_bytes`: the connector's device buffers; `cuda_graphs`: decode graphs will be
     captured. With `config.kv_cache_memory` the KV cache has that size and must fit too;
     otherwise it takes what is left and must hold at least one step's tokens.
+    `free_bytes` (at start, the weights loaded): the device memory free now; the KV cache
+    and the parts still to allocate must fit in it too (other processes, or other engines
+    of this one, hold the rest).
     """
     item = item_bytes(config.resolved_dtype)
     max_len = config.max_model_len or model.max_position_embeddings
@@ -137,6 +141,9 @@ def plan_device_memory(
     )
     plan = DeviceMemoryPlan(device_bytes, config.gpu_memory_fraction, parts, 0)
     left = plan.limit - plan.fixed_bytes
+    if free_bytes is not None:
+        allocated = {"weights", "CUDA runtime"}
+        left = min(left, free_bytes - sum(n for name, n in parts if name not in allocated))
     kv_per_token = len(model.attention_layers) * model.kv_bytes_per_token_per_layer * item
     minimum = config.kv_cache_memory or config.max_num_batched_tokens * kv_per_token
     if left < minimum:
@@ -148,7 +155,9 @@ def plan_device_memory(
         )
         raise ValueError(
             f"the engine does not fit --gpu-memory-fraction {config.gpu_memory_fraction:g} of "
-            f"{format_size(device_bytes)} ({format_size(plan.limit)}): "
+            f"{format_size(device_bytes)} ({format_size(plan.limit)}"
+            + ("" if free_bytes is None else f"; {format_size(free_bytes)} free now")
+            + "): "
             + ", ".join(f"{name} {format_size(n)}" for name, n in parts if n)
             + f" leave {format_size(max(left, 0))}, not enough for {what}; raise the fraction, "
             "or lower --max-num-seqs, --max-num-batched-tokens or --max-model-len"

@@ -110,13 +110,21 @@ class ModelRunner:
         not fit); elsewhere kv_cache_memory or 1 GiB."""
         if self.device.type != "cuda":
             return self.config.kv_cache_memory or _CPU_KV_CACHE_BYTES
+        # This engine's own tensors: other engines of the process are in free_bytes.
+        weights = sum(
+            t.numel() * t.element_size()
+            for t in (*self.model.parameters(), *self.model.buffers())
+            if t.device == self.device
+        )
+        free, total = torch.cuda.mem_get_info(self.device)
         self.memory = plan_device_memory(
             self.model_config,
             self.config,
-            torch.cuda.get_device_properties(self.device).total_memory,
-            weights_bytes=torch.cuda.memory_allocated(self.device),
+            total,
+            weights_bytes=weights,
             staging_bytes=staging_bytes(self.kv_bytes_per_token) if staging_bytes else 0,
             cuda_graphs=self._captures_graphs(),
+            free_bytes=free,
         )
         return self.memory.kv_bytes
 

@@ -93,6 +93,18 @@ def test_a_given_kv_cache_must_fit_beside_the_other_parts() -> None:
     assert plan.kv_bytes == 4 * GIB and plan.fixed_bytes + plan.kv_bytes <= plan.limit
 
 
+def test_the_kv_cache_fits_what_is_free_now() -> None:
+    """Another engine of the process (or another process) holds memory: the KV cache
+    shrinks to what is free beside the parts still to allocate, or start fails."""
+    weights = QWEN35.num_parameters() * 2
+    alone = plan_device_memory(QWEN35, bench_engine(), H200, weights)
+    later = alone.fixed_bytes - weights - CUDA_RUNTIME_BYTES
+    squeezed = plan_device_memory(QWEN35, bench_engine(), H200, weights, free_bytes=later + 3 * GIB)
+    assert squeezed.kv_bytes == 3 * GIB < alone.kv_bytes
+    with pytest.raises(ValueError, match=r"1 GiB free now"):
+        plan_device_memory(QWEN35, bench_engine(), H200, weights, free_bytes=1 * GIB)
+
+
 def test_graphs_and_staging_are_charged_when_present() -> None:
     gemma = SHAPE_PRESETS["gemma3-27b"]
     weights = gemma.num_parameters() * 2
