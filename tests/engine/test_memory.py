@@ -130,3 +130,35 @@ def test_an_engine_on_the_gpu_allocates_within_its_plan(model: str) -> None:
     llm.generate([[5] * 300], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     used = torch.cuda.max_memory_allocated() - before
     assert used <= plan.limit - plan.part("CUDA runtime"), (used, plan.describe())
+
+
+def up(*flags: str) -> object:
+    from kvshare.serve.launcher import UpConfig
+
+    return UpConfig.from_args(
+        ["--model", "shape:qwen3.5-27b", "--device", "cuda", "--replicas", "2", *flags]
+    )
+
+
+@pytest.fixture
+def fake_h200(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU machine that preflight sees as one idle H200."""
+    from types import SimpleNamespace
+
+    from kvshare import preflight
+
+    monkeypatch.setattr(preflight, "check_device", lambda device: None)
+    monkeypatch.setattr(preflight, "available_bytes", lambda device: H200 - GIB)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=H200)
+    )
+
+
+def test_kvshare_up_checks_each_replicas_whole_budget(fake_h200: None) -> None:
+    from kvshare.preflight import check_up
+
+    check_up(up("--gpu-memory-fraction", "0.48", "--max-num-seqs", "8"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"recurrent-state slots 9\.18 GiB.*not enough"):
+        check_up(up("--gpu-memory-fraction", "0.40"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"takes 2 x 83\.40 GiB"):
+        check_up(up("--gpu-memory-fraction", "0.6"))  # type: ignore[arg-type]
