@@ -7,18 +7,27 @@ check raises ValueError with one sentence that says what to change.
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvshare.engine.config import EngineConfig
+from kvshare.engine.memory import (
+    ITEM_BYTES,
+    DeviceMemoryPlan,
+    item_bytes,
+    plan_device_memory,
+    staging_bytes,
+)
 from kvshare.sizes import format_size
 
 if TYPE_CHECKING:
+    from kvshare.models.config import ModelConfig
     from kvshare.serve.launcher import UpConfig
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the engine's KV cache on the CPU when none is given
-_ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -66,7 +75,7 @@ def memory_need(
     resolved = (
         dtype if dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     )
-    if resolved not in _ITEM_BYTES:
+    if resolved not in ITEM_BYTES:
         return None
     kv = (
         kv_cache_memory
@@ -79,7 +88,7 @@ def memory_need(
         preset = SHAPE_PRESETS.get(model.removeprefix("shape:"))
         if preset is None:
             return None
-        return MemoryNeed(preset.num_parameters() * _ITEM_BYTES[resolved], kv, resolved)
+        return MemoryNeed(preset.num_parameters() * ITEM_BYTES[resolved], kv, resolved)
     path = Path(model)
     if path.is_file():
         return MemoryNeed(path.stat().st_size, kv, resolved)
@@ -104,32 +113,121 @@ def available_bytes(device: str) -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def model_config(model: str) -> ModelConfig | None:
+    """The shape of `model` (shape:NAME or an HF folder) without loading it; None when unknown."""
+    from kvshare.models.config import ModelConfig
+
+    if model.startswith("shape:"):
+        from kvshare.models.presets import SHAPE_PRESETS
+
+        return SHAPE_PRESETS.get(model.removeprefix("shape:"))
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        return ModelConfig.from_hf(json.loads(config.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def device_plan(
+    model: str,
+    engine: EngineConfig,
+    device_bytes: int,
+    pool_chunk_tokens: int | None = None,
+) -> DeviceMemoryPlan | None:
+    """The engine's device-memory budget for `model` on a device of `device_bytes`, as the
+    engine will compute it at start (weights estimated, the pool's staging buffers when
+    `pool_chunk_tokens` is given); None when the model's shape or size is unknown.
+    ValueError naming the parts when they do not fit."""
+    config = model_config(model)
+    need = memory_need(model, engine.device, engine.dtype, engine.kv_cache_memory)
+    if config is None or need is None:
+        return None
+    item = item_bytes(need.dtype)
+    staging = 0
+    if pool_chunk_tokens is not None:
+        kv_per_token = len(config.attention_layers) * config.kv_bytes_per_token_per_layer * item
+        staging = staging_bytes(kv_per_token * pool_chunk_tokens)
+    graphs = (
+        engine.cuda_graphs and not config.linear_layers and need.dtype in ("bfloat16", "float16")
+    )
+    return plan_device_memory(config, engine, device_bytes, need.weights_bytes, staging, graphs)
+
+
 def check_up(config: UpConfig) -> None:
     """`kvshare up`'s replicas, all on config.device, fit in its memory."""
-    from kvshare.engine.config import EngineConfig
-
     engine = EngineConfig.from_argv(config.engine_args)
+    fraction = config.replica_gpu_fraction
+    if fraction is not None:
+        engine = replace(engine, device=config.device, gpu_memory_fraction=fraction)
     check_model_fits(
-        config.model, config.device, engine.dtype, engine.kv_cache_memory, engines=config.replicas
+        config.model,
+        config.device,
+        engine.dtype,
+        engine.kv_cache_memory,
+        engines=config.replicas,
+        engine=engine,
+        pool_chunk_tokens=config.chunk_tokens if config.kv_pool else None,
     )
 
 
 def check_model_fits(
-    model: str, device: str, dtype: str, kv_cache_memory: int | None = None, engines: int = 1
+    model: str,
+    device: str,
+    dtype: str,
+    kv_cache_memory: int | None = None,
+    engines: int = 1,
+    engine: EngineConfig | None = None,
+    pool_chunk_tokens: int | None = None,
 ) -> None:
-    """`engines` engines of `model` fit in `device`'s memory (estimated; unknown models pass)."""
+    """`engines` engines of `model` fit in `device`'s memory (estimated; unknown models pass).
+    On CUDA each engine's whole budget (`engine`'s gpu_memory_fraction) must fit, and the
+    engines' shares together must fit the memory free now."""
     check_device(device)
+    if device.startswith("cuda"):
+        _check_gpu_fits(model, device, engines, engine, dtype, kv_cache_memory, pool_chunk_tokens)
+        return
     need = memory_need(model, device, dtype, kv_cache_memory)
     if need is None:
         return
     have = available_bytes(device)
     if engines * need.total <= have:
         return
-    where = "GPU memory free" if device.startswith("cuda") else "RAM available"
     what = f"{engines} x " if engines > 1 else ""
     kv = f" + KV cache {format_size(need.kv_bytes)}" if need.kv_bytes else ""
     raise ValueError(
         f"{model} needs about {what}{format_size(need.total)} (weights {format_size(need.weights_bytes)} "
-        f"in {need.dtype}{kv}) but {device} has {format_size(have)} {where}: use a smaller model, "
+        f"in {need.dtype}{kv}) but {device} has {format_size(have)} RAM available: use a smaller model, "
         f"{'--dtype bfloat16, ' if need.dtype == 'float32' else ''}fewer replicas or another device"
     )
+
+
+def _check_gpu_fits(
+    model: str,
+    device: str,
+    engines: int,
+    engine: EngineConfig | None,
+    dtype: str,
+    kv_cache_memory: int | None,
+    pool_chunk_tokens: int | None,
+) -> None:
+    import torch
+
+    if engine is None:
+        engine = EngineConfig(device=device, dtype=dtype, kv_cache_memory=kv_cache_memory)
+    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    try:
+        plan = device_plan(model, engine, total, pool_chunk_tokens)
+    except ValueError as exc:
+        raise ValueError(f"{model}: {exc}") from None
+    if plan is None:
+        return
+    have = available_bytes(device)
+    if engines * plan.limit > have:
+        what = f"{engines} x " if engines > 1 else ""
+        raise ValueError(
+            f"{model} takes {what}{format_size(plan.limit)} (--gpu-memory-fraction "
+            f"{engine.gpu_memory_fraction:g} of {format_size(total)}) but {device} has "
+            f"{format_size(have)} GPU memory free: lower the fraction, or use fewer replicas"
+        )

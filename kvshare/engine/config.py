@@ -49,9 +49,9 @@ class EngineConfig:
     """How the engine runs a model.
 
     KV cache size: `kv_cache_memory` bytes when given; otherwise on CUDA the cache takes
-    what is left of `gpu_memory_fraction` of the device after weights and an activation
-    reserve, and on the CPU 1 GiB. `gpu_memory_fraction` lets several replicas share
-    one GPU.
+    what is left of `gpu_memory_fraction` of the device after everything else the engine
+    allocates there (kvshare.engine.memory), and on the CPU 1 GiB. `gpu_memory_fraction`
+    bounds all of the replica's device memory, so several replicas can share one GPU.
     """
 
     device: str = flag("cpu", "cpu or cuda[:N]")
@@ -66,7 +66,7 @@ class EngineConfig:
     )
     kv_cache_memory: int | None = flag(None, "KV cache size, e.g. 2GiB", parse=_size)
     gpu_memory_fraction: float = flag(
-        0.9, "share of the GPU this replica may use (weights + cache)", parse=float, render=repr
+        0.9, "share of the GPU this replica may use, everything included", parse=float, render=repr
     )
     enable_prefix_caching: bool = flag(
         True, "reuse the KV of prompt prefixes already on the device"

@@ -103,9 +103,10 @@ class KVStoreUnavailable(Exception):
 
 
 class KVConnector(ABC):
-    """The methods above `set_enabled` are the engine's; `wait_idle`, `close` and the pool
-    admin calls are the serving layer's, with defaults for a connector that has no
-    separate store (nothing in flight, nothing to clear, no store statistics)."""
+    """The methods above `set_enabled` are the engine's; `device_bytes` is the engine's at
+    start; `wait_idle`, `close` and the pool admin calls are the serving layer's, with
+    defaults for a connector that has no separate store (no device buffers, nothing in
+    flight, nothing to clear, no store statistics)."""
 
     chunk_tokens: int
 
@@ -187,6 +188,11 @@ class KVConnector(ABC):
     @abstractmethod
     def stats(self) -> dict[str, int]:
         """Counters: hit/miss tokens, bytes loaded/stored, checksum failures, skipped stores."""
+
+    def device_bytes(self, kv_bytes_per_token: int) -> int:
+        """Device memory `bind` will allocate for a CUDA cache of `kv_bytes_per_token` (every
+        attention layer): the engine counts it in its memory budget before allocating."""
+        return 0  # no device buffers by default
 
     def wait_idle(self) -> None:
         """Block until every store in flight has completed and been committed (an idle

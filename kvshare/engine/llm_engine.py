@@ -82,7 +82,9 @@ class LLMEngine:
         self.loaded = loaded
         self.config = config
         self.tokenizer = loaded.tokenizer
-        self.runner = ModelRunner(loaded, config)
+        self.runner = ModelRunner(
+            loaded, config, connector.device_bytes if connector is not None else None
+        )
         self.blocks = BlockManager(
             self.runner.num_blocks,
             config.block_size,

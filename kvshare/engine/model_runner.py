@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -16,22 +19,33 @@ from kvshare.engine.attention import (
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.connector import KVCacheLayout
 from kvshare.engine.cuda_graphs import DecodeGraphs
+from kvshare.engine.memory import DeviceMemoryPlan, plan_device_memory
 from kvshare.engine.recurrent_state import RecurrentStates
 from kvshare.engine.scheduler import ScheduledChunk
 from kvshare.models.loader import LoadedModel
 
 _CPU_KV_CACHE_BYTES = 1 << 30
+_log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    """`staging_bytes(kv bytes per token)`: the device memory the connector will allocate
+    when it binds to this cache (its staging buffers); counted in the memory budget."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        staging_bytes: Callable[[int], int] | None = None,
+    ) -> None:
         self.model = loaded.model
         self.model_config = loaded.config
         self.config = config
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
         self.backend = self._choose_backend()
-        self.layout = self._allocate_kv_cache()
+        self.memory: DeviceMemoryPlan | None = None  # CUDA: the budget the caches were sized by
+        self.layout = self._allocate_kv_cache(staging_bytes)
         # The cache's last block is outside the block manager: padding rows of captured
         # decode graphs write there.
         self.num_blocks = self.layout.kv.shape[2] - 1
@@ -53,7 +67,7 @@ class ModelRunner:
             loaded.config.max_position_embeddings,
             self.num_blocks * config.block_size,
         )
-        if config.cuda_graphs and isinstance(self.backend, VarlenBackend) and self.states is None:
+        if self._captures_graphs():
             self.graphs = DecodeGraphs(
                 self.model,
                 self.layout,
@@ -62,6 +76,19 @@ class ModelRunner:
                 max_batch=config.max_num_seqs,
                 max_blocks_per_seq=-(-self.max_model_len // config.block_size),
             )
+        if self.memory is not None:
+            _log.info(
+                "device memory: budget %s; %.2f GiB allocated after start",
+                self.memory.describe(),
+                torch.cuda.memory_allocated(self.device) / (1 << 30),
+            )
+
+    def _captures_graphs(self) -> bool:
+        return (
+            self.config.cuda_graphs
+            and isinstance(self.backend, VarlenBackend)
+            and not self.model_config.linear_layers
+        )
 
     def _choose_backend(self) -> AttentionBackend:
         name = self.config.attention_backend
@@ -72,47 +99,43 @@ class ModelRunner:
             return VarlenBackend()
         return SDPABackend()
 
-    def _kv_bytes_per_block(self) -> int:
+    @property
+    def kv_bytes_per_token(self) -> int:
         c = self.model_config
         item = torch.empty((), dtype=self.dtype).element_size()
-        return (
-            len(c.attention_layers)
-            * 2
-            * self.config.block_size
-            * c.num_kv_heads
-            * c.head_dim
-            * item
-        )
+        return len(c.attention_layers) * 2 * c.num_kv_heads * c.head_dim * item
 
-    def _kv_budget(self) -> int:
-        if self.config.kv_cache_memory is not None:
-            return self.config.kv_cache_memory
+    def _kv_budget(self, staging_bytes: Callable[[int], int] | None) -> int:
+        """CUDA: what the memory plan leaves for the KV cache (ValueError when the plan does
+        not fit); elsewhere kv_cache_memory or 1 GiB."""
         if self.device.type != "cuda":
-            return _CPU_KV_CACHE_BYTES
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        used = torch.cuda.memory_allocated(self.device)
-        return int(total * self.config.gpu_memory_fraction) - used - self._activation_reserve()
+            return self.config.kv_cache_memory or _CPU_KV_CACHE_BYTES
+        # This engine's own tensors: other engines of the process are in free_bytes.
+        weights = sum(
+            t.numel() * t.element_size()
+            for t in (*self.model.parameters(), *self.model.buffers())
+            if t.device == self.device
+        )
+        free, total = torch.cuda.mem_get_info(self.device)
+        self.memory = plan_device_memory(
+            self.model_config,
+            self.config,
+            total,
+            weights_bytes=weights,
+            staging_bytes=staging_bytes(self.kv_bytes_per_token) if staging_bytes else 0,
+            cuda_graphs=self._captures_graphs(),
+            free_bytes=free,
+        )
+        return self.memory.kv_bytes
 
-    def _activation_reserve(self) -> int:
-        """Peak activations of one step of max_num_batched_tokens, with a safety margin."""
+    def _allocate_kv_cache(self, staging_bytes: Callable[[int], int] | None) -> KVCacheLayout:
         c = self.model_config
-        tokens = self.config.max_num_batched_tokens
-        item = torch.empty((), dtype=self.dtype).element_size()
-        per_token = (
-            6 * c.hidden_size
-            + 3 * c.intermediate_size
-            + 4 * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        ) * item
-        logits = self.config.max_num_seqs * c.vocab_size * 4 * 3
-        return tokens * per_token + logits + (2 << 30)
-
-    def _allocate_kv_cache(self) -> KVCacheLayout:
-        c = self.model_config
-        num_blocks = self._kv_budget() // self._kv_bytes_per_block()
+        budget = self._kv_budget(staging_bytes)
+        per_block = self.kv_bytes_per_token * self.config.block_size
+        num_blocks = budget // per_block
         if num_blocks < 3:
             raise ValueError(
-                f"no room for a KV cache: {self._kv_budget()} bytes available, "
-                f"{self._kv_bytes_per_block()} per block"
+                f"no room for a KV cache: {budget} bytes available, {per_block} per block"
             )
         return KVCacheLayout.allocate(
             c, num_blocks, self.config.block_size, self.dtype, self.device

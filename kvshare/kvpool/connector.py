@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from kvshare.engine.connector import KVConnector, KVStoreUnavailable, PagedKVCache, PoolMatch
+from kvshare.engine.memory import staging_bytes
 from kvshare.kvpool.client import PageRef, PoolClient, PoolError, PoolUnavailable
 from kvshare.kvpool.faults import FaultInjection
 from kvshare.kvpool.host_memory import HostRegistration
@@ -214,6 +215,9 @@ class PoolConnector(KVConnector):
         if self.registration is not None:
             self.registration.unregister()
         self._generation = b""
+
+    def device_bytes(self, kv_bytes_per_token: int) -> int:
+        return staging_bytes(kv_bytes_per_token * self.chunk_tokens)
 
     @property
     def enabled(self) -> bool:

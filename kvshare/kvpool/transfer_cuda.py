@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvshare.engine.memory import STAGING_BUFFERS, staging_buffer_bytes
 from kvshare.kvpool.faults import FaultInjection, breaks, injected_delay
 from kvshare.kvpool.layout import PageLayout, checksum_constants
 from kvshare.kvpool.transfer import PageCopy, Transfer, TransferJob, copied_segments, page_groups
@@ -64,11 +65,12 @@ class CudaTransfer(Transfer):
             name: torch.cuda.Stream(self.device)
             for name in ("load_copy", "load_scatter", "store_gather", "store_copy")
         }
-        # A staging buffer holds one whole page, or several (128 MiB): loads of global layers
-        # only copy a part of each page, so more of them fit.
-        nbytes = self.staging_bytes = max(layout.payload_bytes, 128 << 20)
+        nbytes = self.staging_bytes = staging_buffer_bytes(layout.payload_bytes)
         self.staging = {
-            d: [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+            d: [
+                torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                for _ in range(STAGING_BUFFERS // 2)
+            ]
             for d in ("load", "store")
         }
         # filled[d][b]: staging buffer b holds data; free[d][b]: its consumer is done with it.
