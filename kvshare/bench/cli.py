@@ -61,6 +61,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="longest wait, before a follow-up, for the pool's stores to commit",
     )
+    parser.add_argument(
+        "--warmup-tokens",
+        type=int,
+        default=1024,
+        help="before block 0, one request of this many tokens per replica, reported apart and "
+        "never pooled: it takes the one-time costs (kernel compilation) out of block 0 (0: none)",
+    )
     parser.add_argument("--json", type=Path, help="write every request's timings and usage here")
     parser.add_argument("--markdown", type=Path, help="write a Markdown summary here")
     parser.add_argument("--plot", type=Path, help="write a PNG plot here")
@@ -228,6 +235,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
                 args.timeout,
                 command,
                 args.settle_timeout,
+                args.warmup_tokens,
             )
             run = run_with_progress(workload, target.url, options, console)
         report(run, options, Outputs(args.json, args.markdown, args.plot), console)

@@ -20,7 +20,7 @@ from kvshare.bench.plots import plot_run
 from kvshare.bench.progress import RichObserver, new_progress
 from kvshare.bench.records import BenchRun, RunInfo
 from kvshare.bench.report import markdown, tables, unsettled_warning, write_json
-from kvshare.bench.runner import Observer, Workload, run_design
+from kvshare.bench.runner import Observer, Workload, run_design, warm_up
 from kvshare.bench.stats import BootstrapSpec
 from kvshare.bench.summary import Comparison, compare
 from kvshare.bench.synthetic import PromptModel, load_prompt_model
@@ -41,10 +41,13 @@ class BenchOptions:
     request_timeout_s: float = 3600.0  # one request, stream included
     command: str = ""
     settle_timeout_s: float = 10.0  # longest wait for the pool's stores to commit (runner.settle)
+    warmup_tokens: int = 0  # a warm-up request of this many tokens per replica first; 0: none
 
     def __post_init__(self) -> None:
         if self.request_timeout_s <= 0 or self.settle_timeout_s < 0:
             raise ValueError("request_timeout_s must be > 0 and settle_timeout_s >= 0")
+        if self.warmup_tokens < 0:
+            raise ValueError(f"warmup_tokens must be >= 0, got {self.warmup_tokens}")
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,11 @@ async def run_bench(
         if not replicas:
             raise ValueError(f"{url} lists no replicas")
         started_at = datetime.now().astimezone().isoformat(timespec="seconds")
+        warmup = ()
+        if options.warmup_tokens:
+            warmup = await warm_up(
+                client, model, len(replicas), options.warmup_tokens, options.seed
+            )
         blocks = await run_design(
             workload,
             client,
@@ -113,7 +121,7 @@ async def run_bench(
         started_at,
         client_machine(),
     )
-    return BenchRun(info, blocks)
+    return BenchRun(info, blocks, warmup)
 
 
 def run_with_progress(

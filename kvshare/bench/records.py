@@ -12,6 +12,7 @@ from kvshare.bench.design import Block, Design
 MEASURE = "measure"  # a request whose timings are the result
 PREFILL = "prefill"  # a request that only sets up state (the context on replica A)
 ROLES = (MEASURE, PREFILL)
+WARMUP = "warmup"  # the series and condition of the warm-up requests before block 0
 POOL_BYTE_COUNTERS = ("loaded_bytes", "stored_bytes")
 
 
@@ -24,6 +25,10 @@ class Tag:
     role: str
     label: str  # the request's identity, unique within a block
     session: str | None = None  # requests of one multi-turn session share this
+    # Requests of one group (a document, a session) begin with tokens an earlier one sent:
+    # `shared_tokens` of them, or, when None, the earlier one's whole prompt (kvshare.bench.ideal).
+    group: str | None = None
+    shared_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -100,10 +105,13 @@ class RunInfo:
 class BenchRun:
     info: RunInfo
     blocks: tuple[BlockResult, ...]
+    warmup: tuple[RequestRecord, ...] = ()  # one per replica before block 0; never pooled
 
     def __post_init__(self) -> None:
         if tuple(b.block for b in self.blocks) != self.info.design.blocks[: len(self.blocks)]:
             raise ValueError("block results must follow the design's order")
+        if any(r.condition != WARMUP or r.measured for r in self.warmup):
+            raise ValueError("warm-up records must be unmeasured and of the warmup condition")
 
     def records(self) -> Sequence[RequestRecord]:
         return [r for b in self.blocks for r in b.records]

@@ -12,6 +12,7 @@ from kvshare.bench.records import BenchRun, RequestRecord
 from kvshare.bench.stats import BootstrapSpec, Estimate
 from kvshare.bench.summary import SESSION, BlockRow, Comparison, block_row
 from kvshare.sizes import format_size
+from kvshare.spec import DEFAULT_CHUNK_TOKENS
 from kvshare.tables import Table
 
 FORMAT_VERSION = 1
@@ -29,6 +30,10 @@ def estimate(value: Estimate | None, digits: int = 3) -> str:
 
 def percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def size(value: int | None) -> str:
@@ -83,6 +88,7 @@ def blocks_table(rows: Sequence[BlockRow]) -> Table:
         "loaded",
         "stored",
         "settle s",
+        "computed/ideal",
         "no content",
     )
     cells = tuple(
@@ -99,6 +105,7 @@ def blocks_table(rows: Sequence[BlockRow]) -> Table:
             size(r.loaded_bytes),
             size(r.stored_bytes),
             f"{r.settle_s:.2f}",
+            ratio(r.computed_over_ideal),
             str(r.no_content),
         )
         for r in rows
@@ -106,11 +113,17 @@ def blocks_table(rows: Sequence[BlockRow]) -> Table:
     return Table("blocks (in run order)", headers, cells)
 
 
+def warmup_table(records: Sequence[RequestRecord]) -> Table:
+    cells = tuple(
+        (str(r.replica), seconds(r.result.ttft_s), seconds(r.result.total_s)) for r in records
+    )
+    return Table("warm-up before block 0 (not in the results)", ("replica", "TTFT", "total"), cells)
+
+
 def tables(run: BenchRun, comparisons: Sequence[Comparison], spec: BootstrapSpec) -> list[Table]:
-    return [
-        comparison_table(run, comparisons, spec),
-        blocks_table([block_row(b) for b in run.blocks]),
-    ]
+    warmup = [warmup_table(run.warmup)] if run.warmup else []
+    blocks = blocks_table([block_row(b) for b in run.blocks])
+    return [*warmup, comparison_table(run, comparisons, spec), blocks]
 
 
 def unsettled_warning(run: BenchRun) -> str | None:
@@ -157,6 +170,7 @@ def to_json(
             for b in run.blocks
         ],
         "requests": [_record_json(r) for r in run.records()],
+        "warmup": [_record_json(r) for r in run.warmup],
     }
 
 
@@ -185,6 +199,9 @@ def markdown(
         f"{100 * spec.level:g}% percentile-bootstrap intervals ({spec.resamples} resamples, "
         "stratified by block); ON/OFF is the ratio of pooled medians",
         "- TTFT: client-side, from sending the request to the first streamed chunk with content",
+        "- computed/ideal: prompt tokens the replicas computed (usage.kv.computed_tokens) over "
+        "the fewest possible: each document's or session's first prompt whole, then only new "
+        f"tokens plus at most one partial {DEFAULT_CHUNK_TOKENS}-token pool chunk per request",
         "- settle: before a follow-up (and at block starts) the bench waits until the pool has no "
         f"store in flight, at most {info.settle_timeout_s:g} s",
     ]

@@ -82,7 +82,8 @@ class Sessions:
 
     def _tag(self, placement: str, session: int, turn: int) -> Tag:
         label = f"{placement}-{session}"
-        return Tag(placement, turn, MEASURE, f"{label}/turn{turn}", session=label)
+        # Each turn resends the last one's prompt: the group shares it.
+        return Tag(placement, turn, MEASURE, f"{label}/turn{turn}", session=label, group=label)
 
     def _options(self, block: int, placement: str, session: int, turn: int) -> RequestOptions:
         return RequestOptions(

@@ -83,7 +83,14 @@ class SharedPrefix:
 
         async def ask(user: int) -> RequestRecord:
             doc = user % self.documents
-            tag = Tag(self.name, None, MEASURE, f"user{user}-doc{doc}")
+            tag = Tag(
+                self.name,
+                None,
+                MEASURE,
+                f"user{user}-doc{doc}",
+                group=f"doc{doc}",
+                shared_tokens=self.doc_tokens,  # the follow-up begins with the document's ids
+            )
             async with slots:
                 prompt = ctx.model.follow_up(docs[doc], questions[user])
                 return await ctx.complete(prompt, RequestOptions(self.output_tokens), tag)

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvshare.bench.design import OFF, ON, Design
+from kvshare.bench.ideal import PromptShare, computed_over_ideal, ideal_computed_tokens
 from kvshare.bench.records import BlockResult, RequestRecord
 from kvshare.bench.stats import BootstrapSpec, Estimate, median_interval, ratio_interval
+from kvshare.spec import DEFAULT_CHUNK_TOKENS
 
 TTFT = "ttft_s"
 SESSION = "session_s"
@@ -164,6 +166,26 @@ def _compare(
     )
 
 
+def prompt_shares(records: Iterable[RequestRecord]) -> list[PromptShare]:
+    """What each request shares with earlier ones of its group, in the order they were sent."""
+    previous: dict[str, int] = {}  # group -> prompt tokens of its latest request
+    out = []
+    for r in sorted(records, key=lambda r: r.start_s):
+        prompt, group = r.usage_int("prompt_tokens"), r.tag.group
+        shared = 0
+        if group is not None and group in previous:
+            known = r.tag.shared_tokens
+            shared = min(prompt, previous[group] if known is None else known)
+        if group is not None:
+            previous[group] = prompt
+        out.append(PromptShare(group, prompt, shared))
+    return out
+
+
+def computed_tokens(records: Iterable[RequestRecord]) -> int:
+    return sum(r.usage_int("kv", "computed_tokens") for r in records)
+
+
 @dataclass(frozen=True)
 class BlockRow:
     index: int
@@ -179,6 +201,9 @@ class BlockRow:
     loaded_bytes: int | None  # pool -> replicas, all replicas
     stored_bytes: int | None  # replicas -> pool
     settle_s: float  # waited in all for stores to commit before requests (runner.settle)
+    computed_tokens: int  # prompt tokens the replicas computed (usage.kv), every request
+    ideal_tokens: int  # the fewest they could have (kvshare.bench.ideal)
+    computed_over_ideal: float | None
 
 
 def block_row(result: BlockResult) -> BlockRow:
@@ -188,6 +213,8 @@ def block_row(result: BlockResult) -> BlockRow:
     span = max(map(_end, records)) - min(r.start_s for r in records) if records else 0.0
     prompt = sum(r.usage_int("prompt_tokens") for r in records)
     output = sum(r.usage_int("completion_tokens") for r in records)
+    computed = computed_tokens(records)
+    ideal = ideal_computed_tokens(prompt_shares(records), DEFAULT_CHUNK_TOKENS)
     return BlockRow(
         index=result.block.index,
         condition=result.block.condition,
@@ -202,4 +229,7 @@ def block_row(result: BlockResult) -> BlockRow:
         loaded_bytes=result.pool_bytes("loaded_bytes"),
         stored_bytes=result.pool_bytes("stored_bytes"),
         settle_s=sum(r.settle_s or 0.0 for r in records),
+        computed_tokens=computed,
+        ideal_tokens=ideal,
+        computed_over_ideal=computed_over_ideal(computed, ideal),
     )

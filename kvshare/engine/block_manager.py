@@ -22,7 +22,12 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
+from kvshare.engine.cache_events import CacheEventLog
+
 ROOT_HASH = b"kvshare-block-root"
+# Cache events kept per block: a router polling every second misses none unless the whole
+# cache turns over several times between two polls (then it gets a snapshot).
+EVENTS_PER_BLOCK = 4
 MAX_CACHE_SALT_CHARS = 1024
 # Domain separation: a salted root is hashed from an input that starts with this, which
 # no block hash's input does (those start with ROOT_HASH or another hash).
@@ -97,6 +102,7 @@ class BlockManager:
         self.hash_to_block: dict[bytes, int] = {}
         # Free blocks, least recently freed first. Cached ones stay findable by hash.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.events = CacheEventLog(EVENTS_PER_BLOCK * num_blocks)
 
     @property
     def num_free_blocks(self) -> int:
@@ -150,6 +156,7 @@ class BlockManager:
             if (h := self.block_hash[b]) is not None:
                 del self.hash_to_block[h]
                 self.block_hash[b] = None
+                self.events.removed(h)
             self.ref_count[b] = 1
             self.complete[b] = True
             out.append(b)
@@ -179,6 +186,7 @@ class BlockManager:
             if h not in self.hash_to_block and self.block_hash[b] is None:
                 self.hash_to_block[h] = b
                 self.block_hash[b] = h
+                self.events.stored(h)
 
     def mark_incomplete(self, blocks: Sequence[int]) -> None:
         for b in blocks:
@@ -197,4 +205,5 @@ class BlockManager:
         n = len(self.hash_to_block)
         self.hash_to_block.clear()
         self.block_hash = [None] * self.num_blocks
+        self.events.reset()
         return n

@@ -15,6 +15,7 @@ from kvshare.engine.cli import (
     check_engine_fits,
     engine_options,
 )
+from kvshare.serve.policies import DEFAULT_POOL_CREDIT
 from kvshare.spec import DEFAULT_CHUNK_TOKENS
 
 if TYPE_CHECKING:
@@ -95,8 +96,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router.add_argument(
         "--pool-credit",
         type=float,
-        default=0.8,
-        help="cache-aware: worth of a pool-resident token relative to a GPU hit",
+        default=DEFAULT_POOL_CREDIT,
+        help="cache-aware: worth of a pool-resident token relative to a GPU hit "
+        "(default: 1 - restore/prefill time per token measured on an H200; docs/serving.md)",
     )
     router.add_argument(
         "--load-penalty-tokens",

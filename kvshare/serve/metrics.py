@@ -211,6 +211,12 @@ class RouterMetrics:
         self.in_flight = Gauge(
             "kvshare_router_in_flight", "Requests in flight by replica", ["replica"], registry=r
         )
+        self.cache_events = Counter(
+            "kvshare_router_cache_events",
+            "GPU prefix-cache blocks stored or evicted, as replicas reported them",
+            ["replica"],
+            registry=r,
+        )
         self.healthy = Gauge(
             "kvshare_router_replica_healthy",
             "1 when the replica is in rotation",

@@ -14,15 +14,21 @@ before replying leaves no trace.
   the stress case for cross-replica reuse (the previous turn's KV is never local).
 - least-load: fewest requests in flight.
 - cache-aware: the highest score = tokens of the prompt's prefix in that replica's GPU
-  cache + `pool_credit` x the further tokens the shared pool holds (whole chunks only)
-  - `load_penalty_tokens` x requests in flight. See docs/serving.md.
+  cache or being computed there + `pool_credit` x the further tokens the shared pool holds
+  (whole chunks only; 0 for a replica that does not use the pool) - `load_penalty_tokens` x
+  requests in flight. The router feeds it what replicas report of their caches
+  (`observe`), so resets and evictions leave its view. See docs/serving.md.
+
+The router calls `started(request, replica)` when it sends a request and
+`ended(request, replica)` when that attempt is over (answered, failed or abandoned);
+`observe(replica, update)` with each report a replica gives of its caches.
 """
 
 from __future__ import annotations
 
 import bisect
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
@@ -55,9 +61,31 @@ class RouteRequest:
     block_tokens: int = 16
 
 
+def pool_credit(miss_s_per_token: float, pool_s_per_token: float) -> float:
+    """What a pool-hit token saves, as a share of what a GPU-hit token saves: a miss costs
+    a prefill, a pool hit a host-to-GPU copy, a GPU hit about nothing."""
+    if not 0 <= pool_s_per_token <= miss_s_per_token or miss_s_per_token <= 0:
+        raise ValueError(
+            f"need 0 <= pool cost ({pool_s_per_token}) <= miss cost ({miss_s_per_token}), "
+            "and a positive miss cost"
+        )
+    return 1.0 - pool_s_per_token / miss_s_per_token
+
+
+# Measured on one H200 (docs/results/2026-12-02-h200-cross-replica-gemma3-27b.md, run 1):
+# shape:gemma3-27b through router and replicas, cold prefill (a miss) against a restore from
+# the pool, whole request TTFT over the prompt's tokens. 32,768 tokens: 3.431 s vs 0.100 s
+# (credit 0.971); 130,816 tokens: 16.787 s vs 0.291 s (0.983). shape:qwen3.5-27b at
+# 131,072 (docs/results/2026-12-02-h200-hybrid-qwen3.5-27b.md): 27.95 s vs 0.294-0.416 s
+# (0.985-0.989). The default takes the lowest, where the restore's fixed costs weigh most.
+MEASURED_MISS_S_PER_TOKEN = 3.431 / 32_768
+MEASURED_POOL_S_PER_TOKEN = 0.100 / 32_768
+DEFAULT_POOL_CREDIT = round(pool_credit(MEASURED_MISS_S_PER_TOKEN, MEASURED_POOL_S_PER_TOKEN), 2)
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
-    pool_credit: float = 0.8  # a pool hit is worth this much of a GPU hit (it costs a copy)
+    pool_credit: float = DEFAULT_POOL_CREDIT  # a pool hit is worth this much of a GPU hit
     load_penalty_tokens: float = 64.0  # score cost of one request in flight, in prompt tokens
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # the pool restores whole chunks only
     replica_index_blocks: int = 1 << 16  # per-replica GPU index bound (LRU)
@@ -104,6 +132,27 @@ class Policy(ABC):
 
     def forget_pool(self) -> None:  # noqa: B027 - a no-op for stateless policies
         """The shared pool was cleared."""
+
+    def started(self, request: RouteRequest, replica: int) -> None:  # noqa: B027 - a no-op for most policies
+        """`request` was sent to `replica`; `ended` follows exactly once."""
+
+    def ended(self, request: RouteRequest, replica: int) -> None:  # noqa: B027 - a no-op for most policies
+        """The attempt `started` announced is over."""
+
+    def observe(self, replica: int, update: CacheUpdate) -> None:  # noqa: B027 - a no-op for most policies
+        """`replica` reported its caches."""
+
+
+@dataclass(frozen=True)
+class CacheUpdate:
+    """One report of a replica's caches (its GET /admin/cache_events), in routing terms."""
+
+    snapshot: bool = False  # `stored` is the whole GPU cache: forget the rest
+    stored: tuple[bytes, ...] = ()  # block hashes the GPU cache gained
+    removed: tuple[bytes, ...] = ()  # and lost
+    uses_pool: bool = True  # the replica reads and writes the shared pool
+    pool_blocks: int | None = None  # the pool's capacity in routing blocks; None: unknown
+    pool_cleared: bool = False  # the pool was cleared (or restarted) since the last report
 
 
 class RoundRobin(Policy):
@@ -228,6 +277,9 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._lru)
 
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._lru
+
     def match(self, hashes: Sequence[bytes]) -> int:
         """How many leading hashes are present (read-only: no LRU touch)."""
         n = 0
@@ -245,11 +297,25 @@ class PrefixIndex:
         while len(self._lru) > self.capacity:
             self._lru.popitem(last=False)
 
+    def discard(self, hashes: Sequence[bytes]) -> None:
+        for h in hashes:
+            self._lru.pop(h, None)
+
+    def resize(self, capacity: int) -> None:
+        self.capacity = capacity
+        while len(self._lru) > capacity:
+            self._lru.popitem(last=False)
+
     def clear(self) -> None:
         self._lru.clear()
 
 
 class CacheAware(Policy):
+    """Three views per replica: its GPU cache as reported (and, until the next report,
+    predicted from the prompts it answered), the prefixes of the requests it is computing,
+    and whether it uses the pool. One view of the pool: what replicas using it answered,
+    bounded by its reported capacity and forgotten when it is cleared."""
+
     name = "cache-aware"
     uses_prefix = True
 
@@ -257,13 +323,21 @@ class CacheAware(Policy):
         self._config = config
         self._n = num_replicas
         self._gpu = [PrefixIndex(config.replica_index_blocks) for _ in range(num_replicas)]
-        # Every replica stores what it computes into the one pool: its content approximates
-        # the union of every prefix routed anywhere.
+        # Prefixes of requests sent and not yet over: they are in the GPU cache by the time a
+        # request behind them is admitted (or are being computed, which it can wait for).
+        self._computing: list[Counter[bytes]] = [Counter() for _ in range(num_replicas)]
+        self._uses_pool = [True] * num_replicas
         self._pool = PrefixIndex(config.pool_index_blocks)
         self._turn = 0
 
     def gpu_tokens(self, request: RouteRequest, replica: int) -> int:
-        return self._gpu[replica].match(request.prefix) * request.block_tokens
+        gpu, computing = self._gpu[replica], self._computing[replica]
+        blocks = 0
+        for h in request.prefix:
+            if h not in computing and h not in gpu:
+                break
+            blocks += 1
+        return blocks * request.block_tokens
 
     def pool_tokens(self, request: RouteRequest) -> int:
         tokens = self._pool.match(request.prefix) * request.block_tokens
@@ -272,11 +346,8 @@ class CacheAware(Policy):
     def score(self, request: RouteRequest, replica: ReplicaLoad, pool_tokens: int) -> float:
         gpu = self.gpu_tokens(request, replica.index)
         c = self._config
-        return (
-            gpu
-            + c.pool_credit * max(0, pool_tokens - gpu)
-            - c.load_penalty_tokens * replica.in_flight
-        )
+        pool = pool_tokens if self._uses_pool[replica.index] else 0
+        return gpu + c.pool_credit * max(0, pool - gpu) - c.load_penalty_tokens * replica.in_flight
 
     def choose(self, request: RouteRequest, candidates: Sequence[ReplicaLoad]) -> int:
         pool = self.pool_tokens(request)
@@ -290,7 +361,30 @@ class CacheAware(Policy):
 
     def record(self, request: RouteRequest, replica: int) -> None:
         self._gpu[replica].insert(request.prefix)
-        self._pool.insert(request.prefix)
+        if self._uses_pool[replica]:
+            self._pool.insert(request.prefix)
+
+    def started(self, request: RouteRequest, replica: int) -> None:
+        self._computing[replica].update(request.prefix)
+
+    def ended(self, request: RouteRequest, replica: int) -> None:
+        computing = self._computing[replica]
+        computing.subtract(request.prefix)
+        for h in request.prefix:
+            if computing[h] <= 0:
+                del computing[h]
+
+    def observe(self, replica: int, update: CacheUpdate) -> None:
+        gpu = self._gpu[replica]
+        if update.snapshot:
+            gpu.clear()
+        gpu.discard(update.removed)
+        gpu.insert(update.stored)
+        self._uses_pool[replica] = update.uses_pool
+        if update.pool_cleared:
+            self._pool.clear()
+        if update.pool_blocks is not None:
+            self._pool.resize(min(update.pool_blocks, self._config.pool_index_blocks))
 
     def forget_replica(self, replica: int) -> None:
         self._gpu[replica].clear()

@@ -9,7 +9,10 @@
   request). After the first byte nothing is retried: a broken stream ends with an SSE
   error event.
 - Periodic GET /health puts replicas back; a replica whose instance id changed (a restart)
-  starts with an empty cache index.
+  starts with an empty cache index. With a cache-aware policy each check also reads the
+  replica's GET /admin/cache_events (what its GPU prefix cache stored and evicted since the
+  last read, a snapshot after a reset, whether it uses the pool, the pool's size and clear
+  count) and hands it to the policy, so the router's view follows the replica's cache.
 - Responses are relayed chunk by chunk as they arrive (SSE is never buffered).
 - GET /admin/replicas lists the replicas; /admin/all/<call> forwards one of the replicas'
   admin calls (ADMIN_CALLS, nothing else) to every replica, with the router's admin
@@ -38,7 +41,13 @@ from kvshare.serve.auth import AccessKeys, access_middleware
 from kvshare.serve.errors import APIError, bad_request
 from kvshare.serve.http import error_middleware, parse_json_object, sse_event
 from kvshare.serve.metrics import CONTENT_TYPE, RouterMetrics
-from kvshare.serve.policies import POLICIES, PolicyConfig, RouteRequest, make_policy
+from kvshare.serve.policies import (
+    POLICIES,
+    CacheUpdate,
+    PolicyConfig,
+    RouteRequest,
+    make_policy,
+)
 from kvshare.serve.routing_keys import Prefix, RoutingKeys
 from kvshare.version import __version__
 
@@ -70,6 +79,7 @@ ADMIN_CALLS = {
     "kv_pool": "POST",
     "clear_pool": "POST",
     "stats": "GET",
+    "cache_events": "GET",
 }
 _ENCODED_SEPARATORS = ("%2f", "%5c")
 
@@ -154,6 +164,10 @@ class Replica:
     in_flight: int = 0
     instance: str | None = None
     failed_checks: int = 0  # health checks failed in a row
+    # Position in the replica's cache event log (kvshare.engine.cache_events); None: unknown,
+    # the next read is a snapshot.
+    cache_generation: int | None = None
+    cache_last: int = 0
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -176,6 +190,8 @@ class Router:
         self.bodies = BodyBudget(config.max_buffered_bytes)
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._pool_cleared_keys: int | None = None  # the pool's clear count, last seen
+        self._block_size_warned = False
 
     async def start(self, app: web.Application) -> None:
         self._session = aiohttp.ClientSession(
@@ -221,6 +237,9 @@ class Router:
             if replica.instance is not None:  # restarted: its GPU cache is empty
                 self.policy.forget_replica(replica.index)
             replica.instance = info.get("instance")
+            replica.cache_generation = None
+        if healthy and self.policy.uses_prefix:
+            await self._read_cache_events(replica)
         replica.failed_checks = 0 if healthy else replica.failed_checks + 1
         # A replica that never answered leaves at its first failed check.
         never_answered = replica.instance is None
@@ -230,6 +249,69 @@ class Router:
             or replica.failed_checks >= self.config.health_failures_to_leave
         ):
             self._set_health(replica, healthy)
+
+    async def _read_cache_events(self, replica: Replica) -> None:
+        """Hand the policy what the replica's caches did since the last read. A replica that
+        cannot answer keeps the policy's prediction (from the prompts it was sent)."""
+        query = {"after": str(replica.cache_last)}
+        if replica.cache_generation is not None:
+            query["generation"] = str(replica.cache_generation)
+        headers = {}
+        if self.admin_credential is not None:
+            headers["Authorization"] = f"Bearer {self.admin_credential}"
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
+            async with self.session.get(
+                replica.url + "/admin/cache_events", params=query, headers=headers, timeout=timeout
+            ) as resp:
+                if resp.status != 200:
+                    _log.debug("replica %d: cache events answered %d", replica.index, resp.status)
+                    return
+                answer = await resp.json(content_type=None)
+            update = self._cache_update(answer)
+        except (*_UPSTREAM_ERRORS, ValueError, KeyError, TypeError) as exc:
+            _log.debug("replica %d: no cache events: %s", replica.index, exc)
+            return
+        if update is None:
+            return
+        self.policy.observe(replica.index, update)
+        replica.cache_generation = answer["generation"]
+        replica.cache_last = answer["last"]
+        self.metrics.cache_events.labels(str(replica.index)).inc(
+            len(update.stored) + len(update.removed)
+        )
+
+    def _cache_update(self, answer: Any) -> CacheUpdate | None:
+        """The policy's view of one answer; None when its blocks are not the router's."""
+        block_size = int(answer["block_size"])
+        if block_size != self.keys.block_tokens:
+            if self._block_size_warned:
+                return None
+            self._block_size_warned = True
+            _log.warning(
+                "a replica's GPU blocks hold %d tokens, the router's %d (--block-tokens): "
+                "its cache events do not name the router's blocks and are ignored",
+                block_size,
+                self.keys.block_tokens,
+            )
+            return None
+        pool = answer.get("pool")
+        pool_blocks, cleared = None, False
+        if isinstance(pool, dict):
+            pool_blocks = int(pool["pages"]) * int(pool["chunk_tokens"]) // block_size
+            cleared_keys = int(pool["cleared_keys"])
+            # A larger count: cleared; a smaller one: the daemon restarted, empty.
+            known = self._pool_cleared_keys
+            cleared = known is not None and cleared_keys != known
+            self._pool_cleared_keys = cleared_keys
+        return CacheUpdate(
+            snapshot=bool(answer["snapshot"]),
+            stored=tuple(bytes.fromhex(h) for h in answer["stored"]),
+            removed=tuple(bytes.fromhex(h) for h in answer["removed"]),
+            uses_pool=bool(answer["kv_pool_enabled"]) and isinstance(pool, dict),
+            pool_blocks=pool_blocks,
+            pool_cleared=cleared,
+        )
 
     def _set_health(self, replica: Replica, healthy: bool, reason: str = "") -> None:
         if healthy != replica.healthy:
@@ -296,6 +378,7 @@ class Router:
             replica = self._pick(route, pinned, tried)
             replica.in_flight += 1
             self.metrics.in_flight.labels(str(replica.index)).set(replica.in_flight)
+            self.policy.started(route, replica.index)
             try:
                 try:
                     upstream = await self._send(replica, request, body)
@@ -316,6 +399,7 @@ class Router:
                 self.metrics.decisions.labels(policy, str(replica.index)).inc()
                 return await self._relay(request, replica, upstream, prefix)
             finally:
+                self.policy.ended(route, replica.index)
                 replica.in_flight -= 1
                 self.metrics.in_flight.labels(str(replica.index)).set(replica.in_flight)
 

@@ -3,7 +3,8 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream with SSE),
 GET /v1/models, GET /health, GET /version, GET /metrics, and the admin calls the benchmark drives:
 POST /admin/reset_prefix_cache, POST /admin/kv_pool {"enabled": bool},
-POST /admin/clear_pool, GET /admin/stats. Who may call which: kvshare.serve.auth.
+POST /admin/clear_pool, GET /admin/stats, and GET /admin/cache_events (the router
+polls it). Who may call which: kvshare.serve.auth.
 
 With `cache_salt_required` every generate request must carry a `cache_salt`: in a server
 shared by tenants, an unsalted request would share prefix cache with every other
@@ -349,6 +350,47 @@ class ReplicaServer:
 
         return web.json_response(await self.thread.call(collect))
 
+    async def cache_events(self, request: web.Request) -> web.Response:
+        """What the GPU prefix cache stored and evicted since `after` of `generation`
+        (kvshare.engine.cache_events), whether this replica uses the pool, and the pool's
+        size and clear count: what the router needs to score replicas by the truth."""
+        # No generation (a reader that knows nothing yet): a snapshot.
+        generation = _query_int(request, "generation", -1)
+        after = _query_int(request, "after", 0)
+
+        def collect(engine: LLMEngine) -> dict[str, Any]:
+            blocks, connector = engine.blocks, engine.connector
+            events = blocks.events.since(generation, after, lambda: blocks.hash_to_block)
+            daemon = connector.pool_stats() if connector is not None else None
+            return {
+                "instance": self.instance,
+                "block_size": blocks.block_size,
+                "generation": events.generation,
+                "last": events.last,
+                "snapshot": events.snapshot,
+                "stored": [h.hex() for h in events.stored],
+                "removed": [h.hex() for h in events.removed],
+                "kv_pool_enabled": connector is not None and connector.enabled,
+                "pool": None
+                if daemon is None or connector is None
+                else {
+                    "pages": daemon.get("pages", 0),
+                    "cleared_keys": daemon.get("cleared_keys", 0),
+                    "chunk_tokens": connector.chunk_tokens,
+                },
+            }
+
+        return web.json_response(await self.thread.call(collect))
+
+
+def _query_int(request: web.Request, name: str, default: int) -> int:
+    value = request.query.get(name)
+    if value is None:
+        return default
+    if not value.isdigit():
+        raise bad_request(f"{name} must be a non-negative integer, got {value!r}", name)
+    return int(value)
+
 
 SERVER_KEY = web.AppKey("kvshare_replica_server", ReplicaServer)
 
@@ -375,4 +417,5 @@ def build_app(engine: LLMEngine, config: ServeConfig) -> web.Application:
     app.router.add_post("/admin/kv_pool", server.set_kv_pool)
     app.router.add_post("/admin/clear_pool", server.clear_pool)
     app.router.add_get("/admin/stats", server.stats)
+    app.router.add_get("/admin/cache_events", server.cache_events)
     return app

@@ -11,11 +11,12 @@ from kvshare.bench.cross_replica import CrossReplica
 from kvshare.bench.design import Block, Design
 from kvshare.bench.driver import BenchOptions, run_bench
 from kvshare.bench.records import PREFILL, BenchRun, BlockResult, RequestRecord
+from kvshare.bench.report import markdown, to_json
 from kvshare.bench.runner import Workload
 from kvshare.bench.sessions import Sessions
 from kvshare.bench.shared_prefix import SharedPrefix
 from kvshare.bench.stats import BootstrapSpec
-from kvshare.bench.summary import SESSION, TTFT, compare
+from kvshare.bench.summary import SESSION, TTFT, block_row, compare
 from kvshare.bench.synthetic import PromptModel, load_prompt_model
 from tests.bench.fake_server import Event, FakeCluster, RunningFake
 
@@ -40,8 +41,11 @@ def run(
     model: PromptModel,
     design: str = "OFF-ON-ON-OFF",
     observer: RecordingObserver | None = None,
+    warmup_tokens: int = 0,
 ) -> BenchRun:
-    options = BenchOptions(Design.parse(design), seed=5, bootstrap=BootstrapSpec(200))
+    options = BenchOptions(
+        Design.parse(design), seed=5, bootstrap=BootstrapSpec(200), warmup_tokens=warmup_tokens
+    )
     return asyncio.run(
         run_bench(workload, fake.url, options, observer or RecordingObserver(), model)
     )
@@ -229,6 +233,32 @@ def test_shared_prefix_bounds_concurrency_and_shares_few_documents(
     }
     [ttft] = compare(result.blocks, Design.parse("OFF-ON"), BootstrapSpec(100))
     assert ttft.counts == (12, 12) and (ttft.hit_rates[1] or 0.0) > (ttft.hit_rates[0] or 0.0)
+
+
+def test_a_warm_up_per_replica_comes_first_and_is_reported_but_never_pooled(
+    fake: RunningFake, smollm2: PromptModel
+) -> None:
+    workload = SharedPrefix(
+        documents=2, users=6, concurrency=2, doc_tokens=64, question_tokens=6, output_tokens=2
+    )
+    fake.cluster.commit_delay_s = 0.0
+    result = run(workload, fake, smollm2, design="OFF-ON", warmup_tokens=40)
+    first = fake.cluster.events[:2]  # before block 0's setup: one pinned request per replica
+    assert [(e.kind, e.replica, e.pinned) for e in first] == [
+        ("request", 0, True),
+        ("request", 1, True),
+    ]
+    assert [r.replica for r in result.warmup] == [0, 1]
+    assert all(r.result.ttft_s is not None for r in result.warmup)
+    assert not {id(r) for r in result.warmup} & {id(r) for r in result.records()}
+    [ttft] = compare(result.blocks, Design.parse("OFF-ON"), BootstrapSpec(100))
+    assert ttft.counts == (6, 6)  # the blocks' users only
+    assert "warm-up before block 0" in markdown(result, [ttft], BootstrapSpec(100), None)
+    assert len(to_json(result, [ttft], BootstrapSpec(100))["warmup"]) == 2
+    # Every report states computed/ideal; the OFF block computes each document per replica.
+    rows = [block_row(b) for b in result.blocks]
+    assert all(r.computed_over_ideal is not None for r in rows)
+    assert rows[0].computed_over_ideal >= rows[1].computed_over_ideal
 
 
 def test_setup_errors_stop_the_run_with_their_message(smollm2: PromptModel) -> None:

@@ -10,6 +10,7 @@ from kvshare.engine.block_manager import block_hashes
 from kvshare.serve.policies import (
     Alternate,
     CacheAware,
+    CacheUpdate,
     HashRing,
     LeastLoad,
     Load,
@@ -19,9 +20,10 @@ from kvshare.serve.policies import (
     RouteRequest,
     Session,
     make_policy,
+    pool_credit,
 )
 
-CONFIG = PolicyConfig()
+CONFIG = PolicyConfig(pool_credit=0.8)  # round numbers in the exact checks below
 
 
 def loads(*in_flight: int) -> list[Load]:
@@ -162,7 +164,7 @@ def test_cache_aware_prefers_the_replica_holding_the_prefix() -> None:
 
 
 def test_cache_aware_load_penalty_outweighs_a_small_advantage() -> None:
-    policy = CacheAware(2, PolicyConfig(load_penalty_tokens=64.0))
+    policy = CacheAware(2, PolicyConfig(pool_credit=0.8, load_penalty_tokens=64.0))
     request = prompt(1000)
     policy.record(request, 1)
     # Replica 1's edge: 992 - 0.8 x 768 = 377.6 tokens, i.e. 5.9 requests' penalty.
@@ -187,6 +189,68 @@ def test_cache_aware_spreads_unrelated_prompts() -> None:
     policy = CacheAware(2, CONFIG)
     picks = Counter(policy.choose(prompt(200, seed=s), loads(0, 0)) for s in range(10))
     assert picks == {0: 5, 1: 5}
+
+
+def test_cache_aware_ranks_a_gpu_hit_over_a_pool_hit_over_a_miss() -> None:
+    # Three replicas, equal load: 0 holds the prompt on its GPU, 1 uses the pool (which
+    # holds it), 2 does not use the pool. The default credit, from measured costs.
+    policy = CacheAware(3, PolicyConfig())
+    request = prompt(1024)
+    policy.record(request, 0)
+    policy.observe(2, CacheUpdate(uses_pool=False))
+    pool = policy.pool_tokens(request)
+    assert pool == 1024
+    gpu_hit, pool_hit, miss = (policy.score(request, Load(i), pool) for i in range(3))
+    assert gpu_hit > pool_hit > miss == 0
+    assert pool_hit == pytest.approx(PolicyConfig().pool_credit * 1024)
+    assert policy.choose(request, loads(0, 0, 0)) == 0
+    assert policy.choose(request, [Load(1), Load(2)]) == 1
+
+
+def test_the_default_pool_credit_is_one_minus_restore_over_prefill_time() -> None:
+    # 32k tokens on an H200: prefill 3.431 s, restore from the pool 0.100 s.
+    assert PolicyConfig().pool_credit == pytest.approx(pool_credit(3.431, 0.100), abs=0.005)
+    assert 0.0 < PolicyConfig().pool_credit < 1.0
+    with pytest.raises(ValueError):
+        pool_credit(1.0, 2.0)
+
+
+def test_cache_aware_learns_a_replica_reset_from_its_cache_events() -> None:
+    policy = CacheAware(2, CONFIG)
+    request = prompt(1024)
+    policy.record(request, 0)
+    policy.observe(0, CacheUpdate(uses_pool=True))
+    assert policy.gpu_tokens(request, 0) == 1024
+    # The replica reset its cache (its next report is a snapshot, empty here): no credit.
+    policy.observe(0, CacheUpdate(snapshot=True))
+    assert policy.gpu_tokens(request, 0) == 0
+    # It computed the first 20 blocks again, then evicted the last 10 of them.
+    policy.observe(0, CacheUpdate(stored=request.prefix[:20]))
+    policy.observe(0, CacheUpdate(removed=request.prefix[10:20]))
+    assert policy.gpu_tokens(request, 0) == 160
+
+
+def test_cache_aware_credits_prefixes_still_being_computed() -> None:
+    policy = CacheAware(2, CONFIG)
+    request = prompt(1024)
+    policy.started(request, 1)
+    policy.started(request, 1)
+    assert policy.choose(request, loads(0, 2)) == 1  # 1024 - 2 x 64 beats an empty replica
+    policy.ended(request, 1)
+    assert policy.gpu_tokens(request, 1) == 1024
+    policy.ended(request, 1)
+    assert policy.gpu_tokens(request, 1) == 0  # never answered: nothing predicted
+
+
+def test_the_pool_view_follows_the_pool_size_and_its_clears() -> None:
+    policy = CacheAware(2, CONFIG)
+    request = prompt(1024)
+    policy.record(request, 0)
+    assert policy.pool_tokens(request) == 1024
+    policy.observe(1, CacheUpdate(pool_blocks=32))  # 2 chunks of 256 tokens
+    assert policy.pool_tokens(request) == 512
+    policy.observe(1, CacheUpdate(pool_cleared=True))
+    assert policy.pool_tokens(request) == 0
 
 
 def test_make_policy_knows_every_name() -> None:

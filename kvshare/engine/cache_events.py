@@ -1,0 +1,75 @@
+"""What the GPU prefix cache gained and lost, for a reader outside the engine (the router).
+
+The block manager reports each block hash it makes findable (stored) and each one it drops
+when the block is reused (removed); an admin reset starts a new *generation*. Events are
+numbered and the last `capacity` of them are kept. A reader remembers the generation and the
+number of the last event it applied, and asks for what came after: it gets the net change
+per hash since then, or, when its generation is old or the events it missed were dropped, a
+snapshot of every cached hash (it must then forget what it knew). Either way the reader's
+set ends equal to the cache's set at the time of the answer.
+
+Not thread-safe: the engine thread is its only user (readers go through that thread).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CacheEvents:
+    generation: int
+    last: int  # number of the last event covered; pass it back as `after`
+    snapshot: bool  # True: `stored` is the whole cache and the reader starts from nothing
+    stored: tuple[bytes, ...]
+    removed: tuple[bytes, ...]
+
+
+class CacheEventLog:
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.generation = 0
+        self.last = 0  # numbers run on across generations
+        self._events: deque[tuple[int, bytes, bool]] = deque(maxlen=capacity)
+
+    def stored(self, block_hash: bytes) -> None:
+        self.last += 1
+        self._events.append((self.last, block_hash, True))
+
+    def removed(self, block_hash: bytes) -> None:
+        self.last += 1
+        self._events.append((self.last, block_hash, False))
+
+    def reset(self) -> None:
+        self.generation += 1
+        self._events.clear()
+
+    def since(
+        self, generation: int, after: int, cached: Callable[[], Iterable[bytes]]
+    ) -> CacheEvents:
+        """The change since event `after` of `generation`; `cached` lists every cached hash
+        (called only for a snapshot)."""
+        first_kept = self._events[0][0] if self._events else self.last + 1
+        # Events after `after` are all here iff none between `after` and the first kept one
+        # was dropped.
+        if generation != self.generation or after > self.last or after + 1 < first_kept:
+            return CacheEvents(self.generation, self.last, True, tuple(cached()), ())
+        new = []  # newest first; a poll reads only what came since the last one
+        for event in reversed(self._events):
+            if event[0] <= after:
+                break
+            new.append(event)
+        latest: dict[bytes, bool] = {}
+        for _, block_hash, stored in reversed(new):
+            latest.pop(block_hash, None)  # re-insert: the order of the last event
+            latest[block_hash] = stored
+        return CacheEvents(
+            self.generation,
+            self.last,
+            False,
+            tuple(h for h, stored in latest.items() if stored),
+            tuple(h for h, stored in latest.items() if not stored),
+        )
