@@ -4,11 +4,19 @@ python3 scripts/gpu_service.py validate --out $OUT
 python3 scripts/gpu_service.py bench27b --out $OUT [--lengths 32768,130816] [--per-block 8]
 python3 scripts/gpu_service.py two-replicas --out $OUT [--sessions 2] [--context 32768]
 python3 scripts/gpu_service.py sessions --out $OUT [--sessions 2] [--context 32768]
+python3 scripts/gpu_service.py hit --out $OUT --runs auto:131072:2,fp8:131072:2 [--budget-s 560]
 
 `validate` runs `kvshare validate all` on CUDA against two float32 replicas of `kvshare up`;
 `sessions` starts two replicas of shape:qwen3-8b on the one GPU (0.45 of its memory each)
 and the pool, and runs the blocked six-turn sessions benchmark (alternate vs fixed
 placement); `two-replicas` runs both.
+
+`hit` measures a cross-replica cache hit at the copy floor: per run (KV dtype, context
+tokens, follow-ups per block) it starts `kvshare up` with two shape:qwen3.5-27b replicas on
+the one GPU (0.47 of it each, 8 sequences), records each replica's GPU memory, runs the
+blocked cross-replica bench A=0 -> B=1 on one shared context per block with a warm-up, and
+sets the ON medians beside the floor: the bytes B loaded per hit over the raw pinned
+host->GPU memcpy measured in the same call.
 
 `bench27b` starts `kvshare up` with one replica of shape:gemma3-27b (two 54 GB replicas and
 a 128k-token KV cache do not fit one H200), waits until the pool arena is registered with
@@ -199,6 +207,129 @@ def bench27b(out: Path, lengths: str, per_block: int, pool_size: str) -> int:
         stop_cluster(up)
 
 
+def gpu_memory_by_process() -> dict[str, int]:
+    """MiB of GPU memory per process id, as nvidia-smi reports it."""
+    done = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    rows = (line.split(",") for line in done.stdout.splitlines() if line.strip())
+    return {pid.strip(): int(mib) for pid, mib in rows}
+
+
+def hit_run(out: Path, port: int, dtype: str, length: int, per_block: int, deadline: float) -> dict:
+    """One cluster, one cross-replica bench at `length`; returns the ON/OFF medians, the
+    bytes loaded per hit and the replicas' GPU memory."""
+    name = f"hit_{dtype}_{length}"
+    up = start_cluster(
+        out,
+        port,
+        "--replicas",
+        "2",
+        "--model",
+        "shape:qwen3.5-27b",
+        "--gpu-memory-fraction",
+        "0.47",
+        "--max-num-seqs",
+        "8",
+        "--max-num-batched-tokens",
+        "16384",
+        "--max-model-len",
+        str(length + 1024),
+        "--kv-cache-dtype",
+        dtype,
+        "--pool-size",
+        "40GiB",
+    )
+    try:
+        memory = gpu_memory_by_process()
+        done = subprocess.run(
+            kvshare(
+                "bench",
+                "cross-replica",
+                "--target",
+                f"http://127.0.0.1:{port}",
+                "--lengths",
+                str(length),
+                "--requests-per-block",
+                str(per_block),
+                "--replica-a",
+                "0",
+                "--replica-b",
+                "1",
+                "--shared-context",
+                "--question-tokens",
+                "32",
+                "--output-tokens",
+                "8",
+                "--settle-timeout",
+                "60",
+                "--json",
+                str(out / f"{name}.json"),
+                "--markdown",
+                str(out / f"{name}.md"),
+            ),
+            env=env(),
+            cwd=REPO,
+            timeout=max(1.0, deadline - time.monotonic()),
+        )
+    finally:
+        stop_cluster(up)
+    report = json.loads((out / f"{name}.json").read_text())
+    (comparison,) = report["comparisons"]
+    on_blocks = [b["summary"] for b in report["blocks"] if b["condition"] == "ON"]
+    loaded = sum(b["loaded_bytes"] for b in on_blocks) / sum(b["requests"] for b in on_blocks)
+    return {
+        "dtype": dtype,
+        "tokens": length,
+        "returncode": done.returncode,
+        "off_s": comparison["off"]["value"],
+        "on_s": comparison["on"]["value"],
+        "on_interval_s": [comparison["on"]["low"], comparison["on"]["high"]],
+        "block_medians_s": comparison["block_medians"],
+        "bytes_per_hit": loaded,
+        "gpu_memory_mib": memory,
+    }
+
+
+def hit(out: Path, runs: str, budget_s: float) -> int:
+    deadline = time.monotonic() + budget_s
+    import torch
+
+    from kvshare.bench.ceilings import pcie_bandwidth
+
+    ceiling = pcie_bandwidth()
+    torch.cuda.empty_cache()
+    h2d = ceiling["h2d_GBps"] * 1e9
+    results = []
+    for index, run in enumerate(runs.split(",")):
+        dtype, length, per_block = run.split(":")
+        try:
+            result = hit_run(out, 8380 + 10 * index, dtype, int(length), int(per_block), deadline)
+        except (subprocess.TimeoutExpired, RuntimeError, TimeoutError, FileNotFoundError) as exc:
+            print(f"{run}: {exc!r}", flush=True)
+            results.append({"run": run, "error": repr(exc)})
+            continue
+        result["floor_s"] = result["bytes_per_hit"] / h2d
+        results.append(result)
+    (out / "hit.json").write_text(json.dumps({"ceiling": ceiling, "runs": results}, indent=1))
+    print(f"raw pinned host->GPU memcpy {ceiling['h2d_GBps']:.2f} GB/s")
+    print("| KV | tokens | OFF s | ON s | GB per hit | floor s | ON/floor | OFF/ON |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['run']} | failed: {r['error']} |")
+            continue
+        print(
+            f"| {r['dtype']} | {r['tokens']} | {r['off_s']:.2f} | {r['on_s']:.3f} | "
+            f"{r['bytes_per_hit'] / 1e9:.2f} | {r['floor_s']:.3f} | "
+            f"{r['on_s'] / r['floor_s']:.2f} | {r['off_s'] / r['on_s']:.0f} |"
+        )
+    return sum(1 for r in results if "error" in r or r["returncode"])
+
+
 def two_replicas(out: Path, sessions: int, context: int, pool_size: str) -> int:
     return validate(out) or sessions_bench(out, sessions, context, pool_size)
 
@@ -262,7 +393,7 @@ def sessions_bench(out: Path, sessions: int, context: int, pool_size: str) -> in
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=("validate", "bench27b", "two-replicas", "sessions"))
+    parser.add_argument("what", choices=("validate", "bench27b", "two-replicas", "sessions", "hit"))
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--lengths", default="32768,130816")
     parser.add_argument("--per-block", type=int, default=8)
@@ -273,12 +404,16 @@ def main() -> int:
     parser.add_argument(
         "--context", type=int, default=32768, help="two-replicas: first turn's tokens"
     )
+    parser.add_argument("--runs", default="auto:131072:2", help="hit: DTYPE:TOKENS:PER_BLOCK,...")
+    parser.add_argument("--budget-s", type=float, default=560.0, help="hit: stop starting runs")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.what == "validate":
         return validate(args.out)
     if args.what == "two-replicas":
         return two_replicas(args.out, args.sessions, args.context, args.pool_size)
+    if args.what == "hit":
+        return hit(args.out, args.runs, args.budget_s)
     if args.what == "sessions":
         return sessions_bench(args.out, args.sessions, args.context, args.pool_size)
     return bench27b(args.out, args.lengths, args.per_block, args.pool_size)
