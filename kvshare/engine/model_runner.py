@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvshare.engine import kv_fp8
 from kvshare.engine.attention import (
     AttentionBackend,
     PagedAttention,
@@ -74,15 +75,8 @@ class ModelRunner:
 
     def _kv_bytes_per_block(self) -> int:
         c = self.model_config
-        item = torch.empty((), dtype=self.dtype).element_size()
-        return (
-            len(c.attention_layers)
-            * 2
-            * self.config.block_size
-            * c.num_kv_heads
-            * c.head_dim
-            * item
-        )
+        row = kv_fp8.row_bytes(c.head_dim, self.dtype, self.config.kv_cache_dtype)
+        return len(c.attention_layers) * 2 * self.config.block_size * c.num_kv_heads * row
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory is not None:
@@ -115,7 +109,12 @@ class ModelRunner:
                 f"{self._kv_bytes_per_block()} per block"
             )
         return KVCacheLayout.allocate(
-            c, num_blocks, self.config.block_size, self.dtype, self.device
+            c,
+            num_blocks,
+            self.config.block_size,
+            self.dtype,
+            self.device,
+            self.config.kv_cache_dtype,
         )
 
     @torch.inference_mode()
