@@ -31,8 +31,8 @@ class LLM:
     instead. A pool lost later is recomputed around, counted, never an error.
 
     `kv_pool_faults` breaks the pool connector on purpose (checks and tests). Extra keyword
-    arguments are EngineConfig fields (block_size, max_num_batched_tokens,
-    kv_cache_memory, ...). `weights_seed` picks the random weights of a shape:NAME model.
+    arguments are EngineConfig fields (block_size, max_num_batched_tokens, kv_cache_memory,
+    kv_cache_dtype="fp8", ...). `weights_seed` picks the random weights of a shape:NAME model.
     The constructor's `cache_salt` salts every pool key of this LLM (a deployment-wide
     namespace); `generate(..., cache_salt=...)` isolates one call's requests (a tenant).
     """
@@ -63,6 +63,7 @@ class LLM:
                 chunk_tokens=chunk_tokens,
                 cache_salt=cache_salt,
                 faults=kv_pool_faults,
+                kv_cache_dtype=self.config.kv_cache_dtype,
             )
         self.engine = LLMEngine(self.loaded, self.config, pool or kv_pool)  # binds the connector
         if pool is not None:

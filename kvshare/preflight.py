@@ -17,7 +17,7 @@ from kvshare.engine.config import EngineConfig
 from kvshare.engine.memory import (
     ITEM_BYTES,
     DeviceMemoryPlan,
-    item_bytes,
+    kv_bytes_per_token,
     plan_device_memory,
     staging_bytes,
 )
@@ -144,11 +144,9 @@ def device_plan(
     need = memory_need(model, engine.device, engine.dtype, engine.kv_cache_memory)
     if config is None or need is None:
         return None
-    item = item_bytes(need.dtype)
     staging = 0
     if pool_chunk_tokens is not None:
-        kv_per_token = len(config.attention_layers) * config.kv_bytes_per_token_per_layer * item
-        staging = staging_bytes(kv_per_token * pool_chunk_tokens)
+        staging = staging_bytes(kv_bytes_per_token(config, engine) * pool_chunk_tokens)
     graphs = (
         engine.cuda_graphs and not config.linear_layers and need.dtype in ("bfloat16", "float16")
     )

@@ -7,6 +7,8 @@ keys/values into their slots and asks a backend for the attention output.
 Backends:
 - `SDPABackend`: per-sequence torch SDPA with an explicit mask. Any device, any dtype;
   it is the reference the others are tested against.
+Every backend reads a packed fp8 cache (kv_fp8.py) as well: the gathering ones dequantize
+what they gathered, the paged kernel dequantizes in its loop.
 - `VarlenBackend` (CUDA, bf16/fp16): gathers each sequence's keys into one packed batch
   and runs torch's varlen flash attention, causal aligned bottom-right with an optional
   sliding window. Steps whose sequences all have at most MAX_QUERY new tokens (decode
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvshare.engine import kv_fp8
 from kvshare.engine.recurrent_state import RecurrentStates
 
 
@@ -131,7 +134,8 @@ class AttentionBackend(ABC):
         scale: float,
         window: int | None,
     ) -> torch.Tensor:
-        """q [T, Hq, D]; caches [num_blocks * block_size, Hkv, D] already hold this step's keys."""
+        """q [T, Hq, D]; caches [num_blocks * block_size, Hkv, D] already hold this step's
+        keys, in the compute dtype or as packed fp8 rows [.., Hkv, D + 4] (kv_fp8.py)."""
 
 
 class SDPABackend(AttentionBackend):
@@ -152,8 +156,8 @@ class SDPABackend(AttentionBackend):
             n, m = meta.q_lens[i], keys.lens[i]
             idx = keys.slots[k_start : k_start + m]
             qi = q[q_start : q_start + n].transpose(0, 1)[None]
-            ki = k_cache[idx].transpose(0, 1)[None].to(q.dtype)
-            vi = v_cache[idx].transpose(0, 1)[None].to(q.dtype)
+            ki = kv_fp8.to_compute(k_cache[idx], q.dtype).transpose(0, 1)[None]
+            vi = kv_fp8.to_compute(v_cache[idx], q.dtype).transpose(0, 1)[None]
             mask = _causal_mask(meta.ctx_lens[i], n, keys.starts[i], m, window, q.device)
             o = F.scaled_dot_product_attention(
                 qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True
@@ -230,8 +234,8 @@ class VarlenBackend(AttentionBackend):
                 max_context=max(meta.ctx_lens),
             )
         keys = meta.key_range(window)
-        k = k_cache.index_select(0, keys.slots)
-        v = v_cache.index_select(0, keys.slots)
+        k = kv_fp8.to_compute(k_cache.index_select(0, keys.slots), q.dtype)
+        v = kv_fp8.to_compute(v_cache.index_select(0, keys.slots), q.dtype)
         return self._varlen_attn(
             q,
             k,
@@ -243,6 +247,11 @@ class VarlenBackend(AttentionBackend):
             scale=scale,
             window_size=(-1 if window is None else window - 1, 0),
         )
+
+
+def _to_cache(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """New keys or values [T, Hkv, D] as rows of `cache` (quantized if it is packed fp8)."""
+    return kv_fp8.quantize(x) if kv_fp8.is_packed(cache) else x.to(cache.dtype)
 
 
 class PagedAttention:
@@ -284,8 +293,8 @@ class PagedAttention:
         cache = self.kv[self.layer_slot[layer]]
         k_cache = cache[0].flatten(0, 1)
         v_cache = cache[1].flatten(0, 1)
-        k_cache.index_copy_(0, self.meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, self.meta.slot_mapping, v.to(v_cache.dtype))
+        k_cache.index_copy_(0, self.meta.slot_mapping, _to_cache(k, k_cache))
+        v_cache.index_copy_(0, self.meta.slot_mapping, _to_cache(v, v_cache))
         return self.backend.attend(q, k_cache, v_cache, self.meta, scale, window)
 
     def load_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

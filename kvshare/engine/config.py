@@ -18,6 +18,8 @@ from kvshare.sizes import parse_size
 
 AttentionBackendName = Literal["auto", "sdpa", "varlen"]
 ATTENTION_BACKENDS: tuple[AttentionBackendName, ...] = ("auto", "sdpa", "varlen")
+KVCacheDtype = Literal["auto", "fp8"]
+KV_CACHE_DTYPES: tuple[KVCacheDtype, ...] = ("auto", "fp8")
 _FLAG = "kvshare.flag"
 
 
@@ -76,6 +78,12 @@ class EngineConfig:
         "attention kernel (auto: varlen on CUDA in bfloat16/float16, else sdpa)",
         choices=ATTENTION_BACKENDS,
     )
+    kv_cache_dtype: KVCacheDtype = flag(
+        "auto",
+        "KV cache storage: auto (the model's dtype) or fp8 (e4m3, a float32 scale per token "
+        "and KV head: about half of bfloat16's bytes)",
+        choices=KV_CACHE_DTYPES,
+    )
     cuda_graphs: bool = flag(True, "capture decode steps as CUDA graphs (CUDA only)")
     seed: int = 0
     # Hybrid (linear-attention) models: recurrent-state snapshots kept on the device for
@@ -104,6 +112,11 @@ class EngineConfig:
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
 
     @property
     def resolved_dtype(self) -> str:

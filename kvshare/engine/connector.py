@@ -28,13 +28,18 @@ from dataclasses import dataclass
 import torch
 
 from kvshare.engine.block_manager import BlockManager
+from kvshare.engine.config import KVCacheDtype
+from kvshare.engine.kv_fp8 import packed_head_bytes
 from kvshare.engine.recurrent_state import RecurrentStates
 from kvshare.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
 class KVCacheLayout:
-    """The engine's paged KV cache: one tensor [num_slots, 2, num_blocks, block_size, Hkv, D].
+    """The engine's paged KV cache: one tensor [num_slots, 2, num_blocks, block_size, Hkv, D]
+    in the model's dtype, or with kv_cache_dtype "fp8" one uint8 tensor whose last dim is a
+    packed row of D e4m3 bytes and their float32 scale (kv_fp8.py): bytes per token halve,
+    and everything that copies blocks or pages copies the scales with them unchanged.
 
     Cache slots are ordered global (full-attention) layers first, then sliding-window
     layers, so a page's global part is one contiguous prefix of it. `layer_slot[i]` is
@@ -46,6 +51,7 @@ class KVCacheLayout:
     layer_slot: tuple[int, ...]
     num_global_slots: int
     sliding_window: int | None
+    kv_cache_dtype: KVCacheDtype = "auto"
 
     @classmethod
     def allocate(
@@ -55,6 +61,7 @@ class KVCacheLayout:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        kv_cache_dtype: KVCacheDtype = "auto",
     ) -> KVCacheLayout:
         """One slot per attention layer (linear-attention layers keep state, not KV)."""
         global_layers = [i for i, k in enumerate(config.layer_kinds) if k == "full"]
@@ -62,9 +69,12 @@ class KVCacheLayout:
         slot_of = {layer: slot for slot, layer in enumerate(global_layers + sliding_layers)}
         # Zero-filled: blocks a window never reads may be left unwritten by a pool restore,
         # and masked garbage must stay finite (0 x NaN is NaN in the value product).
+        row, stored = config.head_dim, dtype
+        if kv_cache_dtype == "fp8":
+            row, stored = packed_head_bytes(config.head_dim), torch.uint8
         kv = torch.zeros(
-            (len(slot_of), 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
-            dtype=dtype,
+            (len(slot_of), 2, num_blocks, block_size, config.num_kv_heads, row),
+            dtype=stored,
             device=device,
         )
         return cls(
@@ -73,6 +83,7 @@ class KVCacheLayout:
             layer_slot=tuple(slot_of.get(i, -1) for i in range(config.num_layers)),
             num_global_slots=len(global_layers),
             sliding_window=config.sliding_window,
+            kv_cache_dtype=kv_cache_dtype,
         )
 
     @property

@@ -27,6 +27,16 @@ ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 STAGING_BUFFERS = 4  # the pool connector's CUDA transfer: two per direction
 
 
+def kv_bytes_per_token(model: ModelConfig, config: EngineConfig) -> int:
+    """Cache bytes of one token over every attention layer, K and V. fp8 rows are e4m3
+    values plus one float32 scale per KV head (the packed row of kvshare.engine.kv_fp8)."""
+    if config.kv_cache_dtype == "fp8":
+        row = model.head_dim + 4
+    else:
+        row = model.head_dim * item_bytes(config.resolved_dtype)
+    return len(model.attention_layers) * 2 * model.num_kv_heads * row
+
+
 def item_bytes(dtype: str) -> int:
     """Bytes per element of a resolved dtype name ("bfloat16", ...)."""
     if dtype not in ITEM_BYTES:
@@ -144,8 +154,9 @@ def plan_device_memory(
     if free_bytes is not None:
         allocated = {"weights", "CUDA runtime"}
         left = min(left, free_bytes - sum(n for name, n in parts if name not in allocated))
-    kv_per_token = len(model.attention_layers) * model.kv_bytes_per_token_per_layer * item
-    minimum = config.kv_cache_memory or config.max_num_batched_tokens * kv_per_token
+    minimum = config.kv_cache_memory or config.max_num_batched_tokens * kv_bytes_per_token(
+        model, config
+    )
     if left < minimum:
         what = (
             f"the KV cache of {format_size(minimum)} (--kv-cache-memory)"

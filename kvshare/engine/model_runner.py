@@ -8,6 +8,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from kvshare.engine import kv_fp8
 from kvshare.engine.attention import (
     AttentionBackend,
     PagedAttention,
@@ -102,8 +103,8 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         c = self.model_config
-        item = torch.empty((), dtype=self.dtype).element_size()
-        return len(c.attention_layers) * 2 * c.num_kv_heads * c.head_dim * item
+        row = kv_fp8.row_bytes(c.head_dim, self.dtype, self.config.kv_cache_dtype)
+        return len(c.attention_layers) * 2 * c.num_kv_heads * row
 
     def _kv_budget(self, staging_bytes: Callable[[int], int] | None) -> int:
         """CUDA: what the memory plan leaves for the KV cache (ValueError when the plan does
@@ -138,7 +139,12 @@ class ModelRunner:
                 f"no room for a KV cache: {budget} bytes available, {per_block} per block"
             )
         return KVCacheLayout.allocate(
-            c, num_blocks, self.config.block_size, self.dtype, self.device
+            c,
+            num_blocks,
+            self.config.block_size,
+            self.dtype,
+            self.device,
+            self.config.kv_cache_dtype,
         )
 
     @torch.inference_mode()

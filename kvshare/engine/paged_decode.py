@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvshare.engine import kv_fp8
+
 TILE = 64  # keys per loop iteration
 MAX_QUERY = (
     64  # most new tokens per sequence the paged path serves; longer chunks go to varlen flash
@@ -31,6 +33,8 @@ def _split_kernel(
     Q,
     K,
     V,
+    K_SCALE,
+    V_SCALE,
     TABLES,
     CTX,
     CU_Q,
@@ -49,6 +53,9 @@ def _split_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
     VARLEN: tl.constexpr,
+    KV_ROW: tl.constexpr,
+    SCALE_ROW: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -107,10 +114,20 @@ def _split_kernel(
         slot = (
             block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         )  # int64: caches pass 2**31 elements
-        offs = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
-        k = tl.load(K + offs, mask=valid[:, None], other=0.0)
-        v = tl.load(V + offs, mask=valid[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        kv_row = slot * NUM_KV_HEADS + kv_head  # (slot, head) row, KV_ROW elements apart
+        offs = kv_row[:, None] * KV_ROW + d[None, :]
+        k = tl.load(K + offs, mask=valid[:, None], other=0)
+        v = tl.load(V + offs, mask=valid[:, None], other=0)
+        if KV_FP8:
+            # e4m3 -> the query's dtype is exact; each key's scale multiplies its score
+            # column, each value's its column of p (below).
+            k = k.to(tl.float8e4nv, bitcast=True).to(Q.dtype.element_ty)
+            v = v.to(tl.float8e4nv, bitcast=True).to(Q.dtype.element_ty)
+            k_scale = tl.load(K_SCALE + kv_row * SCALE_ROW, mask=valid, other=0.0)
+            v_scale = tl.load(V_SCALE + kv_row * SCALE_ROW, mask=valid, other=0.0)
+            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * (k_scale[None, :] * scale)
+        else:
+            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
         if VARLEN:  # per-row causal and window bounds; decode's single row is covered by [lo, hi)
             seen = (
                 valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= q_lo[:, None])
@@ -124,7 +141,15 @@ def _split_kernel(
         p = tl.exp(scores - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        if KV_FP8:
+            # p x v_scale relative to the tile's largest scale, so that it stays in [0, 1]
+            # (no fp16 underflow) and the dot's result is scaled back in float32.
+            v_top = tl.max(v_scale, 0)
+            v_top = tl.where(v_top > 0, v_top, 1.0)
+            pv = p * (v_scale / v_top)[None, :]
+            acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v).to(tl.float32) * v_top
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m_i = m_new
 
     row = out_row * num_splits + split
@@ -185,7 +210,7 @@ def paged_attention(
 
     q [T, Hq, D], sequence i's tokens at rows cu_seqlens_q[i]:cu_seqlens_q[i + 1] (None: one
     token per sequence, T = B), the last of its context_lens[i] keys, already in the cache
-    [slots, Hkv, D]; max_q >= every sequence's token count (<= MAX_QUERY), sizing the grid.
+    [slots, Hkv, D] (or packed fp8 [slots, Hkv, D + 4], kv_fp8.py); max_q >= every sequence's token count (<= MAX_QUERY), sizing the grid.
     max_context (host int, default the tables' width) sizes the splits. Returns [T, Hq, D].
     """
     assert 1 <= max_q <= MAX_QUERY and (cu_seqlens_q is not None or max_q == 1)
@@ -193,6 +218,9 @@ def paged_attention(
     batch = context_lens.shape[0]
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
+    fp8 = kv_fp8.is_packed(k_cache)
+    # A packed fp8 row is D e4m3 bytes then its float32 scale: the scales are strided views.
+    k_scales, v_scales = (kv_fp8.scales(k_cache), kv_fp8.scales(v_cache)) if fp8 else (q, q)
     rows = query_rows(group, max_q)
     q_blocks = triton.cdiv(max_q * group, rows)
     if num_splits is None:
@@ -208,6 +236,8 @@ def paged_attention(
         q.contiguous(),
         k_cache,
         v_cache,
+        k_scales,  # unread unless fp8
+        v_scales,
         block_tables,
         context_lens,
         context_lens if cu_seqlens_q is None else cu_seqlens_q,  # unread when not VARLEN
@@ -226,6 +256,9 @@ def paged_attention(
         BLOCK_SIZE=block_size,
         TILE=TILE,
         VARLEN=cu_seqlens_q is not None,
+        KV_ROW=k_cache.shape[-1],
+        SCALE_ROW=k_cache.shape[-1] // kv_fp8.SCALE_BYTES if fp8 else 1,
+        KV_FP8=fp8,
         # 8 warps once a chunk's fp32 accumulator passes 32 KB (128 regs a thread at 4): no
         # spills on sm_90 for 64 rows x head dim 256. Decode keeps the default 4.
         num_warps=8 if cu_seqlens_q is not None and rows * head_dim > 64 * 128 else 4,

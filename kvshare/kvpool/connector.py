@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from kvshare.engine.config import KVCacheDtype
 from kvshare.engine.connector import KVConnector, KVStoreUnavailable, PagedKVCache, PoolMatch
+from kvshare.engine.kv_fp8 import kv_format
 from kvshare.engine.memory import staging_bytes
 from kvshare.kvpool.client import PageRef, PoolClient, PoolError, PoolUnavailable
 from kvshare.kvpool.faults import FaultInjection
@@ -161,13 +163,16 @@ class PoolConnector(KVConnector):
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         cache_salt: str = "",
         faults: FaultInjection | None = None,
+        kv_cache_dtype: KVCacheDtype = "auto",
     ) -> PoolConnector:
+        """The connector of `loaded` with an engine whose cache stores kv_cache_dtype
+        (EngineConfig.kv_cache_dtype): fp8 and model-dtype caches never share a page."""
         dtype = next(loaded.model.parameters()).dtype
         namespace = Namespace(
             architecture=loaded.config.architecture,
             config_digest=loaded.config.digest(),
             weights_digest=loaded.weights_id,
-            kv_dtype=str(dtype).removeprefix("torch."),
+            kv_dtype=kv_format(dtype, kv_cache_dtype),
             layout_version=LAYOUT_VERSION,
             chunk_tokens=chunk_tokens,
             cache_salt=cache_salt,

@@ -31,6 +31,7 @@ def engine_configs(draw: st.DrawFn) -> EngineConfig:
         gpu_memory_fraction=draw(st.floats(0.05, 1.0)),
         enable_prefix_caching=draw(st.booleans()),
         attention_backend=draw(st.sampled_from(("auto", "sdpa", "varlen"))),
+        kv_cache_dtype=draw(st.sampled_from(("auto", "fp8"))),
         cuda_graphs=draw(st.booleans()),
     )
 

@@ -21,6 +21,7 @@ def main() -> None:
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument(
         "--skip-state-restore",
         action="store_true",
@@ -36,6 +37,7 @@ def main() -> None:
         chunk_tokens=args.chunk_tokens,
         max_num_batched_tokens=args.max_num_batched_tokens,
         weights_seed=3,
+        kv_cache_dtype=args.kv_cache_dtype,
         kv_pool_faults=FaultInjection(skip_state_restore=args.skip_state_restore),
     )
     outs = llm.generate(

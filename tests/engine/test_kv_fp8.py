@@ -1,0 +1,253 @@
+"""fp8 KV (kv_fp8.py): the packed format, every attention path reading it, and the engine.
+
+The Triton paged kernel runs in Triton's interpreter on the CPU (a subprocess: TRITON_INTERPRET
+must be set before triton is imported); the `cuda` tests run the same checks on a GPU,
+where the varlen path and CUDA graphs exist too.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvshare import LLM, SamplingParams
+from kvshare.engine import kv_fp8
+from kvshare.engine.attention import SDPABackend, StepMeta
+from kvshare.engine.connector import KVCacheLayout
+from kvshare.models.presets import shape_preset
+from tests.engine.test_paged_decode import interpret
+from tests.engine.test_parity import engine_last_logits, rel_error
+
+
+def scaled_rows(n: int, heads: int, dim: int, seed: int) -> torch.Tensor:
+    """Rows whose magnitudes span four decades: one shared scale could not serve them all."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, heads, dim, generator=gen) * 10 ** (
+        4 * torch.rand(n, heads, 1, generator=gen) - 2
+    )
+
+
+def test_a_packed_row_is_its_values_then_their_float32_scale() -> None:
+    x = scaled_rows(40, 3, 16, 0)
+    packed = kv_fp8.quantize(x)
+    assert packed.dtype == torch.uint8 and packed.shape == (40, 3, 20)
+    scale = kv_fp8.scales(packed)
+    assert torch.equal(scale, x.abs().amax(-1, keepdim=True) / kv_fp8.FP8_MAX)
+    assert torch.equal(kv_fp8.values(packed).float().abs().amax(-1), torch.full((40, 3), 448.0))
+    # e4m3 keeps 3 mantissa bits: every element within 1/16 of itself, or of its row's
+    # smallest normal step.
+    error = (kv_fp8.dequantize(packed, torch.float32) - x).abs()
+    assert (error <= x.abs() / 16 + scale * 2.0**-6).all()
+
+
+def test_a_rows_bytes_depend_on_that_row_only() -> None:
+    """What makes a restored prefix byte-identical to a recomputed one: quantizing a token
+    alone, in another batch or beside other tokens gives the same bytes."""
+    x = scaled_rows(64, 2, 32, 1)
+    whole = kv_fp8.quantize(x)
+    assert torch.equal(torch.cat([kv_fp8.quantize(x[i : i + 1]) for i in range(64)]), whole)
+    assert torch.equal(kv_fp8.quantize(x[17:40]), whole[17:40])
+    assert torch.equal(kv_fp8.quantize(x.to(torch.float64)), whole)
+
+
+def test_zero_rows_and_rounding_past_448_stay_finite() -> None:
+    x = torch.zeros(2, 1, 8)
+    x[1, 0] = torch.tensor([1e-30, -3.0, 448.0 * 1.0000001, 7.0, 0.0, 1.0, 2.0, 3.0])
+    out = kv_fp8.dequantize(kv_fp8.quantize(x), torch.float32)
+    assert torch.isfinite(out).all() and torch.equal(out[0], x[0])
+    with pytest.raises(ValueError, match="divisible by 4"):
+        kv_fp8.packed_head_bytes(6)
+
+
+def test_the_fp8_cache_is_one_byte_tensor_of_about_half_bfloat16s_bytes() -> None:
+    config = shape_preset("tiny-gemma3")
+    bf16 = KVCacheLayout.allocate(config, 4, 16, torch.bfloat16, torch.device("cpu"))
+    fp8 = KVCacheLayout.allocate(config, 4, 16, torch.bfloat16, torch.device("cpu"), "fp8")
+    assert fp8.kv.dtype == torch.uint8 and fp8.kv.shape[-1] == config.head_dim + 4
+    assert fp8.kv.shape[:-1] == bf16.kv.shape[:-1] and fp8.layer_slot == bf16.layer_slot
+    ratio = fp8.bytes_per_token_per_slot / bf16.bytes_per_token_per_slot
+    assert ratio == (config.head_dim + 4) / (2 * config.head_dim)  # 0.53 at head dim 64
+    assert kv_fp8.kv_format(torch.bfloat16, "fp8") != kv_fp8.kv_format(torch.bfloat16, "auto")
+    assert kv_fp8.kv_format(torch.bfloat16, "fp8") != kv_fp8.kv_format(torch.float32, "fp8")
+
+
+def _sdpa_meta() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepMeta]:
+    x = scaled_rows(2 * 64 * 16, 2, 16, 2)
+    q = torch.randn(7, 4, 16, generator=torch.Generator().manual_seed(3))
+    meta = StepMeta(
+        q_lens=(3, 4),
+        ctx_lens=(40, 100),
+        block_tables=(tuple(range(0, 3)), tuple(range(10, 17))),
+        block_size=16,
+        device=torch.device("cpu"),
+    )
+    return q, x[: 64 * 16], x[64 * 16 :], meta
+
+
+def test_sdpa_over_a_packed_cache_is_sdpa_over_its_dequantized_values() -> None:
+    q, k, v, meta = _sdpa_meta()
+    pk, pv = kv_fp8.quantize(k), kv_fp8.quantize(v)
+    sdpa = SDPABackend()
+    packed = sdpa.attend(q, pk, pv, meta, 0.25, None)
+    dequantized = sdpa.attend(
+        q, kv_fp8.dequantize(pk, q.dtype), kv_fp8.dequantize(pv, q.dtype), meta, 0.25, None
+    )
+    assert torch.equal(packed, dequantized)
+    # Teeth: reading the e4m3 values without their scales is far off.
+    unscaled = sdpa.attend(
+        q, kv_fp8.values(pk).float(), kv_fp8.values(pv).float(), meta, 0.25, None
+    )
+    assert rel_error(unscaled, packed) > 0.5
+
+
+_KERNEL_SCRIPT = """
+import json, sys
+import torch
+from kvshare.engine import kv_fp8
+from kvshare.engine.attention import SDPABackend, StepMeta
+from kvshare.engine.paged_decode import paged_attention, paged_decode_attention
+
+
+def scaled_rows(n, heads, dim, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, heads, dim, generator=gen) * 10 ** (
+        4 * torch.rand(n, heads, 1, generator=gen) - 2
+    )
+
+
+errors = []
+for heads, kv_heads, dim, window, splits, seqs in json.loads(sys.argv[1]):
+    bs, blocks = 16, 64
+    pk = kv_fp8.quantize(scaled_rows(blocks * bs, kv_heads, dim, heads + dim))
+    pv = kv_fp8.quantize(scaled_rows(blocks * bs, kv_heads, dim, heads * dim))
+    order = torch.randperm(blocks, generator=torch.Generator().manual_seed(dim)).tolist()
+    tables, at = [], 0
+    for _, c in seqs:
+        n = -(-c // bs)
+        tables.append(tuple(order[at:at + n]))
+        at += n
+    q = torch.randn(sum(n for n, _ in seqs), heads, dim, generator=torch.Generator().manual_seed(9))
+    meta = StepMeta(q_lens=tuple(n for n, _ in seqs), ctx_lens=tuple(c for _, c in seqs),
+                    block_tables=tuple(tables), block_size=bs, device=torch.device("cpu"))
+    scale = dim ** -0.5
+    ref = SDPABackend().attend(q, pk, pv, meta, scale, window)
+    t, c = meta.paged()
+    if meta.decode_only:
+        out = paged_decode_attention(q, pk, pv, t, c, bs, scale, window, num_splits=splits)
+    else:
+        out = paged_attention(q, pk, pv, t, c, bs, scale, window, cu_seqlens_q=meta.cu_seqlens_q,
+                              max_q=meta.max_q, num_splits=splits)
+    errors.append(((out - ref).norm() / ref.norm()).item())
+print(json.dumps(errors))
+"""
+
+KERNEL_CASES = [  # (heads, kv heads, head dim, window, splits, [(new tokens, context)])
+    (4, 2, 16, None, 1, [(1, 45), (1, 130), (1, 7)]),  # decode, one split
+    (6, 2, 32, 40, 3, [(1, 300), (1, 41)]),  # decode, window, splits
+    (4, 2, 16, None, 3, [(3, 70), (17, 17), (32, 100)]),  # chunks
+    (8, 2, 32, 24, 2, [(32, 250), (5, 90), (1, 33)]),  # chunks, window, 2 query blocks
+]
+
+
+def test_the_paged_kernel_reads_packed_fp8_like_sdpa_in_the_interpreter() -> None:
+    errors = interpret(_KERNEL_SCRIPT, KERNEL_CASES)
+    assert all(e < 1e-5 for e in errors), list(zip(KERNEL_CASES, errors))  # type: ignore[arg-type]
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tiny_pair() -> tuple[LLM, LLM]:
+    options = dict(dtype="float32", max_num_batched_tokens=48, weights_seed=7)
+    return LLM("shape:tiny-gemma3", **options), LLM(  # type: ignore[arg-type]
+        "shape:tiny-gemma3", kv_cache_dtype="fp8", **options
+    )
+
+
+def test_an_fp8_engine_stays_close_to_the_models_dtype(tiny_pair: tuple[LLM, LLM]) -> None:
+    exact, fp8 = tiny_pair
+    assert fp8.engine.runner.layout.kv.dtype == torch.uint8
+    for n in (1, 17, 150):  # 150 > tiny-gemma3's window of 64
+        prompt = _prompt(n, n)
+        error = rel_error(engine_last_logits(fp8, prompt), engine_last_logits(exact, prompt))
+        # A lone key's attention output is its value: e4m3's rounding (up to 1/16) shows whole.
+        assert 0 < error < 0.1, (n, error)
+
+
+def test_fp8_chunked_prefill_decode_and_prefix_reuse_agree(tiny_pair: tuple[LLM, LLM]) -> None:
+    """Chunked prefill, decode and the GPU-local prefix cache all read the bytes that the
+    one-step prefill wrote: the same logits to float precision."""
+    _, fp8 = tiny_pair
+    prompt = _prompt(150, 1)
+    assert len(prompt) > fp8.config.max_num_batched_tokens
+    whole = engine_last_logits(fp8, prompt)  # one step over the whole prompt
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=True)
+    chunked = fp8.generate([prompt], params)[0]
+    assert chunked.token_ids[0] == int(whole.argmax())
+    assert abs(chunked.logprobs[0] - whole.log_softmax(-1).max().item()) < 1e-4
+    again = fp8.generate([prompt], params)[0]
+    assert again.gpu_hit_tokens > 0
+    assert again.token_ids == chunked.token_ids
+    assert abs(again.logprobs[0] - chunked.logprobs[0]) < 1e-4
+
+
+@pytest.mark.cuda
+def test_cuda_quantizes_to_the_cpus_bytes() -> None:
+    x = scaled_rows(4096, 4, 128, 5)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(kv_fp8.quantize(x.to(dtype).cuda()).cpu(), kv_fp8.quantize(x.to(dtype)))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("seqs", [[(1, 45), (1, 3000)], [(3, 70), (64, 900)], [(65, 200), (9, 40)]])
+def test_cuda_backends_read_packed_fp8_like_sdpa(seqs: list[tuple[int, int]]) -> None:
+    """Decode and short chunks (paged kernel), long chunks (varlen flash), bfloat16."""
+    from kvshare.engine.attention import VarlenBackend
+
+    bs, dim = 16, 128
+    blocks = sum(-(-c // bs) for _, c in seqs)
+    dev = torch.device("cuda")
+    pk = kv_fp8.quantize(scaled_rows(blocks * bs, 2, dim, 6).to(dev))
+    pv = kv_fp8.quantize(scaled_rows(blocks * bs, 2, dim, 7).to(dev))
+    tables, at = [], 0
+    for _, c in seqs:
+        n = -(-c // bs)
+        tables.append(tuple(range(at, at + n))[::-1])
+        at += n
+    q = torch.randn(sum(n for n, _ in seqs), 8, dim, device=dev, dtype=torch.bfloat16)
+    meta = StepMeta(
+        q_lens=tuple(n for n, _ in seqs),
+        ctx_lens=tuple(c for _, c in seqs),
+        block_tables=tuple(tables),
+        block_size=bs,
+        device=dev,
+    )
+    for window in (None, 128):
+        ref = SDPABackend().attend(q.float(), pk, pv, meta, dim**-0.5, window)
+        out = VarlenBackend().attend(q, pk, pv, meta, dim**-0.5, window)
+        assert rel_error(out.float(), ref) < 2e-2, window
+
+
+@pytest.mark.cuda
+def test_cuda_fp8_engine_with_and_without_graphs_agrees() -> None:
+    prompts = [_prompt(n, n) for n in (5, 70, 300)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=True)
+    outs = []
+    for graphs in (True, False):
+        llm = LLM(
+            "shape:tiny-gemma3",
+            device="cuda",
+            kv_cache_dtype="fp8",
+            cuda_graphs=graphs,
+            kv_cache_memory=64 << 20,
+            weights_seed=7,
+        )
+        outs.append(llm.generate(prompts, params))
+    for a, b in zip(*outs):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 5e-2
