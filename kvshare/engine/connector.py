@@ -2,7 +2,8 @@
 
 Ordering contract between engine and connector (docs/architecture.md, "Ordering rules"):
 - `match` reports how many tokens beyond the GPU-local prefix the store can restore and
-  keeps them pinned until `load` or `cancel`.
+  keeps them pinned until `load` or `cancel`; or asks the engine to wait (`PoolMatch.wait`):
+  then nothing is pinned, the request stays unadmitted and `match` is called again later.
 - `load` writes only into the blocks it is given for the matched range, which the engine
   allocated fresh for this request (never blocks shared with another request). Work the
   engine issues on the current (compute) stream after `load` returns sees the restored
@@ -104,9 +105,14 @@ class PagedKVCache:
 
 @dataclass(frozen=True)
 class PoolMatch:
-    """`num_tokens` past the local prefix can be restored; the range ends on a chunk boundary."""
+    """`num_tokens` past the local prefix can be restored; the range ends on a chunk boundary.
+
+    `wait`: chunks past that range are being produced elsewhere and the connector judges
+    waiting for them cheaper than computing them; nothing is pinned (num_tokens is 0) and
+    the engine should leave the request unadmitted and ask again at a later step."""
 
     num_tokens: int = 0
+    wait: bool = False
 
 
 class KVStoreUnavailable(Exception):
@@ -204,6 +210,11 @@ class KVConnector(ABC):
         """Device memory `bind` will allocate for a CUDA cache of `kv_bytes_per_token` (every
         attention layer): the engine counts it in its memory budget before allocating."""
         return 0  # no device buffers by default
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """The engine computed num_tokens prompt tokens in one step of `seconds`: the
+        connector's measure of this engine's prefill speed (it decides waits with it)."""
+        return None  # no waits to decide by default
 
     def wait_idle(self) -> None:
         """Block until every store in flight has completed and been committed (an idle

@@ -167,6 +167,8 @@ class LLMEngine:
         outputs, self._finished_outputs = self._finished_outputs, []
         if not chunks:
             return outputs
+        prefill_tokens = sum(c.num_new_tokens for c in chunks if not c.seq.prefill_done)
+        started = time.perf_counter()
         logits = self.runner.execute(chunks)
         sampling = [c for c in chunks if c.samples]
         # Nothing computed from a restore counts before the restore is verified, and a failed
@@ -185,6 +187,8 @@ class LLMEngine:
                 [self.requests[c.seq.request_id].generator for c in sampling],
                 self.generator,
             )
+        if self.connector is not None and prefill_tokens:  # sampling waited for the step
+            self.connector.observe_prefill(prefill_tokens, time.perf_counter() - started)
         logprobs = self._logprobs(logits, sampling, tokens)
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens

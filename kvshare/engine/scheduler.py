@@ -14,11 +14,25 @@ restore that fails verification is discarded with everything computed from it an
 sequence is recomputed without the pool. Sequences decoding in that step wait for the
 copy too (one compute stream): one step as long as the copy, far less than the prefill
 the restore replaces.
+
+Compute a prefix once. A waiting sequence whose next uncached block a running sequence
+is about to compute (same chained block hash, not yet registered, inside that sequence's
+prompt) is not admitted: it waits, holding nothing, and the sequences queued behind it
+go ahead. Every step it is checked again; the writer's blocks enter the prefix cache as
+they are computed, so the waiter finds them there and waits for the next one, until no
+running sequence computes its next block (the writer passed the shared prefix, finished,
+was preempted or aborted) and it is admitted with everything the writer left. A waiter
+is never running, so waits form no cycle, and running sequences always progress. The
+same holds across replicas through the connector (`PoolMatch.wait`): it asks the
+scheduler to leave the sequence waiting, and is asked again at later steps. No waiting
+without prefix caching (nothing to find afterwards) or with recurrent state (a prefix is
+resumable only at a snapshot, which the writer may not take inside the shared part).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import enum
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from kvshare.engine.block_manager import BlockManager
@@ -50,6 +64,12 @@ class ScheduledChunk:
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
+class Admission(enum.Enum):
+    ADMITTED = "admitted"
+    NO_ROOM = "no_room"  # blocks do not fit yet: admission stops here (first come first served)
+    WAITS = "waits"  # its prefix is being computed: the sequences behind it may go first
+
+
 class Scheduler:
     """`states` (hybrid models) adds recurrent-state slots: a prefix is reused only up to a
     chunk boundary of `state_chunk_tokens` with a state snapshot, prefill steps end on the
@@ -75,6 +95,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.restoring: list[Sequence] = []  # admitted this step with an unverified pool restore
+        # local_waits: sequences that waited for a running sequence's blocks (each once);
+        # pool_waits: sequences the connector had wait for chunks produced elsewhere.
+        self.counters: Counter[str] = Counter()
 
     @property
     def num_unfinished(self) -> int:
@@ -145,11 +168,15 @@ class Scheduler:
                 continue
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
-        while self.waiting and budget > 0 and self._num_admitted() < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            if not self._admit(seq):
+        for seq in list(self.waiting):
+            if budget == 0 or self._num_admitted() >= self.config.max_num_seqs:
                 break
-            self.waiting.popleft()
+            admission = self._admit(seq)
+            if admission is Admission.WAITS:
+                continue
+            if admission is Admission.NO_ROOM:
+                break
+            self.waiting.remove(seq)
             n = self._cap_at_snapshot(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
             if not self._grow(seq, seq.num_computed_tokens + n):
                 break  # cannot happen: _admit reserved the first chunk's blocks
@@ -228,11 +255,33 @@ class Scheduler:
             self.states.unpin(snapshot)
         seq.snapshot_boundaries = self._snapshot_boundaries(seq)
 
-    def _admit(self, seq: Sequence) -> bool:
+    def _computed_by_another(self, seq: Sequence, block: int) -> bool:
+        """A running sequence is computing seq's block `block` (equal chained hash) in its
+        prompt and has not registered it yet."""
+        if block >= (seq.num_tokens - 1) // self.blocks.block_size:
+            return False  # never cached: the last token's logits are needed
+        if not self.blocks.enable_prefix_caching or self.states is not None:
+            return False
+        wanted = seq.block_hashes[block]
+        bs = self.blocks.block_size
+        return any(
+            other.num_registered_blocks <= block < other.num_prompt_tokens // bs
+            and other.block_hashes[block] == wanted
+            for other in self.running
+        )
+
+    def _wait(self, seq: Sequence, counter: str) -> Admission:
+        if not seq.waited:
+            seq.waited = True
+            self.counters[counter] += 1
+        return Admission.WAITS
+
+    def _admit(self, seq: Sequence) -> Admission:
         """Give seq its cached prefix and the blocks of its first chunk; start a pool load.
 
-        Hits never cover the last token: its logits are needed. Returns False (and leaves
-        seq waiting, holding nothing) when the blocks do not fit yet.
+        Hits never cover the last token: its logits are needed. Leaves seq waiting,
+        holding nothing, when its next blocks are being computed (here, or elsewhere and
+        the connector says wait) or when the blocks do not fit yet.
         """
         bs = self.blocks.block_size
         usable = (seq.num_tokens - 1) // bs
@@ -240,12 +289,16 @@ class Scheduler:
         snapshot = None
         if self.states is not None:
             cached, snapshot = self._cut_at_snapshot(seq, cached)
+        if self._computed_by_another(seq, len(cached)):
+            return self._wait(seq, "local_waits")
         local_tokens = len(cached) * bs
         match = None
         if self.connector is not None and seq.use_pool:
             match = self.connector.match(
                 seq.request_id, seq.token_ids, local_tokens, cache_salt=seq.cache_salt
             )
+            if match.wait:
+                return self._wait(seq, "pool_waits")
         pool_tokens = match.num_tokens if match else 0
         # The first chunk's blocks too: a restored sequence computes in its admission step.
         first_chunk = min(
@@ -259,7 +312,7 @@ class Scheduler:
         if fresh > free_after:
             if pool_tokens and self.connector is not None:
                 self.connector.cancel(seq.request_id)
-            return False
+            return Admission.NO_ROOM
         self.blocks.acquire(cached)
         seq.block_table = cached + self.blocks.allocate(fresh)
         seq.num_computed_tokens = local_tokens
@@ -276,4 +329,4 @@ class Scheduler:
         seq.num_computed_tokens = local_tokens + pool_tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        return True
+        return Admission.ADMITTED

@@ -46,6 +46,7 @@ class Sequence:
     text: str = ""
     num_preemptions: int = 0
     use_pool: bool = True  # False after a restore failed verification: recompute, never retry
+    waited: bool = False  # admission waited for its prefix to be computed by another request
     # Chained hashes of the full blocks of token_ids (GPU-local prefix cache keys), and
     # how many of this sequence's blocks are registered under them.
     block_hashes: list[bytes] = field(default_factory=list)

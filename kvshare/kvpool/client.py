@@ -70,10 +70,14 @@ class PageRef(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
-    """`lease` is 0 (and `pages` empty) when nothing hit."""
+    """`lease` is 0 (and `pages` empty) when nothing hit. `in_progress`: how many keys
+    after the committed run another client is producing now, and `idle_s` the seconds
+    since that producer last claimed, reserved or committed (see PoolIndex.in_progress)."""
 
     lease: int
     pages: tuple[PageRef, ...]
+    in_progress: int = 0
+    idle_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,14 +162,22 @@ class PoolClient:
     # -- operations -------------------------------------------------------------------
 
     def lookup(
-        self, keys: Sequence[bytes], states: Sequence[tuple[int, bytes]] | None = None
+        self,
+        keys: Sequence[bytes],
+        states: Sequence[tuple[int, bytes]] | None = None,
+        *,
+        claim: bool = False,
     ) -> LookupResult:
         """The longest committed run from keys[0], pinned. With `states` ([(chunk index,
         state key)]), the run ends after a chunk with a committed state page, which is
-        the last page of the result (see PoolIndex.lookup)."""
+        the last page of the result (see PoolIndex.lookup). With `claim`, the keys no
+        page holds and no other client claims are claimed for this connection, after the
+        answer's `in_progress` was counted (see PoolIndex.claim)."""
         message: dict[str, Any] = {"op": "lookup", "keys": list(keys)}
         if states is not None:
             message["states"] = [[i, k] for i, k in states]
+        if claim:
+            message["claim"] = True
         with self._lock:
             response = self._request_locked(message)
             lease = response["lease"]
@@ -173,7 +185,14 @@ class PoolClient:
                 self._leases.add(lease)
         # Each row is [key, offset, payload_bytes, checksum], built by the daemon.
         pages = tuple(map(_page_ref_from_row, response["pages"]))
-        return LookupResult(lease, pages)
+        return LookupResult(
+            lease, pages, response.get("in_progress", 0), response.get("idle_s", 0.0)
+        )
+
+    def unclaim(self, keys: Sequence[bytes]) -> int:
+        """Drop this connection's claims among `keys` (it will not produce them); returns
+        how many it held."""
+        return self._request({"op": "unclaim", "keys": list(keys)})["unclaimed"]
 
     def release(self, lease: int) -> bool:
         """Unpin a lease. True if the lease was held until now; False if it died with a

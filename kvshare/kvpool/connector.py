@@ -18,12 +18,19 @@ Invariants:
   each header, and commits only then; a failed copy aborts its reservations.
 - Blocks being copied hold an extra reference until the copy completed.
 - Any pool trouble is a miss or a skipped store, never an exception to the engine.
+- A lookup claims the chunks this replica will compute (the daemon tells other replicas
+  they are in progress here); a request that leaves before storing them unclaims them.
+  A lookup that finds chunks in progress elsewhere may make its request wait (unpinned,
+  unadmitted, asked again at later steps) under the rules of waiting.py; one wait per
+  request, never for a hybrid model (its resumable prefixes need state snapshots that a
+  waiter cannot count on).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,7 +41,7 @@ from kvshare.engine.config import KVCacheDtype
 from kvshare.engine.connector import KVConnector, KVStoreUnavailable, PagedKVCache, PoolMatch
 from kvshare.engine.kv_fp8 import kv_format
 from kvshare.engine.memory import staging_bytes
-from kvshare.kvpool.client import PageRef, PoolClient, PoolError, PoolUnavailable
+from kvshare.kvpool.client import LookupResult, PageRef, PoolClient, PoolError, PoolUnavailable
 from kvshare.kvpool.faults import FaultInjection
 from kvshare.kvpool.host_memory import HostRegistration
 from kvshare.kvpool.keys import Namespace, chain_seed, chunk_keys
@@ -45,6 +52,7 @@ from kvshare.kvpool.transfer import Transfer, TransferJob
 from kvshare.kvpool.transfer_cpu import ThreadTransfer
 from kvshare.kvpool.transfer_cuda import CudaTransfer
 from kvshare.kvpool.verify import checksums_match, header_matches
+from kvshare.kvpool.waiting import PrefillSpeed, WaitOptions, wait_budget, worth_waiting
 from kvshare.models.loader import LoadedModel
 from kvshare.spec import DEFAULT_CHUNK_TOKENS
 
@@ -62,6 +70,7 @@ def state_key(chunk_key: bytes) -> bytes:
 class ConnectorOptions:
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     register_host_memory: bool = True
+    wait: WaitOptions = field(default_factory=WaitOptions)
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
@@ -115,10 +124,22 @@ class _Store:
 
 
 @dataclass
+class _Wait:
+    """A request waiting for chunks another client is producing."""
+
+    started: float
+    budget_s: float
+    next_ask: float
+
+
+@dataclass
 class _Request:
     keys: list[bytes] = field(default_factory=list)
     stored_chunks: int = 0  # chunks below this are in the pool or were tried
     match: _Match | None = None
+    claimed: int = 0  # keys[:claimed] went to the daemon with a claim
+    wait: _Wait | None = None
+    waited: bool = False  # a wait ended: the request does not wait again
 
 
 class PoolConnector(KVConnector):
@@ -139,6 +160,7 @@ class PoolConnector(KVConnector):
             raise ValueError("the namespace and the options disagree on chunk_tokens")
         self.chunk_tokens = namespace.chunk_tokens
         self.counters: Counter[str] = Counter()
+        self.speed = PrefillSpeed()
         self._enabled = True
         self._requests: dict[str, _Request] = {}
         self._loads: dict[str, _Load] = {}  # started, not yet finished, by request id
@@ -275,21 +297,30 @@ class PoolConnector(KVConnector):
         usable_chunks = (len(token_ids) - 1) // self.chunk_tokens
         if not self._usable() or usable_chunks * self.chunk_tokens <= num_local_tokens:
             return PoolMatch(0)
+        now = time.monotonic()
+        if req.wait is not None and now < req.wait.next_ask:
+            return PoolMatch(0, wait=True)
         keys = self._keys(req, token_ids, usable_chunks, cache_salt)
         states = self.cache.states if self.cache is not None else None
         try:
             if states is None:
-                result = self.client.lookup(keys)
+                result = self.client.lookup(keys, claim=True)
+                req.claimed = max(req.claimed, len(keys))
             else:
                 result = self.client.lookup(keys, [(i, state_key(k)) for i, k in enumerate(keys)])
             self._adopt_arena()
         except _POOL_ERRORS as exc:
             self._count_error("lookup", exc)
+            self._end_wait(req, now, gave_up=True)
             return PoolMatch(0)
         self.counters["lookups"] += 1
         pages, state = result.pages, None
         if states is not None and pages:
             pages, state = pages[:-1], pages[-1]  # the KV run, then its end's state page
+        elif self._waits(req, result, num_local_tokens, now):
+            self._release(result.lease)
+            return PoolMatch(0, wait=True)
+        self._end_wait(req, now, gave_up=result.in_progress > 0)
         hit_tokens = len(pages) * self.chunk_tokens
         wanted = usable_chunks * self.chunk_tokens - num_local_tokens
         if hit_tokens <= num_local_tokens:
@@ -299,6 +330,43 @@ class PoolConnector(KVConnector):
         req.match = _Match(result.lease, pages, num_local_tokens, state)
         self.counters["miss_tokens"] += wanted - (hit_tokens - num_local_tokens)
         return PoolMatch(hit_tokens - num_local_tokens)
+
+    def _waits(
+        self, req: _Request, result: LookupResult, num_local_tokens: int, now: float
+    ) -> bool:
+        """Whether req waits (again) for the chunks the lookup found in progress elsewhere:
+        only those past its local prefix count (waiting.py decides)."""
+        if req.waited:
+            return False
+        committed = len(result.pages) * self.chunk_tokens
+        end = committed + result.in_progress * self.chunk_tokens
+        pending = end - max(committed, num_local_tokens)
+        options = self.options.wait
+        if req.wait is None:
+            budget = wait_budget(pending, self.speed, options)
+            if not worth_waiting(pending, result.idle_s, 0.0, budget, options):
+                return False
+            req.wait = _Wait(now, budget, now)
+            self.counters["wait_requests"] += 1
+        elif not worth_waiting(
+            pending, result.idle_s, now - req.wait.started, req.wait.budget_s, options
+        ):
+            return False
+        req.wait.next_ask = now + options.recheck_s
+        return True
+
+    def _end_wait(self, req: _Request, now: float, gave_up: bool) -> None:
+        """The request stops waiting: counted, and it never waits again."""
+        if req.wait is None:
+            return
+        self.counters["wait_ms"] += round((now - req.wait.started) * 1000)
+        if gave_up:  # the producer stalled, the budget ran out, or the pool failed
+            self.counters["wait_gave_up"] += 1
+        req.wait = None
+        req.waited = True
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        self.speed.observe(num_tokens, seconds)
 
     def cancel(self, request_id: str) -> None:
         req = self._requests.get(request_id)
@@ -582,8 +650,23 @@ class PoolConnector(KVConnector):
             load.wait()
             self._end_load(load, ok=False)
         req = self._requests.pop(request_id, None)
-        if req is not None and req.match is not None:
+        if req is None:
+            return
+        if req.match is not None:
             self._release(req.match.lease)
+        self._end_wait(req, time.monotonic(), gave_up=False)
+        if req.claimed > req.stored_chunks:
+            self._unclaim(req.keys[: req.claimed])
+
+    def _unclaim(self, keys: list[bytes]) -> None:
+        """Claims this replica will not honour: whoever waits for them stops at once.
+        (Chunks that reached `reserve` lost their claim there.)"""
+        if not keys:
+            return
+        try:
+            self.client.unclaim(keys)
+        except _POOL_ERRORS as exc:
+            self._count_error("unclaim", exc)
 
     def wait_idle(self) -> None:
         """Block until every store in flight has completed and been committed (tests,

@@ -8,7 +8,8 @@ Robustness rules:
   gets an error response; the connection stays open.
 - A frame that cannot be parsed (over the size limit, or not msgpack) closes that
   connection only.
-- A connection that closes, for any reason, loses its leases and reservations.
+- A connection that closes, for any reason, loses its leases, reservations and claims
+  (so clients waiting for what it was producing stop waiting at once).
 - No request can kill the daemon: unexpected exceptions are logged and answered.
 - No client can take the pool from the others: each connection holds at most
   `max_client_fraction` of it (see PoolIndex), and connections past `max_clients`
@@ -122,6 +123,7 @@ class PoolDaemon:
         self._handlers: dict[str, Handler] = {
             "hello": self._hello,
             "lookup": self._lookup,
+            "unclaim": self._unclaim,
             "release": self._release,
             "invalidate": self._invalidate,
             "reserve": self._reserve,
@@ -282,8 +284,20 @@ class PoolDaemon:
             states = [(int(i), k) for i, k in _list_of(request, "states", list)]
             if not all(isinstance(k, bytes) and len(k) == KEY_BYTES for _, k in states):
                 raise ValueError(f"every state key must be {KEY_BYTES} bytes")
-        lease, pages = self.index.lookup(conn, _keys(request, "keys"), states)
-        return {"lease": lease, "pages": pages}
+        keys = _keys(request, "keys")
+        claim = request.get("claim", False)
+        if type(claim) is not bool:
+            raise ValueError(f"field 'claim' must be a bool, got {claim!r}")
+        lease, pages = self.index.lookup(conn, keys, states)
+        # What others are producing past the committed run, before this caller claims
+        # the rest: the caller may wait for those keys instead of computing them.
+        in_progress, idle_s = self.index.in_progress(conn, keys)
+        if claim:
+            self.index.claim(conn, keys)
+        return {"lease": lease, "pages": pages, "in_progress": in_progress, "idle_s": idle_s}
+
+    def _unclaim(self, conn: int, request: dict[str, Any]) -> dict[str, Any]:
+        return {"unclaimed": self.index.unclaim(conn, _keys(request, "keys"))}
 
     def _release(self, conn: int, request: dict[str, Any]) -> dict[str, Any]:
         self.index.release(conn, _int(request, "lease"))

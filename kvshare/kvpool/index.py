@@ -35,13 +35,23 @@ reserved by it, or pinned by its leases (a slot counts once per lease) - never e
 that many bytes, so no single client can reserve or pin the whole pool and leave the
 others nothing but evictions. Over the quota, `reserve` drops the remaining keys and
 `lookup` returns a shorter run; both are counted, neither is an error.
+
+Claims. A connection about to compute chunks the pool lacks may claim their keys: a
+claim says "in progress here", takes no slot and is never visible as a page. It ends
+when any connection commits the key, when its connection reserves the key (the page, if
+reserved, is in progress itself), aborts it or unclaims it, and when its connection
+drops. `in_progress` tells another connection how many keys after its committed run are
+being produced elsewhere (claimed, or reserved and not yet committed) and how long their
+producer has been idle (no claim, reserve or commit since), so that it can wait for them instead
+of computing them again. A connection holds at most MAX_CLAIMS_PER_CONN claims.
 """
 
 from __future__ import annotations
 
 import enum
+import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvshare.kvpool.arena import ArenaGeometry
@@ -50,6 +60,9 @@ from kvshare.kvpool.page import MAX_CHECKSUM_BYTES, slot_bytes_for
 # What lookup returns per page: (key, slot offset, payload bytes, checksum).
 PageTuple = tuple[bytes, int, int, bytes]
 
+
+# Claims one connection may hold at once (a 128k-token prompt in 16-token chunks is 8k).
+MAX_CLAIMS_PER_CONN = 65536
 
 # Monotonic counters in stats(), in the order tools print them.
 COUNTERS = (
@@ -65,6 +78,8 @@ COUNTERS = (
     "invalidated_keys",
     "quota_dropped_keys",
     "quota_cut_keys",
+    "claimed_keys",
+    "in_progress_answers",
 )
 
 
@@ -211,10 +226,16 @@ class PoolIndex:
 
     Connections are opaque ints chosen by the caller. Not thread-safe: the daemon calls
     it from one event loop thread only. `max_client_bytes` (None: no limit) caps the
-    slot bytes each connection holds through reservations and leases.
+    slot bytes each connection holds through reservations and leases. `clock` (seconds,
+    monotonic) dates claims and commits.
     """
 
-    def __init__(self, geometry: ArenaGeometry, max_client_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        geometry: ArenaGeometry,
+        max_client_bytes: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_client_bytes is not None and max_client_bytes <= 0:
             raise ValueError(f"max_client_bytes must be > 0, got {max_client_bytes}")
         self.geometry = geometry
@@ -231,6 +252,12 @@ class PoolIndex:
         self._conn_bytes: dict[int, int] = {}
         self._next_lease = 1
         self._counters = dict.fromkeys(COUNTERS, 0)
+        self._clock = clock
+        # key -> (claiming connection, when claimed); per connection, its claimed keys.
+        self._claims: dict[bytes, tuple[int, float]] = {}
+        self._conn_claims: dict[int, set[bytes]] = {}
+        # When each connection last claimed, reserved or committed: a producer's sign of life.
+        self._last_progress: dict[int, float] = {}
 
     # -- lookups and leases -------------------------------------------------------
 
@@ -332,6 +359,83 @@ class PoolIndex:
         self._counters["invalidated_keys"] += dropped
         return dropped
 
+    # -- claims -----------------------------------------------------------------------
+
+    def claim(self, conn: int, keys: Sequence[bytes]) -> int:
+        """Claim for `conn` the keys that no page holds and no other connection claims
+        (its own claims are renewed). Returns how many keys `conn` claims among them."""
+        now = self._clock()
+        mine = self._conn_claims.setdefault(conn, set())
+        claimed = 0
+        for key in keys:
+            if key in self._pages:
+                continue
+            holder = self._claims.get(key)
+            if holder is not None and holder[0] != conn:
+                continue
+            if holder is None:
+                if len(mine) >= MAX_CLAIMS_PER_CONN:
+                    break
+                mine.add(key)
+                self._counters["claimed_keys"] += 1
+            self._claims[key] = (conn, now)
+            claimed += 1
+        if not mine:
+            del self._conn_claims[conn]
+        if claimed:
+            self._last_progress[conn] = now
+        return claimed
+
+    def unclaim(self, conn: int, keys: Sequence[bytes]) -> int:
+        """Drop the claims of `conn` among `keys` (others are ignored); returns how many."""
+        mine = self._conn_claims.get(conn)
+        if not mine:
+            return 0
+        dropped = 0
+        for key in keys:
+            if key in mine:
+                mine.discard(key)
+                del self._claims[key]
+                dropped += 1
+        if not mine:
+            del self._conn_claims[conn]
+        return dropped
+
+    def in_progress(self, conn: int, keys: Sequence[bytes]) -> tuple[int, float]:
+        """After the leading COMMITTED run of `keys`: how many keys in a row another
+        connection is producing (claimed, or reserved and not committed), and the seconds
+        since the producer of the first of them last claimed, reserved or committed.
+        (0, 0.0) when the first key after the run is not in progress elsewhere."""
+        pages = self._pages
+        start = 0
+        while start < len(keys):
+            page = pages.get(keys[start])
+            if page is None or page.state is not _COMMITTED:
+                break
+            start += 1
+        count = 0
+        producer: int | None = None
+        for key in keys[start:]:
+            owner = self._producer(key)
+            if owner is None or owner == conn:
+                break
+            if producer is None:
+                producer = owner
+            count += 1
+        if producer is None:
+            return 0, 0.0
+        self._counters["in_progress_answers"] += 1
+        idle = self._clock() - self._last_progress.get(producer, float("-inf"))
+        return count, max(0.0, idle)
+
+    def _producer(self, key: bytes) -> int | None:
+        """The connection producing `key` now: its reserver, else its claimer."""
+        page = self._pages.get(key)
+        if page is not None:
+            return page.owner if page.state is _RESERVED else None
+        claim = self._claims.get(key)
+        return claim[0] if claim is not None else None
+
     # -- stores ---------------------------------------------------------------------
 
     def reserve(
@@ -348,6 +452,8 @@ class PoolIndex:
                 f"a page of {payload_bytes} payload bytes needs a {slot_bytes}-byte slot, "
                 f"larger than a slab ({self.geometry.slab_bytes} bytes)"
             )
+        # A reserved page is in progress itself; a present or dropped key is not anyone's.
+        self.unclaim(conn, keys)
         present, missing = self._split_present(keys)
         page_class = self._classes.get(slot_bytes)
         if page_class is None:
@@ -376,6 +482,8 @@ class PoolIndex:
             reserved.append((key, offset))
         self._unpin_all(held)
         self._add_conn_bytes(conn, len(reserved) * slot_bytes)
+        if reserved:
+            self._last_progress[conn] = self._clock()
         dropped = len(missing) - len(reserved)
         self._counters["reserved_keys"] += len(reserved)
         self._counters["dropped_keys"] += dropped
@@ -412,6 +520,7 @@ class PoolIndex:
             seen.add(key)
             pages.append(page)
         for page, checksum in zip(reversed(pages), reversed(checksums), strict=True):
+            self._drop_claim(page.key)
             del pending[page.key]
             page.state = _COMMITTED
             page.owner = None
@@ -421,9 +530,21 @@ class PoolIndex:
             page.page_class.lru[page.key] = page
         self._add_conn_bytes(conn, -_slot_bytes_of(pages))
         self._counters["committed_keys"] += len(pages)
+        if pages:
+            self._last_progress[conn] = self._clock()
+
+    def _drop_claim(self, key: bytes) -> None:
+        holder = self._claims.pop(key, None)
+        if holder is not None:
+            mine = self._conn_claims[holder[0]]
+            mine.discard(key)
+            if not mine:
+                del self._conn_claims[holder[0]]
 
     def abort(self, conn: int, keys: Sequence[bytes]) -> int:
-        """Free the reservations of `conn` among `keys`; others are ignored. Returns the count."""
+        """Free the reservations (and drop the claims) of `conn` among `keys`; others are
+        ignored. Returns how many reservations were freed."""
+        self.unclaim(conn, keys)
         pending = self._conn_reservations.get(conn)
         if not pending:
             return 0
@@ -438,7 +559,11 @@ class PoolIndex:
         return aborted
 
     def disconnect(self, conn: int) -> None:
-        """Drop every lease of `conn` (unpin) and abort every reservation of `conn`."""
+        """Drop every lease of `conn` (unpin), abort every reservation and drop every
+        claim of `conn`: whoever waits for what it was producing stops waiting at once."""
+        for key in self._conn_claims.pop(conn, ()):
+            del self._claims[key]
+        self._last_progress.pop(conn, None)
         for lease in sorted(self._conn_leases.pop(conn, ())):
             self._unpin_all(self._leases.pop(lease).pages)
         pending = self._conn_reservations.pop(conn, {})
@@ -509,6 +634,7 @@ class PoolIndex:
             "invalid": sum(c["invalid"] for c in classes),
             "pinned": sum(c["pinned"] for c in classes),
             "leases": len(self._leases),
+            "claims": len(self._claims),
             "max_client_bytes": self.max_client_bytes,
             **self._counters,
         }

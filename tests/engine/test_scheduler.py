@@ -321,3 +321,66 @@ def test_max_tokens_gives_length(loaded: LoadedModel) -> None:
     engine = make_engine(loaded, 8)
     out = run(engine, [[5] * 10], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 3
+
+
+def test_a_request_waits_for_the_prefix_a_running_request_is_computing(
+    loaded: LoadedModel, solo: LLMEngine
+) -> None:
+    """b shares a's first 96 tokens and arrives with it: it waits while a computes them
+    (40 tokens a step), and is admitted with all of them cached; c, unrelated and queued
+    behind b, takes the budget a leaves in its last prefill step while b still waits."""
+    engine = make_engine(loaded, 32, max_num_batched_tokens=40)
+    rec = Recorder(engine)
+    shared = prompts(1, (96, 96), seed=8)[0]
+    batch = {"a": [*shared, 3, 4, 5], "b": [*shared, 6, 7], "c": prompts(1, (20, 20), seed=9)[0]}
+    for request_id, prompt in batch.items():
+        engine.add_request(request_id, prompt, GREEDY)
+    done = drive(engine)
+    assert (done["a"].gpu_hit_tokens, done["a"].computed_tokens) == (0, 99)
+    assert (done["b"].gpu_hit_tokens, done["b"].computed_tokens) == (96, 2)
+    first_step = {seq.request_id: n for seq, _, n in rec.steps[0]}
+    assert first_step == {"a": 40}  # budget spent on a; b waits, c has no budget left
+    b_starts = [start for step in rec.steps for seq, start, _ in step if seq.request_id == "b"]
+    assert b_starts[0] == 96  # b never computed a token of the shared prefix
+    assert [(seq.request_id, n) for seq, _, n in rec.steps[2]] == [("a", 19), ("c", 20)]
+    assert engine.scheduler.counters["local_waits"] == 1
+    for request_id, prompt in batch.items():
+        assert done[request_id].token_ids == alone(solo, prompt)
+
+
+def test_a_waiter_computes_what_an_aborted_writer_left(loaded: LoadedModel) -> None:
+    """The writer is aborted two steps into the shared prefix: the waiter is admitted at
+    once with the 64 tokens the writer had computed, and computes the rest itself."""
+    engine = make_engine(loaded, 32, max_num_batched_tokens=32)
+    shared = prompts(1, (96, 96), seed=10)[0]
+    engine.add_request("writer", [*shared, 3], GREEDY)
+    engine.add_request("waiter", [*shared, 4], GREEDY)
+    engine.step()
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.waiting] == ["waiter"]
+    engine.abort("writer")
+    out = drive(engine)["waiter"]
+    assert (out.gpu_hit_tokens, out.computed_tokens) == (64, 33)
+
+
+def test_waits_under_preemption_never_deadlock(loaded: LoadedModel, solo: LLMEngine) -> None:
+    """Writers preempted for blocks while others wait for them: every request finishes
+    with the outputs it has alone."""
+    engine = make_engine(loaded, 10, max_num_batched_tokens=40, max_num_seqs=6)
+    rec = Recorder(engine)
+    heads = prompts(2, (36, 36), seed=11)
+    batch = [[*heads[i % 2], *tail] for i, tail in enumerate(prompts(8, (4, 20), seed=12))]
+    outs = run(engine, batch)
+    assert sum(seq.num_preemptions for seq in rec.seqs) > 0
+    assert engine.scheduler.counters["local_waits"] > 0
+    for prompt, out in zip(batch, outs):
+        assert out.token_ids == alone(solo, prompt)
+
+
+def test_no_waiting_without_prefix_caching(loaded: LoadedModel) -> None:
+    """Nothing a writer computes would be found afterwards: both compute."""
+    engine = make_engine(loaded, 32, max_num_batched_tokens=32, enable_prefix_caching=False)
+    shared = prompts(1, (64, 64), seed=13)[0]
+    outs = run(engine, [[*shared, 1], [*shared, 2]])
+    assert [o.computed_tokens for o in outs] == [65, 65]
+    assert engine.scheduler.counters["local_waits"] == 0

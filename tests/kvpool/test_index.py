@@ -306,3 +306,60 @@ def test_a_million_pages_evict_at_over_100k_per_second() -> None:
     rate = 200_000 / elapsed
     print(f"index: {rate:,.0f} evictions/s (reserve + evict + commit) at {pages:,} pages")
     assert rate > 100_000
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_claim_is_in_progress_for_others_until_its_commit() -> None:
+    """Claims say who produces which keys: another connection sees them in progress after
+    its committed run, with the producer's idle time; the claimer itself does not."""
+    clock = FakeClock()
+    index = PoolIndex(ArenaGeometry(2 * SLAB, SLAB), clock=clock)
+    store(index, keys(1))
+    assert index.claim(A, keys(1, 2, 3, 4)) == 3  # key 1 is committed: not claimable
+    assert index.claim(B, keys(3, 4, 5)) == 1  # 3 and 4 are A's: B gets 5 only
+    clock.now += 2.5
+    assert index.in_progress(B, keys(1, 2, 3, 4, 5)) == (3, 2.5)  # 2-4 by A, then 5 is B's
+    assert index.in_progress(A, keys(1, 2, 3)) == (0, 0.0)  # its own claims
+    store(index, keys(2))  # committing renews A's sign of life and ends the claim
+    assert index.in_progress(B, keys(1, 2, 3, 4)) == (2, 0.0)
+    reserved, _, _ = index.reserve(A, keys(3), PAYLOAD)  # a reserved page is in progress too
+    assert [key for key, _ in reserved] == keys(3)
+    clock.now += 1.0
+    assert index.in_progress(B, keys(1, 2, 3, 4)) == (2, 1.0)
+    index.commit(A, keys(3), [b"sum"])
+    assert index.in_progress(B, keys(1, 2, 3, 4)) == (1, 0.0)
+    stats = index.stats()
+    assert (stats["claims"], stats["claimed_keys"]) == (2, 4)  # A's key 4, B's key 5
+
+
+def test_unclaim_abort_and_disconnect_end_claims_at_once() -> None:
+    index = PoolIndex(ArenaGeometry(2 * SLAB, SLAB), clock=FakeClock())
+    index.claim(A, keys(1, 2, 3))
+    assert index.unclaim(A, keys(1, 9)) == 1
+    assert index.unclaim(B, keys(2)) == 0  # not B's
+    assert index.in_progress(B, keys(1, 2, 3)) == (0, 0.0)  # key 1 is nobody's now
+    assert index.in_progress(B, keys(2, 3)) == (2, 0.0)
+    index.abort(A, keys(2))  # a producer that gives a key up unclaims it
+    assert index.in_progress(B, keys(2, 3)) == (0, 0.0)
+    assert index.in_progress(B, keys(3)) == (1, 0.0)
+    index.reserve(A, keys(4), PAYLOAD)
+    index.disconnect(A)  # a dead producer: claims and reservations end together
+    assert index.in_progress(B, keys(3)) == (0, 0.0)
+    assert index.in_progress(B, keys(4)) == (0, 0.0)
+    assert index.stats()["claims"] == 0
+    assert index.claim(B, keys(3, 4)) == 2  # free to be claimed again
+
+
+def test_claims_per_connection_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvshare.kvpool.index.MAX_CLAIMS_PER_CONN", 3)
+    index = PoolIndex(ArenaGeometry(2 * SLAB, SLAB), clock=FakeClock())
+    assert index.claim(A, keys(1, 2, 3, 4, 5)) == 3
+    assert index.claim(A, keys(1, 2, 3)) == 3  # renewing its own claims is always allowed
+    assert index.in_progress(B, keys(1, 2, 3, 4)) == (3, 0.0)
