@@ -12,8 +12,8 @@ import torch
 
 from kvshare import LLM, SamplingParams
 from kvshare.engine.connector import KVCacheLayout
-from kvshare.kvpool.layout import PageLayout
 from kvshare.kvpool.launch import PoolProcess
+from kvshare.kvpool.layout import PageLayout
 from tests.kvpool.pool_fixture import PoolFactory
 from tests.kvpool.test_cross_process import random_tokens, run_engine
 
