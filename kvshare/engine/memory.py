@@ -23,6 +23,10 @@ from kvshare.sizes import format_size
 GIB = 1 << 30
 CUDA_RUNTIME_BYTES = 2 * GIB  # context, cuBLAS/Triton workspaces and kernels, allocator slack
 GRAPH_POOL_SLACK_BYTES = 64 << 20
+# Per step, beside the per-token terms: cuBLAS workspaces, masks and sampler buffers that
+# the caching allocator serves (a tiny Gemma 3 step on the H200 took 29 MiB more than the
+# per-token terms alone).
+STEP_SLACK_BYTES = 128 << 20
 ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 STAGING_BUFFERS = 4  # the pool connector's CUDA transfer: two per direction
 
@@ -103,7 +107,7 @@ def activation_bytes(model: ModelConfig, config: EngineConfig, tokens: int) -> i
         per_layer_state = model.state_bytes_per_sequence(item) // len(model.linear_layers)
         states = 3 * min(tokens, config.max_num_seqs) * per_layer_state
     logits = min(tokens, config.max_num_seqs) * model.vocab_size * 4 * 3
-    return tokens * per_token + logits + states
+    return tokens * per_token + logits + states + STEP_SLACK_BYTES
 
 
 def graph_bytes(model: ModelConfig, config: EngineConfig, max_blocks_per_seq: int) -> int:
