@@ -13,7 +13,7 @@ placement); `two-replicas` runs both.
 
 `hit` measures a cross-replica cache hit at the copy floor: per run (KV dtype, context
 tokens, follow-ups per block) it starts `kvshare up` with two shape:qwen3.5-27b replicas on
-the one GPU (0.47 of it each, 8 sequences), records each replica's GPU memory, runs the
+the one GPU (0.48 of it each, 8 sequences, 8,192-token steps), records each replica's GPU memory, runs the
 blocked cross-replica bench A=0 -> B=1 on one shared context per block with a warm-up, and
 sets the ON medians beside the floor: the bytes B loaded per hit over the raw pinned
 host->GPU memcpy measured in the same call.
@@ -231,11 +231,11 @@ def hit_run(out: Path, port: int, dtype: str, length: int, per_block: int, deadl
         "--model",
         "shape:qwen3.5-27b",
         "--gpu-memory-fraction",
-        "0.47",
+        "0.48",
         "--max-num-seqs",
         "8",
         "--max-num-batched-tokens",
-        "16384",
+        "8192",
         "--max-model-len",
         str(length + 1024),
         "--kv-cache-dtype",
@@ -244,7 +244,7 @@ def hit_run(out: Path, port: int, dtype: str, length: int, per_block: int, deadl
         "40GiB",
     )
     try:
-        memory = gpu_memory_by_process()
+        memory = {"after start": gpu_memory_by_process()}
         done = subprocess.run(
             kvshare(
                 "bench",
@@ -275,6 +275,7 @@ def hit_run(out: Path, port: int, dtype: str, length: int, per_block: int, deadl
             cwd=REPO,
             timeout=max(1.0, deadline - time.monotonic()),
         )
+        memory["after the bench"] = gpu_memory_by_process()  # the allocators keep their peak
     finally:
         stop_cluster(up)
     report = json.loads((out / f"{name}.json").read_text())

@@ -16,8 +16,8 @@ copy too (one compute stream): one step as long as the copy, far less than the p
 the restore replaces.
 
 Compute a prefix once. A waiting sequence whose next uncached block a running sequence
-is about to compute (same chained block hash, not yet registered, inside that sequence's
-prompt) is not admitted: it waits, holding nothing, and the sequences queued behind it
+is about to compute (same chained block hash, inside that sequence's prompt, not yet
+computed) is not admitted: it waits, holding nothing, and the sequences queued behind it
 go ahead. Every step it is checked again; the writer's blocks enter the prefix cache as
 they are computed, so the waiter finds them there and waits for the next one, until no
 running sequence computes its next block (the writer passed the shared prefix, finished,
@@ -256,8 +256,9 @@ class Scheduler:
         seq.snapshot_boundaries = self._snapshot_boundaries(seq)
 
     def _computed_by_another(self, seq: Sequence, block: int) -> bool:
-        """A running sequence is computing seq's block `block` (equal chained hash) in its
-        prompt and has not registered it yet."""
+        """A running sequence will compute seq's block `block` (equal chained hash) in its
+        prompt. A block it restores from the pool this step does not count: seq restores
+        it too, into blocks of its own (a restore is a copy, not a prefill)."""
         if block >= (seq.num_tokens - 1) // self.blocks.block_size:
             return False  # never cached: the last token's logits are needed
         if not self.blocks.enable_prefix_caching or self.states is not None:
@@ -265,7 +266,7 @@ class Scheduler:
         wanted = seq.block_hashes[block]
         bs = self.blocks.block_size
         return any(
-            other.num_registered_blocks <= block < other.num_prompt_tokens // bs
+            other.num_computed_tokens // bs <= block < other.num_prompt_tokens // bs
             and other.block_hashes[block] == wanted
             for other in self.running
         )

@@ -453,7 +453,8 @@ class PoolIndex:
                 f"larger than a slab ({self.geometry.slab_bytes} bytes)"
             )
         # A reserved page is in progress itself; a present or dropped key is not anyone's.
-        self.unclaim(conn, keys)
+        if conn in self._conn_claims:
+            self.unclaim(conn, keys)
         present, missing = self._split_present(keys)
         page_class = self._classes.get(slot_bytes)
         if page_class is None:
@@ -519,8 +520,10 @@ class PoolIndex:
                 raise PoolRequestError(f"checksum must be bytes of at most {MAX_CHECKSUM_BYTES}")
             seen.add(key)
             pages.append(page)
+        claims = self._claims
         for page, checksum in zip(reversed(pages), reversed(checksums), strict=True):
-            self._drop_claim(page.key)
+            if claims:
+                self._drop_claim(page.key)
             del pending[page.key]
             page.state = _COMMITTED
             page.owner = None

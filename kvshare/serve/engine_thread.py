@@ -57,6 +57,7 @@ class EngineSnapshot:
     num_blocks: int = 0
     pool_enabled: bool = False
     kv_pool: dict[str, int] | None = None  # the connector's counters; None without a pool
+    waits: dict[str, int] | None = None  # the scheduler's counters: admissions that waited
 
 
 def snapshot_of(engine: LLMEngine) -> EngineSnapshot:
@@ -68,6 +69,7 @@ def snapshot_of(engine: LLMEngine) -> EngineSnapshot:
         num_blocks=engine.blocks.num_blocks,
         pool_enabled=connector is not None and connector.enabled,
         kv_pool=connector.stats() if connector is not None else None,
+        waits=dict(scheduler.counters),
     )
 
 

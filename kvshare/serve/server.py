@@ -343,6 +343,8 @@ class ReplicaServer:
                     "gpu_cache_usage": snap.gpu_cache_usage,
                     "num_blocks": snap.num_blocks,
                     "kv_pool_enabled": snap.pool_enabled,
+                    "local_waits": (snap.waits or {}).get("local_waits", 0),
+                    "pool_waits": (snap.waits or {}).get("pool_waits", 0),
                 },
                 "kv_pool": snap.kv_pool,
                 "pool": daemon,
