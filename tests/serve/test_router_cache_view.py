@@ -15,7 +15,7 @@ import pytest
 from kvshare import LLM
 from kvshare.engine.block_manager import block_hashes
 from kvshare.engine.llm_engine import LLMEngine
-from kvshare.serve.policies import CacheAware, RouteRequest
+from kvshare.serve.policies import DEFAULT_POOL_CREDIT, CacheAware, Load, RouteRequest
 from kvshare.serve.router import Router
 from kvshare.serve.server import SERVER_KEY, ServeConfig, build_app
 from tests.kvpool.pool_fixture import MIB, PoolFactory
@@ -166,3 +166,20 @@ def test_an_emptied_pool_is_still_credited_up_to_its_capacity(
         # The bound is what the arena holds (32 pages of 16 blocks), not the slabs in use
         # (none after the clear), which once made every prompt fall out of the pool view.
         assert policy.pool_tokens(route(21)) == POOLED_TOKENS
+
+
+def test_a_pool_switched_through_the_router_changes_the_credit_before_the_call_returns(
+    pooled_replicas: list[str],
+) -> None:
+    with routed(pooled_replicas, policy="cache-aware", health_interval=600.0) as (client, router):
+        policy = router.policy
+        assert isinstance(policy, CacheAware)
+        credit = policy.score(route(30), Load(0), POOLED_TOKENS)
+        assert credit == pytest.approx(DEFAULT_POOL_CREDIT * POOLED_TOKENS)
+        client.post("/admin/all/kv_pool", json={"enabled": False}).raise_for_status()
+        try:
+            # An OFF block's first requests: a replica off the pool restores nothing.
+            assert policy.score(route(30), Load(0), POOLED_TOKENS) == 0.0
+        finally:
+            client.post("/admin/all/kv_pool", json={"enabled": True}).raise_for_status()
+        assert policy.score(route(30), Load(0), POOLED_TOKENS) == credit
