@@ -39,7 +39,7 @@ def replicas() -> Iterator[list[tuple[BackgroundServer, LLMEngine]]]:
 
 @pytest.fixture(scope="module")
 def pooled_replicas() -> Iterator[list[str]]:
-    """Two replicas on one pool of 32 pages (1 MiB slabs of 8 tiny-llama pages)."""
+    """Two replicas on one pool of 28 pages (4 slabs of 1 MiB, 7 tiny-llama pages each)."""
     factory = PoolFactory()
     servers = []
     try:
@@ -160,10 +160,14 @@ def test_an_emptied_pool_is_still_credited_up_to_its_capacity(
         policy = router.policy
         assert isinstance(policy, CacheAware)
         ask(client, seed=20)
+        pool = httpx.get(pooled_replicas[0] + "/admin/cache_events").json()["pool"]
+        assert pool["pages"] == 28  # 4 MiB in slots of 128 KiB and a header
         block_start(client)
         check_all(router)  # the pool is empty: its slabs were given back
+        after = httpx.get(pooled_replicas[0] + "/admin/cache_events").json()["pool"]
+        assert after["pages"] == pool["pages"]  # the daemon's own count reads 0 here
         ask(client, seed=21)
-        # The bound is what the arena holds (32 pages of 16 blocks), not the slabs in use
+        # The bound is what the arena holds (28 pages of 16 blocks), not the slabs in use
         # (none after the clear), which once made every prompt fall out of the pool view.
         assert policy.pool_tokens(route(21)) == POOLED_TOKENS
 
