@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING
 from kvshare.bench.design import DEFAULT_DESIGN, Design
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from kvshare.bench.records import BenchRun
     from kvshare.bench.runner import Workload
+
+
+DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32)  # kvshare bench concurrency
 
 
 def _design(text: str) -> Design:
@@ -29,6 +35,17 @@ def _int_list(text: str) -> tuple[int, ...]:
     except ValueError as error:
         raise argparse.ArgumentTypeError(
             f"expected integers joined by ',', got {text!r}"
+        ) from error
+
+
+def _size_list(text: str) -> tuple[int, ...]:
+    from kvshare.sizes import parse_size
+
+    try:
+        return tuple(parse_size(part) for part in text.split(","))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(
+            f"expected sizes joined by ',' (e.g. 64MiB,256MiB), got {text!r}"
         ) from error
 
 
@@ -139,15 +156,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "shared-prefix", help="concurrent users over a few shared documents"
     )
     _common(shared)
-    shared.add_argument("--documents", type=int, default=4, help="shared documents per block")
-    shared.add_argument("--users", type=int, default=64, help="questions per block, one per user")
+    _shared_prefix_arguments(shared)
     shared.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
-    shared.add_argument("--doc-tokens", type=int, default=4096, help="tokens per document")
-    shared.add_argument("--question-tokens", type=int, default=32, help="tokens of each question")
-    shared.add_argument(
-        "--output-tokens", type=int, default=16, help="tokens each answer generates"
-    )
     shared.set_defaults(make_workload=_shared_prefix)
+
+    sweep = workloads.add_parser(
+        "concurrency",
+        help="shared-prefix swept over concurrency and pool size, each point a blocked run",
+        description="Run shared-prefix at each concurrency (and, with --up, on a cluster per "
+        "pool size), each point a whole blocked OFF/ON run; report p50/p99 TTFT, throughput, "
+        "computed/ideal and the pool hit rate per point and condition (table, JSON, PNG).",
+    )
+    _common(sweep)
+    _shared_prefix_arguments(sweep)
+    sweep.add_argument(
+        "--concurrency",
+        type=_int_list,
+        default=DEFAULT_CONCURRENCY,
+        help="requests in flight at once, one point each "
+        f"(default {','.join(map(str, DEFAULT_CONCURRENCY))})",
+    )
+    sweep.add_argument(
+        "--pool-sizes",
+        type=_size_list,
+        help="with --up: one cluster per pool size (e.g. 256MiB,1GiB; below the working set "
+        "to measure eviction); default: the --up pool",
+    )
+    sweep.set_defaults(func=run_sweep_command)
 
     demo = subparsers.add_parser(
         "demo", help="start the default cluster and show what the shared pool does (minutes, CPU)"
@@ -160,6 +195,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     demo.add_argument("--seed", type=int, default=0, help="prompts and request order")
     demo.set_defaults(func=run_demo_command)
+
+
+def _shared_prefix_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--documents", type=int, default=4, help="shared documents per block")
+    parser.add_argument("--users", type=int, default=64, help="questions per block, one per user")
+    parser.add_argument("--doc-tokens", type=int, default=4096, help="tokens per document")
+    parser.add_argument("--question-tokens", type=int, default=32, help="tokens of each question")
+    parser.add_argument(
+        "--output-tokens", type=int, default=16, help="tokens each answer generates"
+    )
 
 
 def _cross_replica(args: argparse.Namespace) -> Workload:
@@ -251,6 +296,91 @@ def run_bench_command(args: argparse.Namespace) -> int:
             soft_wrap=True,
         )
         return 1
+    if log_dir is not None:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    return 0
+
+
+def run_sweep_command(args: argparse.Namespace) -> int:
+    from contextlib import contextmanager
+
+    from rich.console import Console
+    from rich.markup import escape
+
+    from kvshare.bench.cluster import cluster_target, up_config
+    from kvshare.bench.driver import (
+        BENCH_ERRORS,
+        BenchOptions,
+        Outputs,
+        report_sweep,
+        run_with_progress,
+    )
+    from kvshare.bench.shared_prefix import SharedPrefix
+    from kvshare.bench.stats import BootstrapSpec
+    from kvshare.bench.sweep import run_sweep
+    from kvshare.preflight import check_up
+
+    console = Console()
+    log_dir = Path(tempfile.mkdtemp(prefix="kvshare-bench-")) if args.up is not None else None
+    log = (log_dir or Path(tempfile.gettempdir())) / "up.log"
+    command = shlex.join(["kvshare", *sys.argv[1:]])
+    spec = BootstrapSpec(args.resamples, seed=args.seed)
+    model: list[str | None] = [args.model]
+
+    def up_args(pool_size: int | None) -> str | None:
+        if args.up is None or pool_size is None:
+            return args.up
+        return f"{args.up} --pool-size {pool_size}"  # the last --pool-size wins
+
+    @contextmanager
+    def open_cluster(pool_size: int | None) -> Iterator[str]:
+        up = up_args(pool_size)
+        if up is not None:
+            check_up(up_config(up))
+            console.print(
+                f"starting the cluster (kvshare up {escape(up)}); its output goes to {log}",
+                soft_wrap=True,
+            )
+        with cluster_target(args.target, up, log) as target:
+            model[0] = model[0] or target.model
+            yield target.url
+
+    def run_point(workload: SharedPrefix, url: str, warm_up: bool) -> BenchRun:
+        options = BenchOptions(
+            args.design,
+            args.seed,
+            spec,
+            model[0],
+            args.timeout,
+            command,
+            args.settle_timeout,
+            args.warmup_tokens if warm_up else 0,
+        )
+        return run_with_progress(workload, url, options, console)
+
+    try:
+        if args.pool_sizes and args.up is None:
+            raise ValueError("--pool-sizes needs --up: the bench cannot resize a running pool")
+        # With --up the pool size is always known: the --up one when no --pool-sizes.
+        pool_sizes = args.pool_sizes or (
+            (up_config(args.up).pool_size,) if args.up is not None else (None,)
+        )
+        workload = SharedPrefix(  # each point replaces the concurrency
+            args.documents,
+            args.users,
+            args.concurrency[0],
+            args.doc_tokens,
+            args.question_tokens,
+            args.output_tokens,
+        )
+        sweep = run_sweep(workload, args.concurrency, pool_sizes, open_cluster, run_point)
+        report_sweep(sweep, spec, command, Outputs(args.json, args.markdown, args.plot), console)
+    except (*BENCH_ERRORS, RuntimeError) as error:  # RuntimeError: a cluster did not start
+        console.print(
+            f"[red]kvshare bench:[/red] {escape(str(error))}" + _log_note(log_dir, log),
+            soft_wrap=True,
+        )
+        return 2 if isinstance(error, ValueError) else 1
     if log_dir is not None:
         shutil.rmtree(log_dir, ignore_errors=True)
     return 0

@@ -16,13 +16,14 @@ from rich.console import Console
 
 from kvshare.bench.client import BenchClient, BenchError, served_models
 from kvshare.bench.design import Design
-from kvshare.bench.plots import plot_run
+from kvshare.bench.plots import plot_run, plot_sweep
 from kvshare.bench.progress import RichObserver, new_progress
 from kvshare.bench.records import BenchRun, RunInfo
 from kvshare.bench.report import markdown, tables, unsettled_warning, write_json
 from kvshare.bench.runner import Observer, Workload, run_design, warm_up
 from kvshare.bench.stats import BootstrapSpec
 from kvshare.bench.summary import Comparison, compare
+from kvshare.bench.sweep import Sweep, sweep_markdown, sweep_table, write_sweep_json
 from kvshare.bench.synthetic import PromptModel, load_prompt_model
 from kvshare.serve.auth import AccessKeys
 from kvshare.tables import print_table
@@ -158,3 +159,25 @@ def report(
         outputs.markdown.write_text(markdown(run, comparisons, options.bootstrap, link))
         console.print(f"markdown: {outputs.markdown}")
     return comparisons
+
+
+def report_sweep(
+    sweep: Sweep, spec: BootstrapSpec, command: str, outputs: Outputs, console: Console
+) -> None:
+    """Print the sweep's table and write the files asked for."""
+    rows = sweep.rows()
+    print_table(console, sweep_table(rows))
+    for run in sweep.runs:
+        if warning := unsettled_warning(run):
+            console.print(f"[yellow]{warning}[/yellow]")
+    if outputs.json:
+        write_sweep_json(outputs.json, sweep, spec)
+        console.print(f"json: {outputs.json}")
+    if outputs.plot:
+        model = sweep.runs[0].info.model if sweep.runs else "-"
+        plot_sweep(rows, f"kvshare concurrency sweep ({model})", outputs.plot)
+        console.print(f"plot: {outputs.plot}")
+    if outputs.markdown:
+        link = os.path.relpath(outputs.plot, outputs.markdown.parent) if outputs.plot else None
+        outputs.markdown.write_text(sweep_markdown(sweep, command, link))
+        console.print(f"markdown: {outputs.markdown}")

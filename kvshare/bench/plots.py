@@ -2,6 +2,8 @@
 
 Workloads with points along x (context length, turn) get one curve per (series, condition);
 those without (shared-prefix) get the TTFT distribution per condition as an empirical CDF.
+A concurrency sweep gets four panels (p50 TTFT, p99 TTFT, throughput, computed/ideal)
+against concurrency, one curve per (pool size, condition).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator
 from kvshare.bench.design import CONDITIONS, OFF
 from kvshare.bench.records import BenchRun
 from kvshare.bench.summary import TTFT, Comparison, samples
+from kvshare.bench.sweep import SweepRow
+from kvshare.sizes import format_size
 
 _PLAIN = FuncFormatter(lambda value, _: f"{value:g}")  # 1024, not 2^10
 _STYLE = {OFF: {"linestyle": "--", "marker": "o"}, "ON": {"linestyle": "-", "marker": "s"}}
@@ -126,3 +130,51 @@ def _log_seconds(ax: Axes, which: str) -> None:
     axis = ax.xaxis if which == "x" else ax.yaxis
     axis.set_major_formatter(FuncFormatter(_one_two_five))
     axis.set_minor_formatter(FuncFormatter(_one_two_five))
+
+
+# (SweepRow field, panel title, log y axis)
+SWEEP_PANELS: tuple[tuple[str, str, bool], ...] = (
+    ("p50_ttft_s", "p50 TTFT, s", True),
+    ("p99_ttft_s", "p99 TTFT, s", True),
+    ("requests_per_s", "throughput, requests/s", False),
+    ("computed_over_ideal", "computed / ideal prompt tokens", False),
+)
+
+
+def plot_sweep(rows: Sequence[SweepRow], title: str, path: Path) -> None:
+    sweep_figure(rows, title).savefig(path, dpi=120)
+
+
+def sweep_figure(rows: Sequence[SweepRow], title: str) -> Figure:
+    fig = Figure(figsize=(10, 7), layout="constrained")
+    fig.suptitle(title)
+    curves = list(dict.fromkeys((r.pool_size, r.condition) for r in rows))
+    xs = sorted({r.concurrency for r in rows})
+    for ax, (field, label, log_y) in zip(fig.subplots(2, 2).flat, SWEEP_PANELS):
+        for pool_size, condition in curves:
+            points = [
+                (r.concurrency, getattr(r, field))
+                for r in rows
+                if (r.pool_size, r.condition) == (pool_size, condition)
+            ]
+            points = [(x, y) for x, y in sorted(points) if y is not None]
+            if not points:
+                continue
+            pool = "target's pool" if pool_size is None else f"pool {format_size(pool_size)}"
+            ax.plot(
+                [x for x, _ in points],
+                [y for _, y in points],
+                label=f"{pool}, {condition}",
+                **_STYLE[condition],
+            )
+        if len(xs) > 1:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(xs)
+        ax.xaxis.set_major_formatter(_PLAIN)
+        if log_y:
+            _log_seconds(ax, "y")
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.set_title(label)
+        ax.grid(True, which="both", alpha=0.3)
+    fig.axes[0].legend(fontsize=8)
+    return fig

@@ -82,6 +82,8 @@ ADMIN_CALLS = {
     "cache_events": "GET",
 }
 _ENCODED_SEPARATORS = ("%2f", "%5c")
+# Admin calls after which the router reads every replica's cache events before answering.
+_CALLS_THAT_CHANGE_CACHES = frozenset({"reset_prefix_cache", "kv_pool", "clear_pool"})
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,9 @@ class Replica:
     # the next read is a snapshot.
     cache_generation: int | None = None
     cache_last: int = 0
+    # One read of the event log at a time: an answer applied after a later one would roll
+    # the position back, and the next read would wipe what the policy learned since.
+    cache_read: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -253,6 +258,10 @@ class Router:
     async def _read_cache_events(self, replica: Replica) -> None:
         """Hand the policy what the replica's caches did since the last read. A replica that
         cannot answer keeps the policy's prediction (from the prompts it was sent)."""
+        async with replica.cache_read:
+            await self._read_cache_events_locked(replica)
+
+    async def _read_cache_events_locked(self, replica: Replica) -> None:
         query = {"after": str(replica.cache_last)}
         if replica.cache_generation is not None:
             query["generation"] = str(replica.cache_generation)
@@ -298,7 +307,8 @@ class Router:
         pool = answer.get("pool")
         pool_blocks, cleared = None, False
         if isinstance(pool, dict):
-            pool_blocks = int(pool["pages"]) * int(pool["chunk_tokens"]) // block_size
+            if pool["pages"] is not None:  # None: unknown until a page was stored
+                pool_blocks = int(pool["pages"]) * int(pool["chunk_tokens"]) // block_size
             cleared_keys = int(pool["cleared_keys"])
             # A larger count: cleared; a smaller one: the daemon restarted, empty.
             known = self._pool_cleared_keys
@@ -566,6 +576,11 @@ class Router:
                 self.policy.forget_replica(replica.index)
         if ok and path == "/admin/clear_pool":
             self.policy.forget_pool()
+        if ok and call in _CALLS_THAT_CHANGE_CACHES and self.policy.uses_prefix:
+            # Read the replicas' new state before answering: the caller (a bench block start)
+            # sends its next requests at once, and a reset or clear first heard of at the next
+            # health check would wipe what the router learned from them meanwhile.
+            await asyncio.gather(*(self._read_cache_events(r) for r in self.replicas if r.healthy))
         return web.json_response({"replicas": answers}, status=200 if ok else 502)
 
     async def _admin_one(

@@ -376,13 +376,24 @@ class ReplicaServer:
                 "pool": None
                 if daemon is None or connector is None
                 else {
-                    "pages": daemon.get("pages", 0),
+                    "pages": pool_capacity_pages(daemon),
                     "cleared_keys": daemon.get("cleared_keys", 0),
                     "chunk_tokens": connector.chunk_tokens,
                 },
             }
 
         return web.json_response(await self.thread.call(collect))
+
+
+def pool_capacity_pages(daemon: dict[str, Any]) -> int | None:
+    """Pages the whole arena holds at the smallest page size it has stored (for a pool of
+    mixed page sizes, an upper bound); None before any page was stored. Not the daemon's own
+    `pages`: that counts the slots of slabs carved so far, which a clear gives back, so it
+    reads 0 for an emptied pool of any size."""
+    slots = [int(c["slot_bytes"]) for c in daemon.get("classes") or ()]
+    if not slots or "slab_count" not in daemon:
+        return None
+    return int(daemon["slab_count"]) * (int(daemon["slab_bytes"]) // min(slots))
 
 
 def _query_int(request: web.Request, name: str, default: int) -> int:

@@ -1,6 +1,8 @@
 """The cache-aware router against real replicas (tiny random model, in-process): its view
 of each replica's GPU cache follows what the replica reports, so a reset or an eviction
-the router never saw stops being credited."""
+the router never saw stops being credited; a block start through the router (pool clear,
+cache reset) is in its view before the call returns, so nothing learned afterwards is wiped
+by a later health check."""
 
 from __future__ import annotations
 
@@ -13,9 +15,10 @@ import pytest
 from kvshare import LLM
 from kvshare.engine.block_manager import block_hashes
 from kvshare.engine.llm_engine import LLMEngine
-from kvshare.serve.policies import CacheAware, RouteRequest
+from kvshare.serve.policies import DEFAULT_POOL_CREDIT, CacheAware, Load, RouteRequest
 from kvshare.serve.router import Router
 from kvshare.serve.server import SERVER_KEY, ServeConfig, build_app
+from tests.kvpool.pool_fixture import MIB, PoolFactory
 from tests.serve.inprocess import BackgroundServer
 from tests.serve.test_router import routed, router_loop
 
@@ -32,6 +35,29 @@ def replicas() -> Iterator[list[tuple[BackgroundServer, LLMEngine]]]:
     yield servers
     for server, _ in servers:
         server.close()
+
+
+@pytest.fixture(scope="module")
+def pooled_replicas() -> Iterator[list[str]]:
+    """Two replicas on one pool of 28 pages (4 slabs of 1 MiB, 7 tiny-llama pages each)."""
+    factory = PoolFactory()
+    servers = []
+    try:
+        pool = factory.start(factory.config(size_bytes=4 * MIB, slab_bytes=MIB))
+        for _ in range(2):
+            llm = LLM(
+                "shape:tiny-llama",
+                kv_cache_memory=4 << 20,
+                max_num_batched_tokens=512,
+                kv_pool=pool.address,
+                require_kv_pool=True,
+            )
+            servers.append(BackgroundServer(build_app(llm.engine, ServeConfig("tiny"))))
+        yield [server.url for server in servers]
+    finally:
+        for server in servers:
+            server.close()
+        factory.close()
 
 
 def ids(seed: int) -> list[int]:
@@ -95,3 +121,69 @@ def test_the_router_learns_an_eviction(
             assert seed < 200, "the replica's cache never evicted the first prompt"
         check_all(router)
         assert policy.gpu_tokens(route(2), served) < PROMPT_TOKENS
+
+
+POOLED_TOKENS = PROMPT_TOKENS // 256 * 256  # the pool restores whole 256-token chunks
+
+
+def block_start(client: httpx.Client) -> None:
+    """What the bench does at each block start, through the router."""
+    for call, body in (
+        ("kv_pool", {"enabled": True}),
+        ("clear_pool", {}),
+        ("reset_prefix_cache", {}),
+    ):
+        client.post(f"/admin/all/{call}", json=body).raise_for_status()
+
+
+def test_a_block_start_is_not_heard_again_at_the_next_health_check(
+    pooled_replicas: list[str],
+) -> None:
+    with routed(pooled_replicas, policy="cache-aware", health_interval=600.0) as (client, router):
+        policy = router.policy
+        assert isinstance(policy, CacheAware)
+        ask(client, seed=10)
+        check_all(router)  # the router knows the pool's clear count and each cache generation
+        block_start(client)
+        served = ask(client, seed=11)
+        check_all(router)  # the first health check of the block
+        # It once saw the clear count changed and the generation new only here, and forgot
+        # the pool prefix of every request the block had sent so far.
+        assert policy.pool_tokens(route(11)) == POOLED_TOKENS
+        assert policy.gpu_tokens(route(11), served) == PROMPT_TOKENS
+
+
+def test_an_emptied_pool_is_still_credited_up_to_its_capacity(
+    pooled_replicas: list[str],
+) -> None:
+    with routed(pooled_replicas, policy="cache-aware", health_interval=600.0) as (client, router):
+        policy = router.policy
+        assert isinstance(policy, CacheAware)
+        ask(client, seed=20)
+        pool = httpx.get(pooled_replicas[0] + "/admin/cache_events").json()["pool"]
+        assert pool["pages"] == 28  # 4 MiB in slots of 128 KiB and a header
+        block_start(client)
+        check_all(router)  # the pool is empty: its slabs were given back
+        after = httpx.get(pooled_replicas[0] + "/admin/cache_events").json()["pool"]
+        assert after["pages"] == pool["pages"]  # the daemon's own count reads 0 here
+        ask(client, seed=21)
+        # The bound is what the arena holds (28 pages of 16 blocks), not the slabs in use
+        # (none after the clear), which once made every prompt fall out of the pool view.
+        assert policy.pool_tokens(route(21)) == POOLED_TOKENS
+
+
+def test_a_pool_switched_through_the_router_changes_the_credit_before_the_call_returns(
+    pooled_replicas: list[str],
+) -> None:
+    with routed(pooled_replicas, policy="cache-aware", health_interval=600.0) as (client, router):
+        policy = router.policy
+        assert isinstance(policy, CacheAware)
+        credit = policy.score(route(30), Load(0), POOLED_TOKENS)
+        assert credit == pytest.approx(DEFAULT_POOL_CREDIT * POOLED_TOKENS)
+        client.post("/admin/all/kv_pool", json={"enabled": False}).raise_for_status()
+        try:
+            # An OFF block's first requests: a replica off the pool restores nothing.
+            assert policy.score(route(30), Load(0), POOLED_TOKENS) == 0.0
+        finally:
+            client.post("/admin/all/kv_pool", json={"enabled": True}).raise_for_status()
+        assert policy.score(route(30), Load(0), POOLED_TOKENS) == credit
