@@ -93,9 +93,11 @@ class PagedKVCache:
 
 @dataclass(frozen=True)
 class PoolMatch:
-    """`num_tokens` past the local prefix can be restored; the range ends on a chunk boundary."""
+    """`num_tokens` past the local prefix can be restored; the range ends on a chunk boundary.
+    `remote_tokens`: how many of them the store fetched from another host for this match."""
 
     num_tokens: int = 0
+    remote_tokens: int = 0
 
 
 class KVStoreUnavailable(Exception):

@@ -70,10 +70,12 @@ class PageRef(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
-    """`lease` is 0 (and `pages` empty) when nothing hit."""
+    """`lease` is 0 (and `pages` empty) when nothing hit. `remote_pages`: how many of the
+    pages the daemon fetched from its remote tier for this lookup (the run's tail)."""
 
     lease: int
     pages: tuple[PageRef, ...]
+    remote_pages: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,14 +160,21 @@ class PoolClient:
     # -- operations -------------------------------------------------------------------
 
     def lookup(
-        self, keys: Sequence[bytes], states: Sequence[tuple[int, bytes]] | None = None
+        self,
+        keys: Sequence[bytes],
+        states: Sequence[tuple[int, bytes]] | None = None,
+        page: dict[str, Any] | None = None,
     ) -> LookupResult:
         """The longest committed run from keys[0], pinned. With `states` ([(chunk index,
         state key)]), the run ends after a chunk with a committed state page, which is
-        the last page of the result (see PoolIndex.lookup)."""
+        the last page of the result (see PoolIndex.lookup). `page` ({"payload_bytes",
+        "segment_ends"}: the pages' shape) lets a daemon with a remote tier fetch the
+        keys it lacks from there first."""
         message: dict[str, Any] = {"op": "lookup", "keys": list(keys)}
         if states is not None:
             message["states"] = [[i, k] for i, k in states]
+        if page is not None:
+            message["page"] = page
         with self._lock:
             response = self._request_locked(message)
             lease = response["lease"]
@@ -173,7 +182,7 @@ class PoolClient:
                 self._leases.add(lease)
         # Each row is [key, offset, payload_bytes, checksum], built by the daemon.
         pages = tuple(map(_page_ref_from_row, response["pages"]))
-        return LookupResult(lease, pages)
+        return LookupResult(lease, pages, response.get("remote", 0))
 
     def release(self, lease: int) -> bool:
         """Unpin a lease. True if the lease was held until now; False if it died with a
