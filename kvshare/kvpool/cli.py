@@ -171,6 +171,13 @@ def run_pool(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"kvshare pool: {error}", file=sys.stderr)
         return 1
+    if daemon.remote is not None:
+        # The socket and arena are gone and the store was left (or given up on): the
+        # store client's destructors would hold the exit for as long as they retry a
+        # master that is gone.
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
     return 0
 
 

@@ -58,6 +58,9 @@ _PUBLISH_QUEUE_KEYS = 8192  # keys waiting to be published; more are dropped and
 _PUBLISH_BATCH_KEYS = 64
 _RETRY_START_S = 10.0  # a store unreachable at start is tried again this often
 _PROBE_TIMEOUT_S = 1.0
+# After a failed call the store is left alone this long: lookups do not wait on it and
+# commits are not published meanwhile (a store whose master died fails each call slowly).
+_BACKOFF_S = 5.0
 
 COUNTERS = (
     "fetch_lookups",
@@ -65,9 +68,11 @@ COUNTERS = (
     "fetch_hit_bytes",
     "fetch_miss_pages",
     "fetch_corrupt_pages",
+    "fetch_lost_pages",
     "fetch_failures",
     "fetch_timeouts",
     "fetch_skipped_busy",
+    "fetch_skipped_down",
     "fetch_dropped_pages",
     "published_pages",
     "published_bytes",
@@ -181,6 +186,7 @@ class MooncakeTier(RemoteTier):
     def __init__(self, config: RemoteConfig) -> None:
         self.config = config
         self._store: Any = None
+        self._closed = False
 
     def start(self) -> None:
         host, port = self.config.master
@@ -237,12 +243,14 @@ class MooncakeTier(RemoteTier):
         self._require().remove(name, True)
 
     def close(self) -> None:
-        store, self._store = self._store, None
-        if store is not None:
-            store.close()
+        # The store object is kept: its destructor can hold the GIL for seconds while it
+        # retries a master that is gone (the daemon's process exits without running it).
+        if self._store is not None and not self._closed:
+            self._closed = True
+            self._store.close()
 
     def _require(self) -> Any:
-        if self._store is None:
+        if self._store is None or self._closed:
             raise RemoteTierError("mooncake store is not connected")
         return self._store
 
@@ -371,6 +379,7 @@ class RemoteCache:
         self._publish_wakeup = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = threading.Event()
+        self._down_until = 0.0
 
     # -- life cycle --------------------------------------------------------------------
 
@@ -415,14 +424,16 @@ class RemoteCache:
         return start
 
     def close(self) -> None:
+        """Stop publishing and fetching. The store is not told: its client's disconnect can
+        hold the GIL for seconds when the master is gone, so the daemon's process ends
+        without it and the master drops this host when its heartbeats stop."""
         self._closed.set()
         self.ready = False
         for task in self._tasks:
             task.cancel()
-        if self._fetcher is not None and self._publisher is not None:
-            self._fetcher.submit(self.tier.close)
-            self._fetcher.stop()
-            self._publisher.stop()
+        for worker in (self._fetcher, self._publisher):
+            if worker is not None:
+                worker.stop()
 
     def stats(self) -> dict[str, Any]:
         return {"url": self.config.url, "ready": self.ready, **self.counters}
@@ -454,6 +465,9 @@ class RemoteCache:
         if local == len(keys):
             return set()
         assert self._fetcher is not None
+        if self._down():
+            self.counters["fetch_skipped_down"] += 1
+            return set()
         if self._fetcher.pending >= self.config.max_pending_fetches:
             self.counters["fetch_skipped_busy"] += 1
             return set()
@@ -465,6 +479,7 @@ class RemoteCache:
             return await asyncio.wait_for(asyncio.shield(task), self.config.fetch_timeout_s)
         except TimeoutError:
             self.counters["fetch_timeouts"] += 1
+            self._back_off()
             log.warning(
                 "remote tier %s: no answer within %.1f s, the lookup is served from the local "
                 "pool (the fetch finishes in the background)",
@@ -514,7 +529,7 @@ class RemoteCache:
             )
             checksums = await self._fetcher.submit(
                 lambda: [
-                    self._verified(k, parents[k], offset, shape, n == size)
+                    self._verified(k, parents[k], offset, shape) if n == size else None
                     for (k, offset), n in zip(reserved, copied)
                 ]
             )
@@ -527,14 +542,19 @@ class RemoteCache:
             raise
         good = [(k, o, c) for (k, o), c in zip(reserved, checksums) if c is not None]
         bad = [k for (k, _), c in zip(reserved, checksums) if c is None]
+        lost = sum(1 for n, c in zip(copied, checksums) if c is None and n < 0)
         if bad:
             self.index.abort(FETCH_CONN, bad)
-            self.counters["fetch_corrupt_pages"] += len(bad)
+            self.counters["fetch_lost_pages"] += lost
+            self.counters["fetch_corrupt_pages"] += len(bad) - lost
             log.warning(
-                "remote tier %s: %d fetched page(s) failed their header or checksum "
-                "(first key %s): not used, removed from the remote store",
+                "remote tier %s: of %d fetched page(s), %d could not be read (their holder "
+                "is gone?) and %d failed their header or checksum (first key %s): not "
+                "used, removed from the remote store",
                 self.config.url,
-                len(bad),
+                len(reserved),
+                lost,
+                len(bad) - lost,
                 bad[0].hex(),
             )
             names = [remote_name(key) for key in bad]
@@ -561,13 +581,14 @@ class RemoteCache:
         return {k for k, _, _ in good}
 
     def _verified(
-        self, key: bytes, parent: bytes | None, offset: int, shape: PageShape, complete: bool
+        self, key: bytes, parent: bytes | None, offset: int, shape: PageShape
     ) -> bytes | None:
-        if not complete:
-            return None
         assert self._arena_view is not None
         return verify_page(
-            self._arena_view[offset : offset + HEADER_BYTES + shape.payload_bytes], key, parent, shape
+            self._arena_view[offset : offset + HEADER_BYTES + shape.payload_bytes],
+            key,
+            parent,
+            shape,
         )
 
     def _remove_quietly(self, names: list[str]) -> None:
@@ -577,17 +598,26 @@ class RemoteCache:
 
     def _fetch_failed(self, error: Exception) -> None:
         self.counters["fetch_failures"] += 1
+        self._back_off()
         log.warning(
-            "remote tier %s failed (%s): the lookup is served from the local pool",
+            "remote tier %s failed (%s): the lookup is served from the local pool; "
+            "not asked again for %.0f s",
             self.config.url,
             error,
+            _BACKOFF_S,
         )
+
+    def _back_off(self) -> None:
+        self._down_until = time.monotonic() + _BACKOFF_S
+
+    def _down(self) -> bool:
+        return time.monotonic() < self._down_until
 
     # -- publish ---------------------------------------------------------------------------
 
     def _enqueue_publish(self, keys: list[bytes]) -> None:
         room = _PUBLISH_QUEUE_KEYS - len(self._publish_queue)
-        if not self.ready or room < len(keys):
+        if not self.ready or self._down() or room < len(keys):
             self.counters["publish_dropped_pages"] += len(keys)
             return
         self._publish_queue.extend(keys)
@@ -639,6 +669,7 @@ class RemoteCache:
             )
         except RemoteTierError as error:
             self.counters["publish_failures"] += 1
+            self._back_off()
             log.warning("remote tier %s: publishing failed (%s)", self.config.url, error)
             return
         self.counters["published_pages"] += sum(stored)
