@@ -186,6 +186,13 @@ def test_requests_still_succeed_after_the_master_is_killed(
     _, pool_b = hosts
     on_a, on_b, alone = replicas
     master.kill()
+    client = PoolClient(pool_b.address)
+    shape = {"payload_bytes": 8192, "segment_ends": [8192]}
+    for _ in range(3):  # each a miss within the bounded wait, never an error
+        started = time.monotonic()
+        assert client.lookup([os.urandom(16) for _ in range(4)], page=shape).pages == ()
+        assert time.monotonic() - started < 2.5  # the wait is 1 s; a dead master's call ~4 s
+    client.close()
     for seed in (4, 5):
         tokens = prompt(seed)
         started = time.monotonic()
@@ -195,5 +202,6 @@ def test_requests_still_succeed_after_the_master_is_killed(
         assert all(a.token_ids == expected for a in answers)
     stats = remote_stats(pool_b)
     assert stats["fetch_failures"] + stats["fetch_timeouts"] >= 1
+    assert stats["fetch_skipped_down"] >= 1  # then left alone for a while
     again = on_a.generate([prompt(4)], GREEDY)[0]  # both daemons still serve their pools
     assert again.gpu_hit_tokens + again.pool_hit_tokens >= 1024
