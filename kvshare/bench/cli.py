@@ -142,6 +142,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     shared.set_defaults(make_workload=_shared_prefix)
 
+    from kvshare.bench.cross_host import register as register_cross_host
+
+    register_cross_host(workloads)
+
     demo = subparsers.add_parser(
         "demo", help="start the default cluster and show what the shared pool does (minutes, CPU)"
     )

@@ -12,8 +12,6 @@ import dataclasses
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -27,7 +25,8 @@ from kvshare.kvpool.launch import PoolProcess
 from kvshare.kvpool.mooncake_master import MooncakeMaster, free_port, mooncake_missing
 from kvshare.kvpool.page import HEADER_BYTES
 from kvshare.kvpool.remote import RemoteConfig, remote_name
-from tests.kvpool.pool_fixture import MIB, PoolFactory, child_env
+from kvshare.validate.cross_host import corrupt_in_child
+from tests.kvpool.pool_fixture import MIB, PoolFactory
 
 pytestmark = pytest.mark.skipif(mooncake_missing() is not None, reason=str(mooncake_missing()))
 
@@ -132,19 +131,7 @@ def test_a_corrupt_remote_page_is_detected_counted_and_recomputed(
     published = remote_stats(pool_a)["published_pages"]
     wait_for(pool_a, "published_pages", published)
     first_key = chunk_keys(on_a.engine.connector.namespace, tokens[:CHUNK])[0]
-    corrupt = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.kvpool.remote_corrupt",
-            master.url,
-            remote_name(first_key),
-            str(HEADER_BYTES + 1000),
-        ],
-        env=child_env(),
-        timeout=60,
-    )
-    assert corrupt.returncode == 0
+    assert corrupt_in_child(master.url, remote_name(first_key), HEADER_BYTES + 1000) == 0
     before = remote_stats(pool_b)["fetch_corrupt_pages"]
     failures = on_b.engine.connector.counters["load_failures"]
 
