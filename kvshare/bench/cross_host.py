@@ -106,6 +106,7 @@ def _first_tokens(hosts: TwoHosts, lengths: list[int], repeats: int) -> list[dic
             tokens = prompt_tokens(1000 * length + repeat, length)
             published = hosts.stats(0)["remote"]["published_pages"]
             on_a.generate([tokens], _FIRST_TOKEN)
+            on_a.engine.connector.wait_idle()  # its stores committed
             chunks = (length - 1) // hosts.config.chunk_tokens
             hosts.wait_for(0, "published_pages", published + chunks)
             row: dict[str, Any] = {"prompt_tokens": length}
