@@ -150,16 +150,16 @@ def _fetch(hosts: TwoHosts, payload: int, count: int, salt: int) -> dict[str, An
     reader.close()
     after = hosts.stats(1)["remote"]
     moved = count * (HEADER_BYTES + payload)
-    copy = after["fetch_copy_seconds"] - before["fetch_copy_seconds"]
-    verify = after["fetch_verify_seconds"] - before["fetch_verify_seconds"]
+    copy_seconds = after["fetch_copy_seconds"] - before["fetch_copy_seconds"]
+    verify_seconds = after["fetch_verify_seconds"] - before["fetch_verify_seconds"]
     return {
         "page_bytes": HEADER_BYTES + payload,
         "pages": count,
         "fetched_pages": result.remote_pages,
         "lookup_s": round(seconds, 4),
-        "copy_s": round(copy, 4),
-        "verify_s": round(verify, 4),
-        "copy_gbps": round(moved / copy / 1e9, 3) if copy else None,
+        "copy_s": round(copy_seconds, 4),
+        "verify_s": round(verify_seconds, 4),
+        "copy_gbps": round(moved / copy_seconds / 1e9, 3) if copy_seconds else None,
         "lookup_gbps": round(moved / seconds / 1e9, 3),
     }
 
