@@ -28,8 +28,11 @@ $(VENV)/.installed: pyproject.toml scripts/install.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) sh scripts/install.sh
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed
+# The tests of the remote tier need Mooncake (an extra, and libibverbs1 as root); without
+# them those tests skip.
+$(VENV)/.installed-test: $(VENV)/.installed scripts/install-mooncake.sh
 	$(BIN)/pip install -q -e '.[test]'
+	VENV=$(VENV) sh scripts/install-mooncake.sh
 	touch $@
 
 clean:

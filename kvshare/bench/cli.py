@@ -183,6 +183,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "to measure eviction); default: the --up pool",
     )
     sweep.set_defaults(func=run_sweep_command)
+    from kvshare.bench.cross_host import register as register_cross_host
+
+    register_cross_host(workloads)
 
     demo = subparsers.add_parser(
         "demo", help="start the default cluster and show what the shared pool does (minutes, CPU)"

@@ -109,10 +109,13 @@ class PoolMatch:
 
     `wait`: chunks past that range are being produced elsewhere and the connector judges
     waiting for them cheaper than computing them; nothing is pinned (num_tokens is 0) and
-    the engine should leave the request unadmitted and ask again at a later step."""
+    the engine should leave the request unadmitted and ask again at a later step.
+    `remote_tokens`: how many of num_tokens the store fetched from another host for this
+    match."""
 
     num_tokens: int = 0
     wait: bool = False
+    remote_tokens: int = 0
 
 
 class KVStoreUnavailable(Exception):

@@ -56,6 +56,7 @@ class RequestOutput:
     logprobs: tuple[float, ...] = ()  # of token_ids, when the request asked for them
     top_logprobs: tuple[TopLogprobs, ...] = ()  # one per token_ids, when asked for
     error: str | None = None  # why the request failed (finish_reason "error")
+    pool_remote_hit_tokens: int = 0  # of pool_hit_tokens: fetched from another host's pool
 
     @property
     def cached_tokens(self) -> int:
@@ -359,4 +360,5 @@ class LLMEngine:
             logprobs=tuple(req.logprobs),
             top_logprobs=tuple(req.top_logprobs),
             error=req.error,
+            pool_remote_hit_tokens=seq.kv.pool_remote_hit_tokens,
         )

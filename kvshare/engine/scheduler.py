@@ -327,6 +327,7 @@ class Scheduler:
                 pool_tokens = 0
         seq.kv.gpu_hit_tokens = local_tokens
         seq.kv.pool_hit_tokens = pool_tokens
+        seq.kv.pool_remote_hit_tokens = match.remote_tokens if pool_tokens and match else 0
         seq.num_computed_tokens = local_tokens + pool_tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)

@@ -22,6 +22,7 @@ class KVSources:
 
     gpu_hit_tokens: int = 0
     pool_hit_tokens: int = 0
+    pool_remote_hit_tokens: int = 0  # of pool_hit_tokens: fetched from another host's pool
     computed_tokens: int = 0
 
 

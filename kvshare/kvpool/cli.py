@@ -11,9 +11,12 @@ import json
 import logging
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvshare.sizes import format_size, parse_size
+
+if TYPE_CHECKING:
+    from kvshare.kvpool.remote import RemoteConfig
 
 READY_PREFIX = "kvshare pool ready:"
 
@@ -68,6 +71,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pool.add_argument(
         "--log-level", default="INFO", choices=_LOG_LEVELS, help="daemon log verbosity"
     )
+    add_remote_arguments(pool)
     pool.set_defaults(func=run_pool)
 
     stats = subparsers.add_parser("pool-stats", help="show the pool daemon's counters")
@@ -78,6 +82,47 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     stats.add_argument("--json", action="store_true", help="print JSON instead of tables")
     stats.set_defaults(func=show_stats)
+
+
+def add_remote_arguments(parser: argparse.ArgumentParser) -> None:
+    """The remote tier's flags (`kvshare pool`, passed through by `kvshare up`)."""
+    parser.add_argument(
+        "--remote",
+        metavar="mooncake://HOST:PORT",
+        help="share pages with other hosts through Mooncake Store: its master's RPC "
+        "address (needs `pip install 'kvshare[mooncake]'`; default: this host only)",
+    )
+    parser.add_argument(
+        "--remote-local-hostname",
+        help="the address other hosts reach this one at (default: this host's address "
+        "on the route to the master)",
+    )
+    parser.add_argument(
+        "--remote-segment-size",
+        default="1GiB",
+        help="memory this host lends to the cluster-wide store (default: 1GiB)",
+    )
+    parser.add_argument(
+        "--remote-timeout",
+        type=float,
+        default=1.0,
+        help="seconds a lookup waits for the remote tier before it answers from this "
+        "host's pool (default: 1.0)",
+    )
+
+
+def remote_config(args: argparse.Namespace) -> RemoteConfig | None:
+    """The remote tier's configuration from `add_remote_arguments`' flags (ValueError)."""
+    from kvshare.kvpool.remote import RemoteConfig
+
+    if args.remote is None:
+        return None
+    return RemoteConfig(
+        url=args.remote,
+        local_hostname=args.remote_local_hostname,
+        segment_bytes=parse_size(args.remote_segment_size),
+        fetch_timeout_s=args.remote_timeout,
+    )
 
 
 def run_pool(args: argparse.Namespace) -> int:
@@ -101,6 +146,7 @@ def run_pool(args: argparse.Namespace) -> int:
             max_client_fraction=args.max_client_fraction,
             max_clients=args.max_clients,
             runtime_dir=runtime_dir,
+            remote=remote_config(args),
         )
     except ValueError as error:
         print(f"kvshare pool: {error}", file=sys.stderr)
@@ -125,6 +171,13 @@ def run_pool(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"kvshare pool: {error}", file=sys.stderr)
         return 1
+    if daemon.remote is not None:
+        # The socket and arena are gone and the store was left (or given up on): the
+        # store client's destructors would hold the exit for as long as they retry a
+        # master that is gone.
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
     return 0
 
 

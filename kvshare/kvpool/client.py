@@ -72,12 +72,15 @@ class PageRef(NamedTuple):
 class LookupResult:
     """`lease` is 0 (and `pages` empty) when nothing hit. `in_progress`: how many keys
     after the committed run another client is producing now, and `idle_s` the seconds
-    since that producer last claimed, reserved or committed (see PoolIndex.in_progress)."""
+    since that producer last claimed, reserved or committed (see PoolIndex.in_progress).
+    `remote_pages`: how many of the pages the daemon fetched from its remote tier for this
+    lookup (the run's tail)."""
 
     lease: int
     pages: tuple[PageRef, ...]
     in_progress: int = 0
     idle_s: float = 0.0
+    remote_pages: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,17 +168,22 @@ class PoolClient:
         self,
         keys: Sequence[bytes],
         states: Sequence[tuple[int, bytes]] | None = None,
+        page: dict[str, Any] | None = None,
         *,
         claim: bool = False,
     ) -> LookupResult:
         """The longest committed run from keys[0], pinned. With `states` ([(chunk index,
         state key)]), the run ends after a chunk with a committed state page, which is
-        the last page of the result (see PoolIndex.lookup). With `claim`, the keys no
-        page holds and no other client claims are claimed for this connection, after the
-        answer's `in_progress` was counted (see PoolIndex.claim)."""
+        the last page of the result (see PoolIndex.lookup). `page` ({"payload_bytes",
+        "segment_ends"}: the pages' shape) lets a daemon with a remote tier fetch the
+        keys it lacks from there first. With `claim`, the keys no page holds and no other
+        client claims are claimed for this connection, after the answer's `in_progress`
+        was counted (see PoolIndex.claim)."""
         message: dict[str, Any] = {"op": "lookup", "keys": list(keys)}
         if states is not None:
             message["states"] = [[i, k] for i, k in states]
+        if page is not None:
+            message["page"] = page
         if claim:
             message["claim"] = True
         with self._lock:
@@ -186,7 +194,11 @@ class PoolClient:
         # Each row is [key, offset, payload_bytes, checksum], built by the daemon.
         pages = tuple(map(_page_ref_from_row, response["pages"]))
         return LookupResult(
-            lease, pages, response.get("in_progress", 0), response.get("idle_s", 0.0)
+            lease,
+            pages,
+            response.get("in_progress", 0),
+            response.get("idle_s", 0.0),
+            response.get("remote", 0),
         )
 
     def unclaim(self, keys: Sequence[bytes]) -> int:

@@ -83,6 +83,7 @@ class _Match:
     pages: tuple[PageRef, ...]  # KV pages from chunk 0
     local_tokens: int
     state: PageRef | None = None  # hybrid models: the state after the last KV page
+    remote_tokens: int = 0  # of the restorable tokens, fetched from another host's pool
 
 
 @dataclass
@@ -100,6 +101,7 @@ class _Load:
     bad_headers: list[PageRef] = field(default_factory=list)
     state_job: TransferJob | None = None
     state_page: PageRef | None = None
+    remote_tokens: int = 0
 
     def wait(self) -> None:
         """Until every copy completed; returns at once for an injected broken ordering,
@@ -304,7 +306,7 @@ class PoolConnector(KVConnector):
         states = self.cache.states if self.cache is not None else None
         try:
             if states is None:
-                result = self.client.lookup(keys, claim=True)
+                result = self.client.lookup(keys, page=self._page_shape(), claim=True)
                 req.claimed = max(req.claimed, len(keys))
             else:
                 result = self.client.lookup(keys, [(i, state_key(k)) for i, k in enumerate(keys)])
@@ -327,9 +329,21 @@ class PoolConnector(KVConnector):
             self._release(result.lease)
             self.counters["miss_tokens"] += wanted
             return PoolMatch(0)
-        req.match = _Match(result.lease, pages, num_local_tokens, state)
-        self.counters["miss_tokens"] += wanted - (hit_tokens - num_local_tokens)
-        return PoolMatch(hit_tokens - num_local_tokens)
+        pool_tokens = hit_tokens - num_local_tokens
+        remote_tokens = min(pool_tokens, result.remote_pages * self.chunk_tokens)
+        req.match = _Match(result.lease, pages, num_local_tokens, state, remote_tokens)
+        self.counters["miss_tokens"] += wanted - pool_tokens
+        return PoolMatch(pool_tokens, remote_tokens)
+
+    def _page_shape(self) -> dict[str, object] | None:
+        """What a daemon with a remote tier needs to fetch this model's pages."""
+        if self.layout is None:
+            return None
+        payload = self.layout.payload_bytes
+        return {
+            "payload_bytes": payload,
+            "segment_ends": [end for _, end in self.layout.segments(payload)],
+        }
 
     def _waits(
         self, req: _Request, result: LookupResult, num_local_tokens: int, now: float
@@ -401,6 +415,7 @@ class PoolConnector(KVConnector):
             plan.hit_tokens,
             plan.held,
             plan.incomplete,
+            remote_tokens=min(match.remote_tokens, plan.hit_tokens),
         )
         try:
             pending.job = self.transfer.load(list(plan.copies))
@@ -464,6 +479,7 @@ class PoolConnector(KVConnector):
         ok = ok and released
         if ok:
             self.counters["hit_tokens"] += load.hit_tokens
+            self.counters["remote_hit_tokens"] += load.remote_tokens
             self.counters["loaded_pages"] += len(load.pages)
             self.counters["loaded_bytes"] += load.nbytes
             req = self._requests.get(load.request_id)

@@ -55,6 +55,7 @@ from kvshare.kvpool.protocol import (
     encode_frame,
     frame_length,
 )
+from kvshare.kvpool.remote import MooncakeTier, RemoteCache, RemoteConfig
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,8 @@ class PoolConfig:
     """`max_client_fraction`: the share of the arena's slabs one connection may hold
     reserved or pinned. `max_clients`: connections served at once. `runtime_dir`: the
     per-user folder where the daemon publishes its address and removes what dead
-    daemons left there at start (None: neither)."""
+    daemons left there at start (None: neither). `remote`: the second tier, shared
+    between hosts (None: this host's pool only)."""
 
     size_bytes: int
     socket_path: str
@@ -81,6 +83,7 @@ class PoolConfig:
     max_client_fraction: float = 0.5
     max_clients: int = 64
     runtime_dir: str | None = None
+    remote: RemoteConfig | None = None
 
     def __post_init__(self) -> None:
         ArenaGeometry(self.size_bytes, self.slab_bytes)
@@ -120,6 +123,11 @@ class PoolDaemon:
         self._writers: dict[int, asyncio.StreamWriter] = {}
         self._connection_tasks: set[asyncio.Task[None]] = set()
         self._stopping: asyncio.Event | None = None
+        self.remote = (
+            RemoteCache(config.remote, self.index, MooncakeTier(config.remote))
+            if config.remote is not None
+            else None
+        )
         self._handlers: dict[str, Handler] = {
             "hello": self._hello,
             "lookup": self._lookup,
@@ -167,6 +175,8 @@ class PoolDaemon:
             arena = _create_arena(self.config)
             if self.config.runtime_dir is not None:
                 publish_address(self.config.runtime_dir, self.config.socket_path)
+            if self.remote is not None:
+                self.remote.start(arena)
             server = await asyncio.start_unix_server(self._serve_connection, sock=listener)
             loop = asyncio.get_running_loop()
             if handle_signals:
@@ -184,6 +194,8 @@ class PoolDaemon:
             await asyncio.gather(*self._connection_tasks)
             await server.wait_closed()
         finally:
+            if self.remote is not None:
+                self.remote.close()
             listener.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.socket_path)
@@ -211,8 +223,12 @@ class PoolDaemon:
         try:
             while True:
                 header = await reader.readexactly(LENGTH.size)
-                body = await reader.readexactly(frame_length(header))
-                writer.write(encode_frame(self._respond(conn, decode_body(body))))
+                request = decode_body(await reader.readexactly(frame_length(header)))
+                fetched = set() if self.remote is None else await self.remote.before(request)
+                response = self._respond(conn, request)
+                if self.remote is not None:
+                    self.remote.after(request, response, fetched)
+                writer.write(encode_frame(response))
                 await writer.drain()
         except ProtocolError as error:
             log.warning("closing connection %d: %s", conn, error)
@@ -332,6 +348,8 @@ class PoolDaemon:
         stats["connections"] = len(self._writers)
         stats["max_clients"] = self.config.max_clients
         stats["refused_connections"] = self.refused_connections
+        if self.remote is not None:
+            stats["remote"] = self.remote.stats()
         return {"stats": stats}
 
 

@@ -262,7 +262,12 @@ class PoolIndex:
     # -- lookups and leases -------------------------------------------------------
 
     def lookup(
-        self, conn: int, keys: Sequence[bytes], states: Sequence[tuple[int, bytes]] | None = None
+        self,
+        conn: int,
+        keys: Sequence[bytes],
+        states: Sequence[tuple[int, bytes]] | None = None,
+        *,
+        counted: bool = True,
     ) -> tuple[int, list[PageTuple]]:
         """Pin the longest run of COMMITTED pages from keys[0] under a new lease.
 
@@ -270,7 +275,8 @@ class PoolIndex:
         need a recurrent-state snapshot), the run is cut back to the longest one that ends
         right after a chunk i with a committed state key, and that state page is appended
         to the result (a prefix without its state is useless). Returns (lease, pages);
-        (0, []) when nothing usable hits.
+        (0, []) when nothing usable hits. `counted=False` (the daemon's own reads, such as
+        publishing to a remote tier) leaves the lookup and hit counters alone.
         """
         pages = self._pages
         run: list[_Page] = []
@@ -286,10 +292,11 @@ class PoolIndex:
             fitted = self._fit_run(run, states, allowed)
             self._counters["quota_cut_keys"] += len(run) - len(fitted)
             run = fitted
-        counters = self._counters
-        counters["lookups"] += 1
-        counters["hit_keys"] += len(run)
-        counters["miss_keys"] += max(0, len(keys) - len(run))
+        if counted:
+            counters = self._counters
+            counters["lookups"] += 1
+            counters["hit_keys"] += len(run)
+            counters["miss_keys"] += max(0, len(keys) - len(run))
         if not run:
             return 0, []
         for page in run:
@@ -300,6 +307,16 @@ class PoolIndex:
         self._conn_leases.setdefault(conn, set()).add(lease)
         self._add_conn_bytes(conn, held.nbytes)
         return lease, [(p.key, p.offset, p.payload_bytes, p.checksum) for p in run]
+
+    def committed_run(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys`, from keys[0], are COMMITTED; pins and counts nothing."""
+        run = 0
+        for key in keys:
+            page = self._pages.get(key)
+            if page is None or page.state is not _COMMITTED:
+                break
+            run += 1
+        return run
 
     def _cut_at_state(self, run: list[_Page], states: Sequence[tuple[int, bytes]]) -> list[_Page]:
         """run[:i + 1] + [state page] for the largest i with a committed state, else []."""

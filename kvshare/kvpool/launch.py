@@ -17,6 +17,7 @@ from types import TracebackType
 
 from kvshare.kvpool.cli import READY_PREFIX
 from kvshare.kvpool.daemon import PoolConfig
+from kvshare.kvpool.remote import RemoteConfig
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,20 @@ def pool_command(config: PoolProcessConfig) -> list[str]:
         "--max-clients",
         str(config.max_clients),
         *(["--runtime-dir", config.runtime_dir] if config.runtime_dir else ["--no-runtime-dir"]),
+        *(remote_arguments(config.remote) if config.remote is not None else []),
+    ]
+
+
+def remote_arguments(remote: RemoteConfig) -> list[str]:
+    """`kvshare pool`'s flags for `remote`."""
+    return [
+        "--remote",
+        remote.url,
+        *(["--remote-local-hostname", remote.local_hostname] if remote.local_hostname else []),
+        "--remote-segment-size",
+        str(remote.segment_bytes),
+        "--remote-timeout",
+        repr(remote.fetch_timeout_s),
     ]
 
 

@@ -40,11 +40,12 @@ from typing import TextIO
 
 from kvshare.engine.cli import add_model_arguments, engine_argv
 from kvshare.kvpool.arena import DEFAULT_SLAB_BYTES
-from kvshare.kvpool.cli import READY_PREFIX
+from kvshare.kvpool.cli import READY_PREFIX, add_remote_arguments, remote_config
 from kvshare.kvpool.launch import PoolProcessConfig, pool_command
 from kvshare.kvpool.ownership import clean_folder
 from kvshare.kvpool.page import PAGE_ALIGN
 from kvshare.kvpool.paths import SHM_DIR, default_pool_paths
+from kvshare.kvpool.remote import RemoteConfig
 from kvshare.serve.auth import (
     ADMIN_KEY_ENV,
     API_KEY_ENV,
@@ -114,6 +115,7 @@ class UpConfig:
     gpu_memory_fraction: float | None = None  # per replica; default on CUDA: 0.9 / replicas
     pool_size: int = 2 * GIB
     pool_preallocate: bool = False
+    pool_remote: RemoteConfig | None = None  # the pool's tier shared with other hosts
     kv_pool: bool = True
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     host: str = "127.0.0.1"
@@ -206,6 +208,7 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
         help="passed to every replica: refuse /v1 requests without a cache_salt",
     )
     add_key_arguments(up)
+    add_remote_arguments(up)
 
 
 def up_config(args: argparse.Namespace) -> UpConfig:
@@ -226,6 +229,7 @@ def up_config(args: argparse.Namespace) -> UpConfig:
         gpu_memory_fraction=fraction,
         pool_size=parse_size(args.pool_size),
         pool_preallocate=args.pool_preallocate,
+        pool_remote=remote_config(args),
         kv_pool=not args.no_kv_pool,
         chunk_tokens=args.chunk_tokens,
         host=args.host,
@@ -514,6 +518,7 @@ class Cluster:
             slab_bytes=self.config.slab_bytes,
             preallocate=self.config.pool_preallocate,
             runtime_dir=self._dir,
+            remote=self.config.pool_remote,
             ready_timeout=self.config.ready_timeout,
         )
         self._pool = self._spawn("pool", pool_command(pool), self._env(), ready_prefix=READY_PREFIX)

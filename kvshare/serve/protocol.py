@@ -281,6 +281,7 @@ def usage(outs: list[RequestOutput]) -> dict[str, Any]:
         "kv": {
             "gpu_hit_tokens": first.gpu_hit_tokens,
             "pool_hit_tokens": first.pool_hit_tokens,
+            "pool_remote_hit_tokens": first.pool_remote_hit_tokens,
             "computed_tokens": first.computed_tokens,
         },
     }

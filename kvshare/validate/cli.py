@@ -1,6 +1,6 @@
 """`kvshare validate`: the operator's correctness proof for a shared-KV deployment.
 
-kvshare validate [bytes pool-fill corruption faults regression | all] [--pool unix:PATH]
+kvshare validate [bytes pool-fill corruption faults regression cross-host | all] [--pool unix:PATH]
                  [--target URL | --up "ARGS"] [--device cpu|cuda] [--json FILE]
 
 Pool checks run against --pool, or against the cluster's pool with --up, or against a
@@ -30,7 +30,9 @@ if TYPE_CHECKING:
     from kvshare.validate.result import CheckResult
 
 # Regression runs before faults: the daemon restart in faults disturbs a serving cluster.
-CHECKS = ("bytes", "pool-fill", "corruption", "regression", "faults")
+# cross-host starts its own Mooncake master and two pools (and skips without Mooncake).
+CHECKS = ("bytes", "pool-fill", "corruption", "regression", "faults", "cross-host")
+_OWN_POOLS = ("regression", "cross-host")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -112,7 +114,7 @@ def _environment(
             cluster = stack.enter_context(Cluster(config))
             target = cluster.url
             pool = pool or _Pool(cluster.pool_address, cluster.stop_pool, cluster.start_pool)
-        if pool is None and any(c != "regression" for c in wanted):
+        if pool is None and any(c not in _OWN_POOLS for c in wanted):
             needs = [need for name in wanted for need in _pool_needs(name, args)]
             size, slab = pool_geometry(needs, parse_size(args.pool_size))
             folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvs-validate-"))
@@ -211,6 +213,10 @@ def _run_check(name: str, args: argparse.Namespace, pool: _Pool | None, target: 
     from kvshare.validate.result import CheckResult
 
     shape, dtype = _shape_and_dtype(args)
+    if name == "cross-host":
+        from kvshare.validate.cross_host import CrossHostConfig, run_cross_host_check
+
+        return run_cross_host_check(CrossHostConfig(device=args.device))
     if name == "regression":
         return (
             [run_regression_check(target)]

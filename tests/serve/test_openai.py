@@ -282,7 +282,12 @@ def test_long_prompt_moves_to_the_other_replica_through_the_pool(
     answer = first.parse()
     n = answer.usage.prompt_tokens
     assert 512 < n < 768, n
-    assert kv(answer.usage) == {"gpu_hit_tokens": 0, "pool_hit_tokens": 0, "computed_tokens": n}
+    assert kv(answer.usage) == {
+        "gpu_hit_tokens": 0,
+        "pool_hit_tokens": 0,
+        "pool_remote_hit_tokens": 0,
+        "computed_tokens": n,
+    }
     assert first.headers["x-kvshare-replica"] == "0"
     assert first.headers["x-kvshare-routing-tokens"] == str(n)  # the router counted as the engine
 
