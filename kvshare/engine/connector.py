@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -114,8 +114,8 @@ class PoolMatch:
     match."""
 
     num_tokens: int = 0
-    wait: bool = False
-    remote_tokens: int = 0
+    wait: bool = field(default=False, kw_only=True)
+    remote_tokens: int = field(default=0, kw_only=True)
 
 
 class KVStoreUnavailable(Exception):

@@ -142,6 +142,7 @@ class _Request:
     claimed: int = 0  # keys[:claimed] went to the daemon with a claim
     wait: _Wait | None = None
     waited: bool = False  # a wait ended: the request does not wait again
+    remote_keys: set[bytes] = field(default_factory=set)  # fetched from another host for it
 
 
 class PoolConnector(KVConnector):
@@ -330,10 +331,16 @@ class PoolConnector(KVConnector):
             self.counters["miss_tokens"] += wanted
             return PoolMatch(0)
         pool_tokens = hit_tokens - num_local_tokens
-        remote_tokens = min(pool_tokens, result.remote_pages * self.chunk_tokens)
+        # The remote pages are the run's tail; a later lookup of the same request (after
+        # a cancel) finds them local, so the request remembers which they were.
+        req.remote_keys.update(p.key for p in pages[len(pages) - result.remote_pages :])
+        local_chunks = num_local_tokens // self.chunk_tokens
+        remote_tokens = self.chunk_tokens * sum(
+            p.key in req.remote_keys for p in pages[local_chunks:]
+        )
         req.match = _Match(result.lease, pages, num_local_tokens, state, remote_tokens)
         self.counters["miss_tokens"] += wanted - pool_tokens
-        return PoolMatch(pool_tokens, remote_tokens)
+        return PoolMatch(pool_tokens, remote_tokens=remote_tokens)
 
     def _page_shape(self) -> dict[str, object] | None:
         """What a daemon with a remote tier needs to fetch this model's pages."""

@@ -224,10 +224,11 @@ class PoolDaemon:
             while True:
                 header = await reader.readexactly(LENGTH.size)
                 request = decode_body(await reader.readexactly(frame_length(header)))
-                fetched = set() if self.remote is None else await self.remote.before(request)
+                if self.remote is not None:
+                    await self.remote.before(request)
                 response = self._respond(conn, request)
                 if self.remote is not None:
-                    self.remote.after(request, response, fetched)
+                    self.remote.after(request, response)
                 writer.write(encode_frame(response))
                 await writer.drain()
         except ProtocolError as error:

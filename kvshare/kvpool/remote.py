@@ -36,7 +36,7 @@ import threading
 import time
 import urllib.parse
 from abc import ABC, abstractmethod
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -57,6 +57,7 @@ PUBLISH_CONN = -1
 _NAME_PREFIX = "kvshare/page2/"
 _PUBLISH_QUEUE_KEYS = 8192  # keys waiting to be published; more are dropped and counted
 _PUBLISH_BATCH_KEYS = 64
+UNREPORTED_KEYS = 1 << 16  # fetched pages remembered until a lookup answers with them
 _RETRY_START_S = 10.0  # a store unreachable at start is tried again this often
 _PROBE_TIMEOUT_S = 1.0
 # After a failed call the store is left alone this long: lookups do not wait on it and
@@ -385,6 +386,7 @@ class RemoteCache:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = threading.Event()
         self._down_until = 0.0
+        self._unreported: OrderedDict[bytes, None] = OrderedDict()
 
     # -- life cycle --------------------------------------------------------------------
 
@@ -450,38 +452,38 @@ class RemoteCache:
 
     # -- the daemon's hooks ------------------------------------------------------------
 
-    async def before(self, request: Any) -> set[bytes]:
+    async def before(self, request: Any) -> None:
         """Ahead of a lookup that says its page shape: fetch the remote continuation of its
-        local run. Returns the keys fetched (for `after`); never raises."""
+        local run, waiting for it at most the fetch timeout; never raises."""
         if not self.ready or not isinstance(request, dict) or request.get("op") != "lookup":
-            return set()
+            return
         if "page" not in request or "states" in request:
-            return set()
+            return
         try:
             shape = PageShape.of(request["page"])
             keys = request.get("keys")
             if not isinstance(keys, list) or not all(
                 type(k) is bytes and len(k) == KEY_BYTES for k in keys
             ):
-                return set()
+                return
         except ValueError:
-            return set()  # the lookup itself answers the malformed request
+            return  # the lookup itself answers the malformed request
         local = self.index.committed_run(keys)
         if local == len(keys):
-            return set()
+            return
         assert self._fetcher is not None
         if self._down():
             self.counters["fetch_skipped_down"] += 1
-            return set()
+            return
         if self._fetcher.pending >= self.config.max_pending_fetches:
             self.counters["fetch_skipped_busy"] += 1
-            return set()
+            return
         self.counters["fetch_lookups"] += 1
         task = asyncio.get_running_loop().create_task(self._fetch(keys, local, shape))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         try:
-            return await asyncio.wait_for(asyncio.shield(task), self.config.fetch_timeout_s)
+            await asyncio.wait_for(asyncio.shield(task), self.config.fetch_timeout_s)
         except TimeoutError:
             self.counters["fetch_timeouts"] += 1
             self._back_off()
@@ -491,21 +493,25 @@ class RemoteCache:
                 self.config.url,
                 self.config.fetch_timeout_s,
             )
-            return set()
+            return
 
-    def after(self, request: Any, response: dict[str, Any], fetched: set[bytes]) -> None:
+    def after(self, request: Any, response: dict[str, Any]) -> None:
         """After a request was answered: publish what a commit made visible; tell a lookup
-        how many of its pages came from the remote tier."""
+        how many of its pages came from the remote tier (a page fetched in the background,
+        after the lookup that asked for it was answered, counts in the next that gets it)."""
         if not response.get("ok") or not isinstance(request, dict):
             return
         if request.get("op") == "lookup" and "pages" in response:
-            response["remote"] = sum(1 for page in response["pages"] if page[0] in fetched)
+            reported = [page[0] for page in response["pages"] if page[0] in self._unreported]
+            for key in reported:
+                del self._unreported[key]
+            response["remote"] = len(reported)
         elif request.get("op") == "commit" and not self._closed.is_set():
             self._enqueue_publish(request["keys"])
 
     # -- fetch ---------------------------------------------------------------------------
 
-    async def _fetch(self, keys: list[bytes], local: int, shape: PageShape) -> set[bytes]:
+    async def _fetch(self, keys: list[bytes], local: int, shape: PageShape) -> None:
         assert self._fetcher is not None
         tail = keys[local:]
         names = [remote_name(k) for k in tail]
@@ -513,15 +519,15 @@ class RemoteCache:
             found = await self._fetcher.submit(lambda: self.tier.exists(names))
         except RemoteTierError as error:
             self._fetch_failed(error)
-            return set()
+            return
         run = next((i for i, hit in enumerate(found) if not hit), len(found))
         self.counters["fetch_miss_pages"] += len(tail) - run
         if run == 0:
-            return set()
+            return
         reserved, _, dropped = self.index.reserve(FETCH_CONN, tail[:run], shape.payload_bytes)
         self.counters["fetch_dropped_pages"] += dropped
         if not reserved:
-            return set()
+            return
         size = HEADER_BYTES + shape.payload_bytes
         addresses = [self._arena_base + offset for _, offset in reserved]
         parents = {k: (keys[i - 1] if i > 0 else None) for i, k in enumerate(keys)}
@@ -543,7 +549,7 @@ class RemoteCache:
         except RemoteTierError as error:
             self.index.abort(FETCH_CONN, reserved_keys)
             self._fetch_failed(error)
-            return set()
+            return
         except BaseException:
             self.index.abort(FETCH_CONN, reserved_keys)
             raise
@@ -578,7 +584,7 @@ class RemoteCache:
             except PoolRequestError:
                 log.exception("remote tier: committing fetched pages failed")
                 self.index.abort(FETCH_CONN, [k for k, _, _ in good])
-                return set()
+                return
             self.counters["fetch_hit_pages"] += len(good)
             self.counters["fetch_hit_bytes"] += len(good) * size
             log.debug(
@@ -586,7 +592,15 @@ class RemoteCache:
                 len(good),
                 1e3 * (time.perf_counter() - started),
             )
-        return {k for k, _, _ in good}
+            self._remember_fetched([k for k, _, _ in good])
+
+    def _remember_fetched(self, keys: list[bytes]) -> None:
+        """Fetched pages not yet in a lookup's answer; the oldest are forgotten past a bound
+        (a page nobody asks for again was counted as fetched, never as a remote hit)."""
+        for key in keys:
+            self._unreported[key] = None
+        while len(self._unreported) > UNREPORTED_KEYS:
+            self._unreported.popitem(last=False)
 
     def _verified(
         self, key: bytes, parent: bytes | None, offset: int, shape: PageShape
