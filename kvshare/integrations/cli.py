@@ -4,7 +4,9 @@ vLLM that load HF folders (the weights are dequantized: the folder is float32)."
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from collections.abc import Sequence
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -64,3 +66,28 @@ def export_hf(model: str, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     loaded.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+def vllm_serve_argv(
+    vllm_bin: str,
+    model: str,
+    host: str,
+    port: str,
+    pool_address: str | None,
+    chunk_tokens: int,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """`vllm serve` of one replica, with kvshare's connector on `pool_address` (None: none).
+
+    A page that fails its checks is recomputed (kv_load_failure_policy "recompute")."""
+    argv = [vllm_bin, "serve", model, "--host", host, "--port", port]
+    if pool_address is not None:
+        config = {
+            "kv_connector": "KVShareConnector",
+            "kv_connector_module_path": "kvshare.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"kv_pool": pool_address, "chunk_tokens": chunk_tokens},
+        }
+        argv += ["--kv-transfer-config", json.dumps(config)]
+    return argv + list(extra_args)
