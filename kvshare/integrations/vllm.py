@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from kvshare.integrations.vllm_pages import (
@@ -93,6 +94,17 @@ class KVShareMetadata(KVConnectorMetadata):
 
 
 @dataclass
+class KVShareWorkerMetadata(KVConnectorWorkerMetadata):
+    """Requests whose load the workers finished this step (copied, verified, unpinned)."""
+
+    loaded: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVShareWorkerMetadata)
+        return KVShareWorkerMetadata(self.loaded | other.loaded)
+
+
+@dataclass
 class _Tracked:
     """A running request as the scheduler side sees it."""
 
@@ -133,10 +145,11 @@ class KVShareConnector(KVConnectorBase_V1):
         self._tracked: dict[str, _Tracked] = {}
         self._matches: dict[str, _Match] = {}
         self._pending_loads: dict[str, LoadSpec] = {}
-        self._dispatched_leases: list[int] = []
+        self._dispatched: dict[str, int] = {}  # request id -> lease, until its load is done
         # worker side
         self._geometry: PageGeometry | None = None
         self._load_errors: set[int] = set()
+        self._loaded: set[str] = set()
         self.counters = {"load_chunks": 0, "load_failures": 0, "stored": 0, "store_skipped": 0}
         log.info(
             "kvshare connector (%s) on %s: chunk %d tokens, block %d",
@@ -224,7 +237,7 @@ class KVShareConnector(KVConnectorBase_V1):
         for request_id in self._pending_loads:
             match = self._matches.pop(request_id, None)
             if match is not None and match.lease:
-                self._dispatched_leases.append(match.lease)
+                self._dispatched[request_id] = match.lease
         self._pending_loads.clear()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -264,17 +277,19 @@ class KVShareConnector(KVConnectorBase_V1):
         )
 
     def update_connector_output(self, connector_output: Any) -> None:
-        # The worker pins what it copies under its own lease: this one only kept the pages
-        # from eviction until the load was dispatched and a step has completed since.
-        self._release(self._dispatched_leases)
-        self._dispatched_leases = []
+        # The workers pin what they copy under their own lease: this one only kept the
+        # pages from eviction until the load was done.
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVShareWorkerMetadata):
+            self._release([self._dispatched.pop(r) for r in meta.loaded if r in self._dispatched])
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         match = self._matches.pop(request.request_id, None)
-        if match is not None and match.lease:
-            self._release([match.lease])
+        leases = [match.lease] if match is not None and match.lease else []
+        dispatched = self._dispatched.pop(request.request_id, None)
+        self._release(leases + ([dispatched] if dispatched else []))
         self._tracked.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
         return False, None
@@ -331,6 +346,7 @@ class KVShareConnector(KVConnectorBase_V1):
             finally:
                 if lease:
                     self._release([lease])
+        self._loaded.add(load.request_id)
         self.counters["load_chunks"] += good
         failed = load.block_ids[max(load.first_block, good * bpp) :]
         if failed:
@@ -356,6 +372,12 @@ class KVShareConnector(KVConnectorBase_V1):
             self.client.invalidate(lease, [key])
         except _POOL_ERRORS as error:
             self._pool_failed("invalidate", error)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self._loaded:
+            return None
+        meta, self._loaded = KVShareWorkerMetadata(self._loaded), set()
+        return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

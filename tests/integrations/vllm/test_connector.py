@@ -57,7 +57,13 @@ def pool_client(cluster: VLLMCluster):
     client.close()
 
 
-def test_b_restores_a_prefix_that_a_computed_and_answers_like_a(cluster: VLLMCluster) -> None:
+def pinned_pages(client: PoolClient) -> int:
+    return sum(page_class["pinned"] for page_class in client.stats()["classes"])
+
+
+def test_b_restores_a_prefix_that_a_computed_and_answers_like_a(
+    cluster: VLLMCluster, pool_client: PoolClient
+) -> None:
     tokens = prompt(1)
     reference = cluster.a.ask(tokens)
     assert reference["cached"] == 0
@@ -65,6 +71,25 @@ def test_b_restores_a_prefix_that_a_computed_and_answers_like_a(cluster: VLLMClu
     assert restored["cached"] >= 4 * CHUNK
     assert restored["tokens"] == reference["tokens"]
     assert restored["logprobs"] == pytest.approx(reference["logprobs"], abs=1e-4)
+    # Every lease of the restore (the scheduler's and the worker's) was released.
+    assert pinned_pages(pool_client) == 0
+
+
+def test_the_daemons_switch_turns_the_pool_off_for_vllm_replicas(
+    cluster: VLLMCluster, pool_client: PoolClient
+) -> None:
+    stored, offered = prompt(5), prompt(6)
+    cluster.a.ask(stored)
+    pool_client.set_enabled(False)
+    try:
+        assert cluster.b.ask(stored)["cached"] == 0  # lookups miss
+        cluster.a.ask(offered)  # its store is skipped
+    finally:
+        pool_client.set_enabled(True)
+    assert cluster.b.ask(offered)["cached"] == 0
+    back_on = prompt(7)
+    cluster.a.ask(back_on)
+    assert cluster.b.ask(back_on)["cached"] >= 4 * CHUNK
 
 
 def test_a_corrupt_page_is_not_used_and_b_recomputes_from_it(
