@@ -35,6 +35,8 @@ def build(model_dir: str, pool: str):
         enforce_eager=True,
         kv_transfer_config=transfer,
         seed=0,
+        # A fixed KV cache (1,024 blocks): vLLM CPU otherwise claims a share of the host's memory.
+        kv_cache_memory_bytes=256 * 1024 * 1024,
     )
 
 
