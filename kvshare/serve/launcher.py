@@ -256,6 +256,8 @@ def up_config(args: argparse.Namespace) -> UpConfig:
         api_key=keys.api_key,
         admin_key=keys.admin_key,
         restart=RestartPolicy(max_fast_crashes=args.replica_restarts),
+        # A vLLM engine start takes minutes on a busy CPU host.
+        ready_timeout=900.0 if args.engine == "vllm" else UpConfig.ready_timeout,
         engine=args.engine,
         vllm_bin=args.vllm_bin,
         vllm_args=tuple(shlex.split(args.vllm_args)),

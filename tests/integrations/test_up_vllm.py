@@ -45,6 +45,7 @@ def test_vllm_replicas_serve_the_model_with_the_connector_on_the_clusters_pool()
     }
     assert argv[-2:] == ["--max-model-len", "4096"]
     assert cluster._replica_env()["VLLM_HOST_IP"] == "127.0.0.1"
+    assert config.ready_timeout == 900.0  # a vLLM start takes minutes on a busy CPU host
 
 
 def test_a_python_of_vllms_venv_runs_the_server_module() -> None:
