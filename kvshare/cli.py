@@ -20,6 +20,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "kvshare.serve.cli",
     "kvshare.validate.cli",
     "kvshare.bench.cli",
+    "kvshare.integrations.cli",
 )
 
 

@@ -2,7 +2,7 @@
 
 Layers, bottom to top; a module may import modules of its own layer and of layers below:
   pure helpers (sizes, cli_env, version, spec, tables) < models < engine and preflight < kvpool
-  < llm (the offline facade: engine + pool connector) < serve < bench, validate, generate_cli
+  < llm (the offline facade: engine + pool connector), integrations (other engines' connectors) < serve < bench, validate, generate_cli
   < cli, __main__, the package's own __init__ (the public re-exports).
 
 What counts:
@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kvshare.models",),
     ("kvshare.engine", "kvshare.preflight"),
     ("kvshare.kvpool",),
-    ("kvshare.llm",),
+    ("kvshare.llm", "kvshare.integrations"),
     ("kvshare.serve",),
     ("kvshare.bench", "kvshare.validate", "kvshare.generate_cli"),
     ("kvshare.cli", "kvshare.__main__", "kvshare"),

@@ -260,6 +260,10 @@ class PoolClient:
         """Free every committed, unpinned page; returns how many."""
         return self._request({"op": "clear"})["cleared"]
 
+    def set_enabled(self, enabled: bool) -> None:
+        """Switch the pool for every client: disabled, lookups miss and stores are skipped."""
+        self._request({"op": "set_enabled", "enabled": enabled})
+
     def stats(self) -> dict[str, Any]:
         return self._request({"op": "stats"})["stats"]
 

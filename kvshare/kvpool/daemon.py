@@ -11,6 +11,8 @@ Robustness rules:
 - A connection that closes, for any reason, loses its leases, reservations and claims
   (so clients waiting for what it was producing stop waiting at once).
 - No request can kill the daemon: unexpected exceptions are logged and answered.
+- `set_enabled` false (an operator's switch, e.g. the OFF blocks of a benchmark) makes
+  every lookup a miss and every reserve store nothing, whatever engine the clients run.
 - No client can take the pool from the others: each connection holds at most
   `max_client_fraction` of it (see PoolIndex), and connections past `max_clients`
   get an error answer and are closed (their clients recompute).
@@ -119,6 +121,7 @@ class PoolDaemon:
             ArenaGeometry(config.size_bytes, config.slab_bytes), config.max_client_bytes
         )
         self.refused_connections = 0
+        self.enabled = True
         self._next_conn = 1
         self._writers: dict[int, asyncio.StreamWriter] = {}
         self._connection_tasks: set[asyncio.Task[None]] = set()
@@ -138,6 +141,7 @@ class PoolDaemon:
             "commit": self._commit,
             "abort": self._abort,
             "clear": self._clear,
+            "set_enabled": self._set_enabled,
             "stats": self._stats,
         }
 
@@ -224,7 +228,7 @@ class PoolDaemon:
             while True:
                 header = await reader.readexactly(LENGTH.size)
                 request = decode_body(await reader.readexactly(frame_length(header)))
-                if self.remote is not None:
+                if self.remote is not None and self.enabled:
                     await self.remote.before(request)
                 response = self._respond(conn, request)
                 if self.remote is not None:
@@ -305,6 +309,8 @@ class PoolDaemon:
         claim = request.get("claim", False)
         if type(claim) is not bool:
             raise ValueError(f"field 'claim' must be a bool, got {claim!r}")
+        if not self.enabled:
+            return {"lease": 0, "pages": []}
         lease, pages = self.index.lookup(conn, keys, states)
         # What others are producing past the committed run, before this caller claims
         # the rest: the caller may wait for those keys instead of computing them.
@@ -326,6 +332,9 @@ class PoolDaemon:
 
     def _reserve(self, conn: int, request: dict[str, Any]) -> dict[str, Any]:
         keys = _keys(request, "keys")
+        if not self.enabled:
+            _int(request, "payload_bytes")
+            return {"pages": [], "present": [], "dropped": 0}
         reserved, present, dropped = self.index.reserve(conn, keys, _int(request, "payload_bytes"))
         return {"pages": reserved, "present": present, "dropped": dropped}
 
@@ -342,8 +351,17 @@ class PoolDaemon:
     def _clear(self, conn: int, request: dict[str, Any]) -> dict[str, Any]:
         return {"cleared": self.index.clear()}
 
+    def _set_enabled(self, conn: int, request: dict[str, Any]) -> dict[str, Any]:
+        enabled = request.get("enabled")
+        if type(enabled) is not bool:
+            raise ValueError(f"field 'enabled' must be a bool, got {enabled!r}")
+        self.enabled = enabled
+        log.info("pool %s by a client", "enabled" if enabled else "disabled")
+        return {}
+
     def _stats(self, conn: int, request: dict[str, Any]) -> dict[str, Any]:
         stats = self.index.stats()
+        stats["enabled"] = self.enabled
         stats["generation"] = self.generation.hex()
         stats["arena_path"] = self.config.arena_path
         stats["connections"] = len(self._writers)

@@ -24,6 +24,7 @@ import collections
 import contextlib
 import ctypes
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -39,6 +40,7 @@ from types import TracebackType
 from typing import TextIO
 
 from kvshare.engine.cli import add_model_arguments, engine_argv
+from kvshare.integrations.cli import vllm_serve_argv
 from kvshare.kvpool.arena import DEFAULT_SLAB_BYTES
 from kvshare.kvpool.cli import READY_PREFIX, add_remote_arguments, remote_config
 from kvshare.kvpool.launch import PoolProcessConfig, pool_command
@@ -126,9 +128,14 @@ class UpConfig:
     admin_key: str | None = None
     restart: RestartPolicy = RestartPolicy()
     ready_timeout: float = 300.0
+    engine: str = "kvshare"  # or "vllm": replicas are `vllm serve` with kvshare's connector
+    vllm_bin: str = "vllm"
+    vllm_args: tuple[str, ...] = ()  # more `vllm serve` flags
 
     def __post_init__(self) -> None:
         AccessKeys(self.api_key, self.admin_key)  # checks both keys
+        if self.engine not in ("kvshare", "vllm"):
+            raise ValueError(f"engine must be kvshare or vllm, got {self.engine!r}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if self.device.split(":")[0] not in ("cpu", "cuda"):
@@ -207,6 +214,21 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
         action="store_true",
         help="passed to every replica: refuse /v1 requests without a cache_salt",
     )
+    up.add_argument(
+        "--engine",
+        default="kvshare",
+        choices=("kvshare", "vllm"),
+        help="replicas: kvshare's engine, or `vllm serve` with kvshare's KV connector "
+        "(--model is then an HF folder, e.g. from `kvshare export-hf`)",
+    )
+    up.add_argument(
+        "--vllm-bin",
+        default="vllm",
+        help="the vllm executable, or the Python of vLLM's venv (--engine vllm)",
+    )
+    up.add_argument(
+        "--vllm-args", default="", help="more `vllm serve` flags, one string (--engine vllm)"
+    )
     add_key_arguments(up)
     add_remote_arguments(up)
 
@@ -238,6 +260,11 @@ def up_config(args: argparse.Namespace) -> UpConfig:
         api_key=keys.api_key,
         admin_key=keys.admin_key,
         restart=RestartPolicy(max_fast_crashes=args.replica_restarts),
+        # A vLLM engine start takes minutes on a busy CPU host.
+        ready_timeout=900.0 if args.engine == "vllm" else UpConfig.ready_timeout,
+        engine=args.engine,
+        vllm_bin=args.vllm_bin,
+        vllm_args=tuple(shlex.split(args.vllm_args)),
     )
 
 
@@ -569,6 +596,8 @@ class Cluster:
 
     def _replica_env(self) -> dict[str, str]:
         env = self._env()
+        if self.config.engine == "vllm":  # loopback for vLLM's internal queues; no hub
+            env |= {"VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1"}
         if not self.config.on_gpu:  # replicas share the cores instead of each taking all
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.config.replicas))
         return env
@@ -576,6 +605,11 @@ class Cluster:
     def _replica_argv(self, i: int) -> list[str]:
         c = self.config
         port = self.replica_urls[i].rsplit(":", 1)[1]
+        if c.engine == "vllm":
+            pool = self.pool_address if c.kv_pool else None
+            return vllm_serve_argv(
+                c.vllm_bin, c.model, c.host, port, pool, c.chunk_tokens, c.vllm_args
+            )
         argv = [
             sys.executable,
             "-m",
