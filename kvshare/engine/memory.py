@@ -112,8 +112,8 @@ def split_kv_cache(
     fewest, most = sliding_block_bounds(model, config, chunk_tokens)
     max_len = config.max_model_len or model.max_position_embeddings
     context_blocks = -(-max_len // bs) + 1
-    sliding = (kv_bytes - context_blocks * global_block) // sliding_block
-    sliding = max(fewest, min(most, sliding)) + 1
+    left = (kv_bytes - context_blocks * global_block) // sliding_block - 1  # - the null block
+    sliding = max(fewest, min(most, left)) + 1
     return KVCacheSplit(max((kv_bytes - sliding * sliding_block) // global_block, 0), sliding, bs)
 
 

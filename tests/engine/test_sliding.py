@@ -137,9 +137,7 @@ def test_preempted_sequences_recompute_to_the_same_tokens() -> None:
         engine.add_request(str(i), prompt, params)
     preemptions, outs = 0, {}
     while engine.has_unfinished():
-        preemptions = max(
-            [preemptions] + [r.seq.num_preemptions for r in engine.requests.values()]
-        )
+        preemptions = max([preemptions] + [r.seq.num_preemptions for r in engine.requests.values()])
         for out in engine.step():
             if out.finished:
                 outs[out.request_id] = out
