@@ -78,7 +78,8 @@ class ConnectorHarness:
     def write(self, blocks: list[int], values: torch.Tensor) -> None:
         """Write `values` (as `read` returns them) into every slot of `blocks`."""
         idx = torch.tensor(blocks, device=self.device)
-        for kv, part in zip(self._caches(), values.split(self.cache.layout.num_global_slots)):
+        split = self.cache.layout.num_global_slots
+        for kv, part in zip(self._caches(), (values[:split], values[split:])):
             kv.index_copy_(2, idx, part)
 
     def fill(self, blocks: list[int], value: float) -> None:
