@@ -15,6 +15,7 @@ import torch
 
 from kvshare.engine.block_manager import BlockManager
 from kvshare.engine.connector import KVCacheLayout, PagedKVCache
+from kvshare.engine.sliding import SlidingBlocks
 from kvshare.kvpool.client import PoolClient
 from kvshare.kvpool.connector import ConnectorOptions, PoolConnector
 from kvshare.kvpool.keys import Namespace
@@ -49,10 +50,16 @@ def measure_pool_bandwidth(
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     num_blocks = num_tokens // block_size + 1
-    layout = KVCacheLayout.allocate(config, num_blocks, block_size, dtype, dev)
-    for slot in range(layout.num_slots):
-        layout.kv[slot].normal_()
-    blocks = BlockManager(num_blocks, block_size, config.sliding_window)
+    # A block's sliding block has its id (null: the sliding tensor's extra last block).
+    layout = KVCacheLayout.allocate(config, num_blocks, block_size, dtype, dev, num_blocks + 1)
+    caches = [layout.kv] + ([] if layout.sliding_kv is None else [layout.sliding_kv])
+    for kv in caches:
+        for slot in range(kv.shape[0]):
+            kv[slot].normal_()
+    blocks = BlockManager(num_blocks, block_size)
+    sliding = None
+    if config.sliding_window is not None:
+        sliding = SlidingBlocks(num_blocks, block_size, config.sliding_window, chunk_tokens)
     namespace = Namespace(
         architecture=config.architecture,
         config_digest=config.digest(),
@@ -64,7 +71,7 @@ def measure_pool_bandwidth(
     connector = PoolConnector(
         PoolClient(pool, timeout=30.0), namespace, ConnectorOptions(chunk_tokens=chunk_tokens)
     )
-    connector.bind(PagedKVCache(layout, blocks))
+    connector.bind(PagedKVCache(layout, blocks, sliding=sliding))
     start = time.perf_counter()
     if connector.registration is not None:
         connector.registration.wait()
@@ -74,7 +81,7 @@ def measure_pool_bandwidth(
     table = blocks.allocate(blocks.blocks_needed(num_tokens))
     _sync(dev)
     start = time.perf_counter()
-    connector.store("store", tokens, table, num_tokens)
+    connector.store("store", tokens, table, num_tokens, sliding_table=table if sliding else [])
     store_enqueue_s = time.perf_counter() - start
     connector.wait_idle()
     store_s = time.perf_counter() - start
@@ -82,19 +89,13 @@ def measure_pool_bandwidth(
     connector.forget("store")
 
     ids = torch.tensor(table, device=dev)
-    before = _block_sums(layout.kv, ids)
-    layout.kv.index_fill_(2, ids, -7.0)  # poison: a restore that misses a byte shows
+    before = torch.cat([_block_sums(kv, ids) for kv in caches])
+    for kv in caches:
+        kv.index_fill_(2, ids, -7.0)  # poison: a restore that misses a byte shows
     _sync(dev)
     start = time.perf_counter()
     hit = connector.match("load", tokens, 0).num_tokens
     match_s = time.perf_counter() - start
-    connector.load("load", table)
-    enqueue_s = time.perf_counter() - start - match_s
-    ok = connector.finish_load("load")
-    _sync(dev)
-    load_s = time.perf_counter() - start
-    loaded = connector.counters["loaded_bytes"]
-    after = _block_sums(layout.kv, ids)
     # Sliding slots are restored only inside the window before the resume point.
     window = config.sliding_window
     full_from = (
@@ -102,6 +103,15 @@ def measure_pool_bandwidth(
         if window is None
         else (max(0, hit - window + 1) // chunk_tokens) * chunk_tokens // block_size
     )
+    null = sliding.null if sliding is not None else 0
+    sliding_table = [null if i < full_from else b for i, b in enumerate(table)] if sliding else []
+    connector.load("load", table, sliding_table=sliding_table)
+    enqueue_s = time.perf_counter() - start - match_s
+    ok = connector.finish_load("load")
+    _sync(dev)
+    load_s = time.perf_counter() - start
+    loaded = connector.counters["loaded_bytes"]
+    after = torch.cat([_block_sums(kv, ids) for kv in caches])
     expect_equal = torch.ones_like(before, dtype=torch.bool)
     expect_equal[layout.num_global_slots :, :, :full_from] = False
     mismatched_blocks = int(((before != after) & expect_equal).sum())

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvshare.engine import kv_fp8
+from kvshare.engine.connector import KVCacheLayout
 from kvshare.engine.recurrent_state import RecurrentStates
 
 
@@ -256,20 +257,22 @@ def _to_cache(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
 
 class PagedAttention:
     """The models' AttentionContext over the engine's paged cache for one step; for hybrid
-    models also their RecurrentStateContext over the sequences' state slots."""
+    models also their RecurrentStateContext over the sequences' state slots. Global layers
+    go through `meta` (the block tables), sliding-window layers through `sliding_meta` (the
+    same step over the sliding tables; required when the layout has sliding layers)."""
 
     def __init__(
         self,
-        kv: torch.Tensor,
-        layer_slot: tuple[int, ...],
+        layout: KVCacheLayout,
         meta: StepMeta,
         backend: AttentionBackend,
         states: RecurrentStates | None = None,
         state_slots: torch.Tensor | None = None,
+        sliding_meta: StepMeta | None = None,
     ) -> None:
-        self.kv = kv
-        self.layer_slot = layer_slot
+        self.layout = layout
         self.meta = meta
+        self.sliding_meta = sliding_meta
         self.backend = backend
         self.states = states
         self.state_slots = state_slots
@@ -290,12 +293,14 @@ class PagedAttention:
         scale: float,
         window: int | None,
     ) -> torch.Tensor:
-        cache = self.kv[self.layer_slot[layer]]
+        cache, sliding = self.layout.slot_cache(self.layout.layer_slot[layer])
+        meta = self.sliding_meta if sliding else self.meta
+        assert meta is not None, "a sliding-window layer needs the step's sliding tables"
         k_cache = cache[0].flatten(0, 1)
         v_cache = cache[1].flatten(0, 1)
-        k_cache.index_copy_(0, self.meta.slot_mapping, _to_cache(k, k_cache))
-        v_cache.index_copy_(0, self.meta.slot_mapping, _to_cache(v, v_cache))
-        return self.backend.attend(q, k_cache, v_cache, self.meta, scale, window)
+        k_cache.index_copy_(0, meta.slot_mapping, _to_cache(k, k_cache))
+        v_cache.index_copy_(0, meta.slot_mapping, _to_cache(v, v_cache))
+        return self.backend.attend(q, k_cache, v_cache, meta, scale, window)
 
     def load_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.states is not None and self.state_slots is not None

@@ -32,19 +32,26 @@ from kvshare.engine.block_manager import BlockManager
 from kvshare.engine.config import KVCacheDtype
 from kvshare.engine.kv_fp8 import packed_head_bytes
 from kvshare.engine.recurrent_state import RecurrentStates
+from kvshare.engine.sliding import SlidingBlocks
 from kvshare.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
 class KVCacheLayout:
-    """The engine's paged KV cache: one tensor [num_slots, 2, num_blocks, block_size, Hkv, D]
-    in the model's dtype, or with kv_cache_dtype "fp8" one uint8 tensor whose last dim is a
-    packed row of D e4m3 bytes and their float32 scale (kv_fp8.py): bytes per token halve,
-    and everything that copies blocks or pages copies the scales with them unchanged.
+    """The engine's paged KV cache: the global (full-attention) layers in `kv` [global
+    slots, 2, num_blocks, block_size, Hkv, D], indexed by a sequence's block table, and the
+    sliding-window layers in `sliding_kv` [sliding slots, 2, num_sliding_blocks, ...]
+    (None without such layers), indexed by its sliding table, which holds real blocks
+    only for the window (engine.sliding). Each tensor's last block is outside its block
+    manager: graph padding rows write there, and sliding-table entries out of the window
+    point there (masked, so finite garbage is harmless).
 
-    Cache slots are ordered global (full-attention) layers first, then sliding-window
-    layers, so a page's global part is one contiguous prefix of it. `layer_slot[i]` is
-    the slot of model layer i.
+    Both tensors are in the model's dtype, or with kv_cache_dtype "fp8" uint8 whose last
+    dim is a packed row of D e4m3 bytes and their float32 scale (kv_fp8.py): bytes per
+    token halve, and everything that copies blocks or pages copies the scales with them.
+
+    Cache slots are numbered global layers first, then sliding-window layers, so a page's
+    global part is one contiguous prefix of it. `layer_slot[i]` is the slot of model layer i.
     """
 
     kv: torch.Tensor
@@ -52,6 +59,7 @@ class KVCacheLayout:
     layer_slot: tuple[int, ...]
     num_global_slots: int
     sliding_window: int | None
+    sliding_kv: torch.Tensor | None = None
     kv_cache_dtype: KVCacheDtype = "auto"
 
     @classmethod
@@ -62,38 +70,51 @@ class KVCacheLayout:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        num_sliding_blocks: int | None = None,
         kv_cache_dtype: KVCacheDtype = "auto",
     ) -> KVCacheLayout:
-        """One slot per attention layer (linear-attention layers keep state, not KV)."""
+        """One slot per attention layer (linear-attention layers keep state, not KV);
+        `num_sliding_blocks` (default num_blocks) sizes the sliding-window layers' tensor."""
         global_layers = [i for i, k in enumerate(config.layer_kinds) if k == "full"]
         sliding_layers = [i for i, k in enumerate(config.layer_kinds) if k == "sliding"]
         slot_of = {layer: slot for slot, layer in enumerate(global_layers + sliding_layers)}
+
         # Zero-filled: blocks a window never reads may be left unwritten by a pool restore,
         # and masked garbage must stay finite (0 x NaN is NaN in the value product).
         row, stored = config.head_dim, dtype
         if kv_cache_dtype == "fp8":
             row, stored = packed_head_bytes(config.head_dim), torch.uint8
-        kv = torch.zeros(
-            (len(slot_of), 2, num_blocks, block_size, config.num_kv_heads, row),
-            dtype=stored,
-            device=device,
-        )
+
+        def cache(num_slots: int, blocks: int) -> torch.Tensor:
+            shape = (num_slots, 2, blocks, block_size, config.num_kv_heads, row)
+            return torch.zeros(shape, dtype=stored, device=device)
+
+        sliding_blocks = num_blocks if num_sliding_blocks is None else num_sliding_blocks
         return cls(
-            kv=kv,
+            kv=cache(len(global_layers), num_blocks),
             block_size=block_size,
             layer_slot=tuple(slot_of.get(i, -1) for i in range(config.num_layers)),
             num_global_slots=len(global_layers),
             sliding_window=config.sliding_window,
+            sliding_kv=cache(len(sliding_layers), sliding_blocks) if sliding_layers else None,
             kv_cache_dtype=kv_cache_dtype,
         )
 
     @property
     def num_slots(self) -> int:
-        return self.kv.shape[0]
+        sliding = 0 if self.sliding_kv is None else self.sliding_kv.shape[0]
+        return self.num_global_slots + sliding
 
     @property
     def bytes_per_token_per_slot(self) -> int:
         return 2 * self.kv.shape[4] * self.kv.shape[5] * self.kv.element_size()
+
+    def slot_cache(self, slot: int) -> tuple[torch.Tensor, bool]:
+        """Cache slot `slot` as [2, blocks, block_size, Hkv, D], and whether it slides."""
+        if slot < self.num_global_slots:
+            return self.kv[slot], False
+        assert self.sliding_kv is not None
+        return self.sliding_kv[slot - self.num_global_slots], True
 
 
 @dataclass
@@ -101,6 +122,7 @@ class PagedKVCache:
     layout: KVCacheLayout
     blocks: BlockManager
     states: RecurrentStates | None = None  # hybrid models: per-sequence linear-attention state
+    sliding: SlidingBlocks | None = None  # sliding-window layers: their blocks of the window
 
 
 @dataclass(frozen=True)
@@ -147,11 +169,17 @@ class KVConnector(ABC):
 
     @abstractmethod
     def load(
-        self, request_id: str, block_table: Sequence[int], state_slot: int | None = None
+        self,
+        request_id: str,
+        block_table: Sequence[int],
+        state_slot: int | None = None,
+        sliding_table: Sequence[int] = (),
     ) -> bool:
-        """Start restoring the matched range into block_table (the request's whole table)
-        and, for hybrid models, the state at the range's end into state_slot; order the
-        current stream after the copies. False: nothing was started (compute the range)."""
+        """Start restoring the matched range into block_table (the request's whole table),
+        its sliding-window layers into the real entries of sliding_table (sliding-window
+        models: every real entry in the range is filled) and, for hybrid models, the state
+        at the range's end into state_slot; order the current stream after the copies.
+        False: nothing was started (compute the range)."""
 
     @abstractmethod
     def finish_load(self, request_id: str) -> bool:
@@ -172,8 +200,10 @@ class KVConnector(ABC):
         num_computed_tokens: int,
         *,
         cache_salt: str | None = None,
+        sliding_table: Sequence[int] = (),
     ) -> None:
-        """Store the full chunks of token_ids[:num_computed_tokens] not stored yet."""
+        """Store the full chunks of token_ids[:num_computed_tokens] not stored yet (of a
+        sliding-window model, those whose sliding_table entries are all real)."""
 
     @abstractmethod
     def store_state(

@@ -5,8 +5,10 @@ from Python, the launches, not the bytes, set the step time. Each batch-size buc
 step is captured once and replayed with new inputs copied into static buffers.
 
 Rows past the real batch (padding up to the bucket) write their K/V into a trash block
-outside the block manager's range and attend over it: finite garbage in rows nobody
-reads, never a write into a real block.
+outside the block manager's range (each cache tensor's last block) and attend over it:
+finite garbage in rows nobody reads, never a write into a real block. A sliding-window
+model's sliding layers read the sliding tables through a second set of static slots and
+tables (the sequences' context lengths are shared).
 """
 
 from __future__ import annotations
@@ -42,28 +44,48 @@ def graph_buckets(max_batch: int) -> list[int]:
     return [b for b in buckets if b < max_batch] + [max_batch]
 
 
+@dataclass
+class _Tables:
+    """Static slots and block tables of one cache tensor; padding points at `trash_block`."""
+
+    slots: torch.Tensor
+    tables: torch.Tensor
+    trash_block: int
+    trash_slot: int
+
+    @classmethod
+    def allocate(
+        cls, trash_block: int, block_size: int, max_batch: int, width: int, device: torch.device
+    ) -> _Tables:
+        trash_slot = trash_block * block_size
+        return cls(
+            torch.full((max_batch,), trash_slot, dtype=torch.int64, device=device),
+            torch.full((max_batch, width), trash_block, dtype=torch.int32, device=device),
+            trash_block,
+            trash_slot,
+        )
+
+
 class DecodeGraphs:
     def __init__(
         self,
         model: CausalLM,
         layout: KVCacheLayout,
         backend: AttentionBackend,
-        trash_block: int,
         max_batch: int,
         max_blocks_per_seq: int,
     ) -> None:
         self.model = model
         self.layout = layout
         self.block_size = layout.block_size
-        self.trash_slot = trash_block * layout.block_size
-        self.trash_block = trash_block
         device = layout.kv.device
         self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.slots = torch.full((max_batch,), self.trash_slot, dtype=torch.int64, device=device)
-        self.tables = torch.full(
-            (max_batch, max_blocks_per_seq), trash_block, dtype=torch.int32, device=device
-        )
+        shape = (self.block_size, max_batch, max_blocks_per_seq, device)
+        self.global_tables = _Tables.allocate(layout.kv.shape[2] - 1, *shape)
+        self.sliding_tables: _Tables | None = None
+        if layout.sliding_kv is not None:
+            self.sliding_tables = _Tables.allocate(layout.sliding_kv.shape[2] - 1, *shape)
         self.context_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.buckets = graph_buckets(max_batch)
@@ -91,10 +113,22 @@ class DecodeGraphs:
         self, batch: int, backend: AttentionBackend
     ) -> tuple[torch.Tensor, torch.Tensor, PagedAttention]:
         """The model's inputs for a `batch`-row step: views of the static buffers."""
-        meta = GraphStepMeta(
-            self.slots[:batch], self.tables[:batch], self.context_lens[:batch], self.block_size
+
+        def meta(static: _Tables) -> GraphStepMeta:
+            return GraphStepMeta(
+                static.slots[:batch],
+                static.tables[:batch],
+                self.context_lens[:batch],
+                self.block_size,
+            )
+
+        sliding = None if self.sliding_tables is None else meta(self.sliding_tables)
+        ctx = PagedAttention(
+            self.layout,
+            meta(self.global_tables),  # type: ignore[arg-type]
+            backend,
+            sliding_meta=sliding,  # type: ignore[arg-type]
         )
-        ctx = PagedAttention(self.layout.kv, self.layout.layer_slot, meta, backend)
         return self.input_ids[:batch], self.positions[:batch], ctx
 
     def _replay(self, batch: int) -> torch.Tensor:
@@ -109,21 +143,38 @@ class DecodeGraphs:
         slots: np.ndarray,
         block_tables: list[tuple[int, ...]],
         context_lens: np.ndarray,
+        sliding: tuple[np.ndarray, list[tuple[int, ...]]] | None = None,
     ) -> torch.Tensor:
-        """One decode step of len(input_ids) sequences; returns their hidden states."""
+        """One decode step of len(input_ids) sequences; returns their hidden states.
+        `sliding`: the sliding layers' (slots, tables), for a sliding-window model."""
         n = len(input_ids)
         batch = next(b for b in self.buckets if b >= n)
-        width = max(len(t) for t in block_tables)
-        tables = np.full((batch, width), self.trash_block, dtype=np.int32)
-        for i, table in enumerate(block_tables):
-            tables[i, : len(table)] = table
         pad = batch - n
         self._upload(self.input_ids[:batch], np.pad(input_ids, (0, pad)))
         self._upload(self.positions[:batch], np.pad(positions, (0, pad)))
-        self._upload(self.slots[:batch], np.pad(slots, (0, pad), constant_values=self.trash_slot))
         self._upload(self.context_lens[:batch], np.pad(context_lens, (0, pad), constant_values=1))
-        self._upload(self.tables[:batch, :width], tables)
+        self._upload_tables(self.global_tables, batch, slots, block_tables)
+        if self.sliding_tables is not None:
+            assert sliding is not None, "a sliding-window model's step needs its sliding tables"
+            self._upload_tables(self.sliding_tables, batch, *sliding)
         return self._replay(batch)[:n]
+
+    def _upload_tables(
+        self,
+        static: _Tables,
+        batch: int,
+        slots: np.ndarray,
+        block_tables: list[tuple[int, ...]],
+    ) -> None:
+        width = max(len(t) for t in block_tables)
+        tables = np.full((batch, width), static.trash_block, dtype=np.int32)
+        for i, table in enumerate(block_tables):
+            tables[i, : len(table)] = table
+        pad = batch - len(slots)
+        self._upload(
+            static.slots[:batch], np.pad(slots, (0, pad), constant_values=static.trash_slot)
+        )
+        self._upload(static.tables[:batch, :width], tables)
 
     @staticmethod
     def _upload(dest: torch.Tensor, array: np.ndarray) -> None:

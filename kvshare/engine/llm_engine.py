@@ -26,6 +26,7 @@ from kvshare.engine.sampler import sample
 from kvshare.engine.sampling_params import SamplingParams
 from kvshare.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from kvshare.engine.sequence import Sequence
+from kvshare.engine.sliding import SlidingBlocks
 from kvshare.models.loader import LoadedModel
 from kvshare.models.tokenizer import IncrementalDetokenizer
 from kvshare.spec import DEFAULT_CHUNK_TOKENS
@@ -83,19 +84,32 @@ class LLMEngine:
         self.loaded = loaded
         self.config = config
         self.tokenizer = loaded.tokenizer
+        chunk_tokens = connector.chunk_tokens if connector is not None else None
         self.runner = ModelRunner(
-            loaded, config, connector.device_bytes if connector is not None else None
+            loaded,
+            config,
+            connector.device_bytes if connector is not None else None,
+            chunk_tokens,
         )
         self.blocks = BlockManager(
-            self.runner.num_blocks,
-            config.block_size,
-            loaded.config.sliding_window,
-            config.enable_prefix_caching,
+            self.runner.num_blocks, config.block_size, None, config.enable_prefix_caching
         )
+        self.sliding: SlidingBlocks | None = None
+        if self.runner.num_sliding_blocks:
+            assert loaded.config.sliding_window is not None
+            self.sliding = SlidingBlocks(
+                self.runner.num_sliding_blocks,
+                config.block_size,
+                loaded.config.sliding_window,
+                chunk_tokens,
+                config.enable_prefix_caching,
+            )
         self.max_model_len = self.runner.max_model_len
         self.connector = connector
         if connector is not None:
-            connector.bind(PagedKVCache(self.runner.layout, self.blocks, self.runner.states))
+            connector.bind(
+                PagedKVCache(self.runner.layout, self.blocks, self.runner.states, self.sliding)
+            )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len),
             self.blocks,
@@ -103,6 +117,7 @@ class LLMEngine:
             self.runner.states,
             connector.chunk_tokens if connector is not None else DEFAULT_CHUNK_TOKENS,
             config.snapshot_interval_tokens,
+            self.sliding,
         )
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
         self.requests: dict[str, _Request] = {}
@@ -159,6 +174,8 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         if self.runner.states is not None:
             self.runner.states.reset_snapshots()
+        if self.sliding is not None:
+            self.sliding.reset_prefix_cache()
         return self.blocks.reset_prefix_cache()
 
     def step(self) -> list[RequestOutput]:
@@ -258,6 +275,10 @@ class LLMEngine:
             if full > seq.num_registered_blocks:
                 start = seq.num_registered_blocks
                 self.blocks.register(seq.block_table[start:full], seq.block_hashes[start:full])
+                if self.sliding is not None:
+                    self.sliding.register(
+                        seq.sliding_table[start:full], seq.block_hashes[start:full]
+                    )
                 seq.num_registered_blocks = full
             if self.connector is not None:
                 self.connector.store(
@@ -266,6 +287,7 @@ class LLMEngine:
                     seq.block_table,
                     seq.num_computed_tokens,
                     cache_salt=seq.cache_salt,
+                    sliding_table=seq.sliding_table,
                 )
             if seq.num_computed_tokens in seq.snapshot_boundaries:
                 self._snapshot(seq)

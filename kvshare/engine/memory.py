@@ -10,6 +10,13 @@ the weights it measured) and the preflight check (before loading, from a shape p
 compute the same budget, and a budget that cannot fit is refused with every part named.
 Estimates are upper bounds of the tensors the engine allocates; the runtime and slack
 terms are the margin for what torch does not report.
+
+The KV cache of a sliding-window model is two tensors (`split_kv_cache`): the global
+layers' blocks, which bound the context a sequence reaches, and the sliding layers'
+blocks, of which each sequence holds only its window and the step it computes
+(kvshare.engine.sliding). The global part is sized for `max_model_len` first; the
+sliding part gets the rest, between one sequence's window + step and every sequence's
+window + one step.
 """
 
 from __future__ import annotations
@@ -31,14 +38,17 @@ ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 STAGING_BUFFERS = 4  # the pool connector's CUDA transfer: two per direction
 
 
-def kv_bytes_per_token(model: ModelConfig, config: EngineConfig) -> int:
-    """Cache bytes of one token over every attention layer, K and V. fp8 rows are e4m3
-    values plus one float32 scale per KV head (the packed row of kvshare.engine.kv_fp8)."""
+def kv_row_bytes(model: ModelConfig, config: EngineConfig) -> int:
+    """Cache bytes of one token's K (or V) for one KV head: head_dim elements of the model's
+    dtype, or with fp8 head_dim e4m3 bytes and their float32 scale (kvshare.engine.kv_fp8)."""
     if config.kv_cache_dtype == "fp8":
-        row = model.head_dim + 4
-    else:
-        row = model.head_dim * item_bytes(config.resolved_dtype)
-    return len(model.attention_layers) * 2 * model.num_kv_heads * row
+        return model.head_dim + 4
+    return model.head_dim * item_bytes(config.resolved_dtype)
+
+
+def kv_bytes_per_token(model: ModelConfig, config: EngineConfig) -> int:
+    """Cache bytes of one token over every attention layer, K and V."""
+    return len(model.attention_layers) * 2 * model.num_kv_heads * kv_row_bytes(model, config)
 
 
 def item_bytes(dtype: str) -> int:
@@ -61,6 +71,71 @@ def staging_bytes(page_bytes: int) -> int:
 
 
 @dataclass(frozen=True)
+class KVCacheSplit:
+    """A KV budget cut into the global layers' blocks and the sliding-window layers'
+    blocks (0 without such layers); each count includes its tensor's extra last block
+    (graph padding, out-of-window entries), which the block managers do not hand out."""
+
+    num_blocks: int
+    num_sliding_blocks: int
+    block_size: int
+
+    @property
+    def context_tokens(self) -> int:
+        """The most tokens one sequence's block table reaches."""
+        return (self.num_blocks - 1) * self.block_size
+
+    @property
+    def sliding_tokens(self) -> int:
+        return max(self.num_sliding_blocks - 1, 0) * self.block_size
+
+
+def kv_bytes_per_block(model: ModelConfig, block_size: int, row_bytes: int) -> tuple[int, int]:
+    """Bytes of one block of (the global layers, the sliding-window layers), with rows of
+    `row_bytes` (kv_row_bytes)."""
+    per_layer = 2 * model.num_kv_heads * row_bytes * block_size
+    sliding = sum(kind == "sliding" for kind in model.layer_kinds)
+    return (len(model.attention_layers) - sliding) * per_layer, sliding * per_layer
+
+
+def sliding_block_bounds(
+    model: ModelConfig, config: EngineConfig, chunk_tokens: int | None
+) -> tuple[int, int]:
+    """(fewest, most) sliding blocks the engine can use: one sequence with a whole step,
+    and every sequence (`max_num_seqs`) its window with the step's tokens once. A
+    sequence in a step of n tokens holds ceil((held - 1 + n) / block_size) + 1 blocks,
+    held = max(window, chunk_tokens) (engine.sliding)."""
+    assert model.sliding_window is not None
+    bs, step = config.block_size, config.max_num_batched_tokens
+    held = max(model.sliding_window, chunk_tokens or 0)
+    fewest = -(-(held - 1 + step) // bs) + 1
+    most = config.max_num_seqs * (-(-(held - 1) // bs) + 2) + -(-step // bs)
+    return fewest, most
+
+
+def split_kv_cache(
+    model: ModelConfig,
+    config: EngineConfig,
+    kv_bytes: int,
+    row_bytes: int,
+    chunk_tokens: int | None = None,
+) -> KVCacheSplit:
+    """Cut `kv_bytes` of KV cache (rows of `row_bytes`, kv_row_bytes): the global part holds
+    max_model_len first; the sliding part gets the rest, clamped to sliding_block_bounds;
+    the global part takes what the sliding part leaves."""
+    bs = config.block_size
+    global_block, sliding_block = kv_bytes_per_block(model, bs, row_bytes)
+    if not sliding_block:
+        return KVCacheSplit(kv_bytes // global_block, 0, bs)
+    fewest, most = sliding_block_bounds(model, config, chunk_tokens)
+    max_len = config.max_model_len or model.max_position_embeddings
+    context_blocks = -(-max_len // bs) + 1
+    left = (kv_bytes - context_blocks * global_block) // sliding_block - 1  # - the null block
+    sliding = max(fewest, min(most, left)) + 1
+    return KVCacheSplit(max((kv_bytes - sliding * sliding_block) // global_block, 0), sliding, bs)
+
+
+@dataclass(frozen=True)
 class DeviceMemoryPlan:
     """Where `limit` bytes go: `parts` (name, bytes) in the order the engine allocates
     them, then the KV cache, `kv_bytes`. Invariant: sum(parts) + kv_bytes <= limit."""
@@ -69,6 +144,7 @@ class DeviceMemoryPlan:
     fraction: float
     parts: tuple[tuple[str, int], ...]
     kv_bytes: int
+    split: KVCacheSplit | None = None  # the KV cache's blocks (None: not planned yet)
 
     @property
     def limit(self) -> int:
@@ -84,9 +160,15 @@ class DeviceMemoryPlan:
     def describe(self) -> str:
         """One line: the limit and every part with its size."""
         items = ", ".join(f"{name} {format_size(n)}" for name, n in self.parts if n)
+        kv = f"KV cache {format_size(self.kv_bytes)}"
+        if self.split is not None:
+            kv += f" ({self.split.context_tokens} tokens of context"
+            if self.split.num_sliding_blocks:
+                kv += f", sliding windows {self.split.sliding_tokens} tokens"
+            kv += ")"
         return (
             f"{format_size(self.limit)} ({self.fraction:g} of {format_size(self.device_bytes)}): "
-            f"{items}, KV cache {format_size(self.kv_bytes)}"
+            f"{items}, {kv}"
         )
 
 
@@ -112,9 +194,10 @@ def activation_bytes(model: ModelConfig, config: EngineConfig, tokens: int) -> i
 
 def graph_bytes(model: ModelConfig, config: EngineConfig, max_blocks_per_seq: int) -> int:
     """Captured decode graphs: one memory pool sized by the largest batch's step (the
-    smaller buckets reuse it), plus the static inputs and block tables."""
+    smaller buckets reuse it), plus the static inputs and block tables (and the sliding
+    tables of a sliding-window model)."""
     batch = config.max_num_seqs
-    tables = 2 * batch * max_blocks_per_seq * 4
+    tables = (4 if model.sliding_window else 2) * batch * max_blocks_per_seq * 4
     return activation_bytes(model, config, batch) + tables + GRAPH_POOL_SLACK_BYTES
 
 
@@ -126,6 +209,7 @@ def plan_device_memory(
     staging_bytes: int = 0,
     cuda_graphs: bool = False,
     free_bytes: int | None = None,
+    chunk_tokens: int | None = None,
 ) -> DeviceMemoryPlan:
     """The budget of one engine on a device of `device_bytes`; ValueError naming every
     part when they do not fit `config.gpu_memory_fraction` of it.
@@ -136,7 +220,8 @@ def plan_device_memory(
     otherwise it takes what is left and must hold at least one step's tokens.
     `free_bytes` (at start, the weights loaded): the device memory free now; the KV cache
     and the parts still to allocate must fit in it too (other processes, or other engines
-    of this one, hold the rest).
+    of this one, hold the rest). `chunk_tokens`: the pool's chunk, when there is a pool
+    (a sliding-window model keeps the chunk not yet stored).
     """
     item = item_bytes(config.resolved_dtype)
     max_len = config.max_model_len or model.max_position_embeddings
@@ -158,9 +243,12 @@ def plan_device_memory(
     if free_bytes is not None:
         allocated = {"weights", "CUDA runtime"}
         left = min(left, free_bytes - sum(n for name, n in parts if name not in allocated))
-    minimum = config.kv_cache_memory or config.max_num_batched_tokens * kv_bytes_per_token(
-        model, config
-    )
+    row_bytes = kv_row_bytes(model, config)
+    global_block, sliding_block = kv_bytes_per_block(model, config.block_size, row_bytes)
+    minimum = config.max_num_batched_tokens * global_block // config.block_size
+    if sliding_block:  # and one sequence's window + step of the sliding layers
+        minimum += (sliding_block_bounds(model, config, chunk_tokens)[0] + 1) * sliding_block
+    minimum = config.kv_cache_memory or minimum
     if left < minimum:
         what = (
             f"the KV cache of {format_size(minimum)} (--kv-cache-memory)"
@@ -177,6 +265,11 @@ def plan_device_memory(
             + f" leave {format_size(max(left, 0))}, not enough for {what}; raise the fraction, "
             "or lower --max-num-seqs, --max-num-batched-tokens or --max-model-len"
         )
+    kv_bytes = config.kv_cache_memory or left
     return DeviceMemoryPlan(
-        device_bytes, config.gpu_memory_fraction, parts, config.kv_cache_memory or left
+        device_bytes,
+        config.gpu_memory_fraction,
+        parts,
+        kv_bytes,
+        split_kv_cache(model, config, kv_bytes, row_bytes, chunk_tokens),
     )

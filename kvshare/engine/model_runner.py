@@ -20,7 +20,12 @@ from kvshare.engine.attention import (
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.connector import KVCacheLayout
 from kvshare.engine.cuda_graphs import DecodeGraphs
-from kvshare.engine.memory import DeviceMemoryPlan, plan_device_memory
+from kvshare.engine.memory import (
+    DeviceMemoryPlan,
+    KVCacheSplit,
+    plan_device_memory,
+    split_kv_cache,
+)
 from kvshare.engine.recurrent_state import RecurrentStates
 from kvshare.engine.scheduler import ScheduledChunk
 from kvshare.models.loader import LoadedModel
@@ -31,13 +36,15 @@ _log = logging.getLogger(__name__)
 
 class ModelRunner:
     """`staging_bytes(kv bytes per token)`: the device memory the connector will allocate
-    when it binds to this cache (its staging buffers); counted in the memory budget."""
+    when it binds to this cache (its staging buffers); counted in the memory budget.
+    `chunk_tokens`: the connector's chunk, when there is one (sizes the sliding blocks)."""
 
     def __init__(
         self,
         loaded: LoadedModel,
         config: EngineConfig,
         staging_bytes: Callable[[int], int] | None = None,
+        chunk_tokens: int | None = None,
     ) -> None:
         self.model = loaded.model
         self.model_config = loaded.config
@@ -46,10 +53,12 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         self.backend = self._choose_backend()
         self.memory: DeviceMemoryPlan | None = None  # CUDA: the budget the caches were sized by
-        self.layout = self._allocate_kv_cache(staging_bytes)
-        # The cache's last block is outside the block manager: padding rows of captured
-        # decode graphs write there.
+        self.layout = self._allocate_kv_cache(staging_bytes, chunk_tokens)
+        # Each cache tensor's last block is outside its block manager: padding rows of
+        # captured decode graphs write there (and out-of-window sliding entries point there).
         self.num_blocks = self.layout.kv.shape[2] - 1
+        sliding_kv = self.layout.sliding_kv
+        self.num_sliding_blocks = 0 if sliding_kv is None else sliding_kv.shape[2] - 1
         self.states: RecurrentStates | None = None
         if loaded.config.linear_layers:
             self.states = RecurrentStates(
@@ -73,7 +82,6 @@ class ModelRunner:
                 self.model,
                 self.layout,
                 self.backend,
-                trash_block=self.num_blocks,
                 max_batch=config.max_num_seqs,
                 max_blocks_per_seq=-(-self.max_model_len // config.block_size),
             )
@@ -101,16 +109,25 @@ class ModelRunner:
         return SDPABackend()
 
     @property
+    def kv_row_bytes(self) -> int:
+        """Cache bytes of one token's K (or V) for one KV head."""
+        return kv_fp8.row_bytes(self.model_config.head_dim, self.dtype, self.config.kv_cache_dtype)
+
+    @property
     def kv_bytes_per_token(self) -> int:
         c = self.model_config
-        row = kv_fp8.row_bytes(c.head_dim, self.dtype, self.config.kv_cache_dtype)
-        return len(c.attention_layers) * 2 * c.num_kv_heads * row
+        return len(c.attention_layers) * 2 * c.num_kv_heads * self.kv_row_bytes
 
-    def _kv_budget(self, staging_bytes: Callable[[int], int] | None) -> int:
-        """CUDA: what the memory plan leaves for the KV cache (ValueError when the plan does
-        not fit); elsewhere kv_cache_memory or 1 GiB."""
+    def _kv_split(
+        self, staging_bytes: Callable[[int], int] | None, chunk_tokens: int | None
+    ) -> KVCacheSplit:
+        """CUDA: the KV cache the memory plan leaves (ValueError when the plan does not
+        fit); elsewhere kv_cache_memory or 1 GiB, split the same way."""
         if self.device.type != "cuda":
-            return self.config.kv_cache_memory or _CPU_KV_CACHE_BYTES
+            budget = self.config.kv_cache_memory or _CPU_KV_CACHE_BYTES
+            return split_kv_cache(
+                self.model_config, self.config, budget, self.kv_row_bytes, chunk_tokens
+            )
         # This engine's own tensors: other engines of the process are in free_bytes.
         weights = sum(
             t.numel() * t.element_size()
@@ -126,24 +143,27 @@ class ModelRunner:
             staging_bytes=staging_bytes(self.kv_bytes_per_token) if staging_bytes else 0,
             cuda_graphs=self._captures_graphs(),
             free_bytes=free,
+            chunk_tokens=chunk_tokens,
         )
-        return self.memory.kv_bytes
+        assert self.memory.split is not None
+        return self.memory.split
 
-    def _allocate_kv_cache(self, staging_bytes: Callable[[int], int] | None) -> KVCacheLayout:
-        c = self.model_config
-        budget = self._kv_budget(staging_bytes)
-        per_block = self.kv_bytes_per_token * self.config.block_size
-        num_blocks = budget // per_block
-        if num_blocks < 3:
+    def _allocate_kv_cache(
+        self, staging_bytes: Callable[[int], int] | None, chunk_tokens: int | None
+    ) -> KVCacheLayout:
+        split = self._kv_split(staging_bytes, chunk_tokens)
+        if split.num_blocks < 3 or 0 < split.num_sliding_blocks < 3:
             raise ValueError(
-                f"no room for a KV cache: {budget} bytes available, {per_block} per block"
+                f"no room for a KV cache: {split.num_blocks} blocks for the global layers, "
+                f"{split.num_sliding_blocks} for the sliding-window layers"
             )
         return KVCacheLayout.allocate(
-            c,
-            num_blocks,
+            self.model_config,
+            split.num_blocks,
             self.config.block_size,
             self.dtype,
             self.device,
+            split.num_sliding_blocks,
             self.config.kv_cache_dtype,
         )
 
@@ -167,13 +187,16 @@ class ModelRunner:
             row += chunk.num_new_tokens
             if chunk.samples:
                 sample_rows.append(row - 1)
+        q_lens = tuple(c.num_new_tokens for c in chunks)
+        ctx_lens = tuple(c.seq.num_computed_tokens + c.num_new_tokens for c in chunks)
+        bs = self.config.block_size
         meta = StepMeta(
-            q_lens=tuple(c.num_new_tokens for c in chunks),
-            ctx_lens=tuple(c.seq.num_computed_tokens + c.num_new_tokens for c in chunks),
-            block_tables=tuple(tuple(c.seq.block_table) for c in chunks),
-            block_size=self.config.block_size,
-            device=self.device,
+            q_lens, ctx_lens, tuple(tuple(c.seq.block_table) for c in chunks), bs, self.device
         )
+        sliding_meta = None
+        if self.layout.sliding_kv is not None:
+            sliding_tables = tuple(tuple(c.seq.sliding_table) for c in chunks)
+            sliding_meta = StepMeta(q_lens, ctx_lens, sliding_tables, bs, self.device)
         input_ids = host_to_device(np.concatenate(ids), self.device)
         pos = host_to_device(np.concatenate(positions), self.device)
         state_slots = None
@@ -182,7 +205,7 @@ class ModelRunner:
                 np.asarray([c.seq.state_slot for c in chunks], dtype=np.int64), self.device
             )
         ctx = PagedAttention(
-            self.layout.kv, self.layout.layer_slot, meta, self.backend, self.states, state_slots
+            self.layout, meta, self.backend, self.states, state_slots, sliding_meta
         )
         hidden = self.model(input_ids, pos, ctx)
         if not sample_rows:
@@ -197,9 +220,16 @@ class ModelRunner:
         bs = self.config.block_size
         positions = np.asarray([c.seq.num_computed_tokens for c in chunks], dtype=np.int64)
         tables = [tuple(c.seq.block_table) for c in chunks]
-        slots = np.asarray(
-            [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)], dtype=np.int64
-        )
+        sliding_tables = [tuple(c.seq.sliding_table) for c in chunks]
+
+        def slots(tables: list[tuple[int, ...]]) -> np.ndarray:
+            return np.asarray(
+                [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)], dtype=np.int64
+            )
+
         ids = np.asarray([c.seq.token_ids[p] for c, p in zip(chunks, positions)], dtype=np.int64)
-        hidden = self.graphs.run(ids, positions, slots, tables, positions + 1)
+        sliding = None
+        if self.layout.sliding_kv is not None:
+            sliding = (slots(sliding_tables), sliding_tables)
+        hidden = self.graphs.run(ids, positions, slots(tables), tables, positions + 1, sliding)
         return self.model.compute_logits(hidden)

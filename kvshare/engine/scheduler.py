@@ -39,6 +39,7 @@ from kvshare.engine.block_manager import BlockManager
 from kvshare.engine.connector import KVConnector
 from kvshare.engine.recurrent_state import RecurrentStates
 from kvshare.engine.sequence import Sequence, SequenceStatus
+from kvshare.engine.sliding import SlidingBlocks
 from kvshare.spec import DEFAULT_CHUNK_TOKENS
 
 
@@ -73,7 +74,10 @@ class Admission(enum.Enum):
 class Scheduler:
     """`states` (hybrid models) adds recurrent-state slots: a prefix is reused only up to a
     chunk boundary of `state_chunk_tokens` with a state snapshot, prefill steps end on the
-    sequence's snapshot boundaries, and every admitted sequence holds one state slot."""
+    sequence's snapshot boundaries, and every admitted sequence holds one state slot.
+    `sliding` (sliding-window models) gives each sequence the sliding layers' blocks of its
+    window: a prefix is reused only as far as its window is cached, and a step that finds
+    no free sliding block preempts like one that finds no global block."""
 
     def __init__(
         self,
@@ -83,9 +87,11 @@ class Scheduler:
         states: RecurrentStates | None = None,
         state_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         snapshot_interval: int = 16384,
+        sliding: SlidingBlocks | None = None,
     ) -> None:
         self.config = config
         self.blocks = blocks
+        self.sliding = sliding
         self.connector = connector
         self.states = states
         self.state_chunk = state_chunk_tokens
@@ -134,6 +140,9 @@ class Scheduler:
     def _release_blocks(self, seq: Sequence) -> None:
         self.blocks.release(seq.block_table)
         seq.block_table = []
+        if self.sliding is not None:
+            self.sliding.release(seq.sliding_table)
+            seq.sliding_table = []
         seq.num_registered_blocks = 0
         if self.states is not None and seq.state_slot is not None:
             self.states.release(seq.state_slot)
@@ -224,12 +233,21 @@ class Scheduler:
         return True
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
-        need = self.blocks.blocks_needed(num_tokens) - len(seq.block_table)
-        if need <= 0:
-            return True
+        """Blocks for seq's step from num_computed_tokens to num_tokens; False (nothing
+        taken) when they are not free."""
+        new_len = self.blocks.blocks_needed(num_tokens)
+        need = new_len - len(seq.block_table)
+        start, sliding = seq.num_computed_tokens, self.sliding
+        if sliding is not None:
+            sliding.trim(seq.sliding_table, start)
+            if sliding.needed(len(seq.sliding_table), new_len, start) > sliding.num_free_blocks:
+                return False
         if need > self.blocks.num_free_blocks:
             return False
-        seq.block_table += self.blocks.allocate(need)
+        if need > 0:
+            seq.block_table += self.blocks.allocate(need)
+        if sliding is not None:
+            sliding.extend(seq.sliding_table, len(seq.block_table), start)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -290,6 +308,10 @@ class Scheduler:
         snapshot = None
         if self.states is not None:
             cached, snapshot = self._cut_at_snapshot(seq, cached)
+        sliding_table: list[int] = []
+        if self.sliding is not None:
+            num_cached, sliding_table = self.sliding.match(seq.block_hashes[: len(cached)])
+            cached = cached[:num_cached]
         if self._computed_by_another(seq, len(cached)):
             return self._wait(seq, "local_waits")
         local_tokens = len(cached) * bs
@@ -305,24 +327,44 @@ class Scheduler:
         first_chunk = min(
             seq.num_tokens - local_tokens - pool_tokens, self.config.max_num_batched_tokens
         )
-        fresh = self.blocks.blocks_needed(local_tokens + pool_tokens + first_chunk) - len(cached)
+        resume = local_tokens + pool_tokens
+        new_len = self.blocks.blocks_needed(resume + first_chunk)
+        fresh = new_len - len(cached)
         # Cached blocks that are free still count as free until acquired.
         free_after = self.blocks.num_free_blocks - sum(
             self.blocks.ref_count[b] == 0 for b in cached
         )
-        if fresh > free_after:
+        sliding_short = self.sliding is not None and self.sliding.needed(
+            len(sliding_table), new_len, resume
+        ) > self.sliding.num_free_blocks - self.sliding.num_free_among(sliding_table)
+        if fresh > free_after or sliding_short:
             if pool_tokens and self.connector is not None:
                 self.connector.cancel(seq.request_id)
             return Admission.NO_ROOM
         self.blocks.acquire(cached)
         seq.block_table = cached + self.blocks.allocate(fresh)
+        if self.sliding is not None:
+            # The window before `resume`: cached, or restored by the load (null below it).
+            self.sliding.acquire(sliding_table)
+            self.sliding.extend(sliding_table, new_len, resume)
+            self.sliding.trim(sliding_table, resume)
+            seq.sliding_table = sliding_table
         seq.num_computed_tokens = local_tokens
         if self.states is not None:
             self._take_state_slot(seq, snapshot)
         seq.num_registered_blocks = len(cached)
         if pool_tokens and self.connector is not None:
-            if self.connector.load(seq.request_id, seq.block_table, seq.state_slot):
+            if self.connector.load(
+                seq.request_id, seq.block_table, seq.state_slot, seq.sliding_table
+            ):
                 self.restoring.append(seq)
+            elif self.sliding is not None:
+                # Its sliding table expected the restore (null before the restored window):
+                # admit it again, computed without the pool.
+                self._release_blocks(seq)
+                seq.num_computed_tokens = 0
+                seq.use_pool = False
+                return Admission.NO_ROOM
             else:
                 pool_tokens = 0
         seq.kv.gpu_hit_tokens = local_tokens

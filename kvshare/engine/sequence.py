@@ -40,6 +40,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_prompt_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Sliding-window models: the sliding layers' blocks, parallel to block_table, real only
+    # for the window (engine.sliding).
+    sliding_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     kv: KVSources = field(default_factory=KVSources)
     first_token_time: float | None = None

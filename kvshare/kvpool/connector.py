@@ -11,12 +11,12 @@ Invariants:
   from the restore and recomputes) and the failure is counted. A page found corrupt is
   invalidated at the daemon at once: no reader on any replica is served it again.
 - A restore whose lease was lost before its release (daemon crash or restart, broken
-  link) is a failed restore as well: the pages may have been reused meanwhile, and
-  blocks restored with only their global layers were never whole. `finish_load` gives
-  that final verdict; the lost lease is logged and counted.
+  link) is a failed restore as well: the pages may have been reused meanwhile.
+  `finish_load` gives that final verdict; the lost lease is logged and counted.
 - A store reserves pages, copies after the compute work that wrote the blocks, writes
   each header, and commits only then; a failed copy aborts its reservations.
-- Blocks being copied hold an extra reference until the copy completed.
+- Blocks being copied, sliding-window blocks included, hold an extra reference until the
+  copy completed.
 - Any pool trouble is a miss or a skipped store, never an exception to the engine.
 - A lookup claims the chunks this replica will compute (the daemon tells other replicas
   they are in progress here); a request that leaves before storing them unclaims them.
@@ -97,7 +97,7 @@ class _Load:
     resume_chunks: int  # the restored prefix ends after this many chunks
     hit_tokens: int  # tokens restored past the GPU-local prefix
     held: Sequence[int]
-    incomplete: Sequence[int]
+    sliding_held: Sequence[int]
     bad_headers: list[PageRef] = field(default_factory=list)
     state_job: TransferJob | None = None
     state_page: PageRef | None = None
@@ -123,6 +123,7 @@ class _Store:
     held: Sequence[int]  # KV blocks held until the copy completed
     payload_bytes: int
     snapshot_slot: int | None = None  # a state snapshot slot pinned until then
+    sliding_held: Sequence[int] = ()  # sliding-window blocks held until then
 
 
 @dataclass
@@ -211,14 +212,14 @@ class PoolConnector(KVConnector):
     def bind(self, cache: PagedKVCache) -> None:
         self.cache = cache
         self.layout = PageLayout.of(cache.layout, self.chunk_tokens)
-        kv = cache.layout.kv
+        kv, sliding_kv = cache.layout.kv, cache.layout.sliding_kv
         opts = self.options
         if kv.device.type == "cuda":
-            self.transfer = CudaTransfer(kv, self.layout, self.faults)
+            self.transfer = CudaTransfer(kv, self.layout, self.faults, sliding_kv)
             if opts.register_host_memory:
                 self.registration = HostRegistration(kv.device)
         else:
-            self.transfer = ThreadTransfer(kv, self.layout, self.faults)
+            self.transfer = ThreadTransfer(kv, self.layout, self.faults, sliding_kv)
         self.client.on_remap(self._on_remap)
         try:
             self.client.connect()
@@ -396,7 +397,11 @@ class PoolConnector(KVConnector):
             req.match = None
 
     def load(
-        self, request_id: str, block_table: Sequence[int], state_slot: int | None = None
+        self,
+        request_id: str,
+        block_table: Sequence[int],
+        state_slot: int | None = None,
+        sliding_table: Sequence[int] = (),
     ) -> bool:
         assert self.cache is not None and self.layout is not None and self.transfer is not None
         req = self._requests[request_id]
@@ -407,10 +412,10 @@ class PoolConnector(KVConnector):
             match.local_tokens,
             block_table,
             self.layout,
-            self.cache.layout.sliding_window,
+            self._sliding_entries(sliding_table),
         )
         self.cache.blocks.acquire(plan.held)
-        self.cache.blocks.mark_incomplete(plan.incomplete)
+        self._sliding_refs(plan.sliding_held, acquire=True)
         pending = _Load(
             request_id,
             None,
@@ -421,7 +426,7 @@ class PoolConnector(KVConnector):
             plan.resume_chunks,
             plan.hit_tokens,
             plan.held,
-            plan.incomplete,
+            plan.sliding_held,
             remote_tokens=min(match.remote_tokens, plan.hit_tokens),
         )
         try:
@@ -494,9 +499,26 @@ class PoolConnector(KVConnector):
                 req.stored_chunks = max(req.stored_chunks, load.resume_chunks)
         else:
             self.counters["load_failures"] += 1
-            self.cache.blocks.mark_complete(load.incomplete)
         self.cache.blocks.release(load.held)
+        self._sliding_refs(load.sliding_held, acquire=False)
         return ok
+
+    def _sliding_entries(self, sliding_table: Sequence[int]) -> list[int | None]:
+        """A sequence's sliding table for plan.py: None where it holds no sliding block."""
+        sliding = self.cache.sliding if self.cache is not None else None
+        if sliding is None:
+            return []
+        return [None if b == sliding.null else b for b in sliding_table]
+
+    def _sliding_refs(self, blocks: Sequence[int], acquire: bool) -> None:
+        """Take or drop the connector's references on sliding-window blocks it copies."""
+        sliding = self.cache.sliding if self.cache is not None else None
+        if sliding is None or not blocks:
+            return
+        if acquire:
+            sliding.blocks.acquire(blocks)
+        else:
+            sliding.blocks.release(blocks)
 
     def _release(self, lease: int) -> bool:
         """Unpin a lease; False (logged and counted) when it was lost before this call."""
@@ -535,6 +557,7 @@ class PoolConnector(KVConnector):
         ready: threading.Event | None = None,
         *,
         cache_salt: str | None = None,
+        sliding_table: Sequence[int] = (),
     ) -> None:
         req = self._requests.setdefault(request_id, _Request())
         full = num_computed_tokens // self.chunk_tokens
@@ -542,13 +565,8 @@ class PoolConnector(KVConnector):
             return
         assert self.cache is not None and self.layout is not None and self.transfer is not None
         keys = self._keys(req, token_ids, full, cache_salt)
-        chunks = storable_chunks(
-            req.stored_chunks,
-            full,
-            block_table,
-            self.layout.blocks_per_page,
-            self.cache.blocks.all_complete,
-        )
+        sliding = self._sliding_entries(sliding_table)
+        chunks = storable_chunks(req.stored_chunks, full, self.layout, sliding)
         req.stored_chunks = full
         if not chunks:
             return
@@ -567,19 +585,29 @@ class PoolConnector(KVConnector):
             block_table,
             self.layout,
             chain_seed(self.namespace, cache_salt),
+            sliding,
         )
         if not plan.copies:
             return
         self.cache.blocks.acquire(plan.held)
+        self._sliding_refs(plan.sliding_held, acquire=True)
         try:
             job = self.transfer.store(list(plan.copies), ready)
         except Exception:  # a failed store is skipped, never an engine crash
             _log.exception("pool store failed to start")
             self.cache.blocks.release(plan.held)
+            self._sliding_refs(plan.sliding_held, acquire=False)
             self._abort([p.key for p in plan.pages])
             return
         self._stores.append(
-            _Store(job, plan.pages, plan.parents, plan.held, self.layout.payload_bytes)
+            _Store(
+                job,
+                plan.pages,
+                plan.parents,
+                plan.held,
+                self.layout.payload_bytes,
+                sliding_held=plan.sliding_held,
+            )
         )
 
     def store_state(
@@ -639,6 +667,7 @@ class PoolConnector(KVConnector):
             except _POOL_ERRORS as exc:
                 self._count_error("commit", exc)
         self.cache.blocks.release(store.held)
+        self._sliding_refs(store.sliding_held, acquire=False)
         if store.snapshot_slot is not None and self.cache.states is not None:
             self.cache.states.unpin(store.snapshot_slot)
 

@@ -1,18 +1,22 @@
 """What a pool load or store copies: plain functions of pages, block tables and the layout.
 
 No daemon, no transfer, no engine: the connector asks the pool, plans here, then starts
-the copies the plan lists. Invariants a plan keeps:
-- a load never writes the blocks the engine already had (before `local_tokens`), and
-  pages whose sliding-window layers no query past the restore reads bring only their
-  global layers (their blocks are listed as `incomplete`);
-- a store copies only chunks whose blocks are all complete (every layer's KV present)
+the copies the plan lists. A sliding-window model's sequence has a sliding table parallel
+to its block table (None where it holds no sliding block: outside its window); a page's
+global part goes to the blocks, its sliding part to the sliding blocks. Invariants a plan
+keeps:
+- a load never writes the blocks the engine already had (before `local_tokens`); it
+  fills the sliding part of exactly the chunks with sliding blocks past the local
+  prefix (the window before the resume point), into every one of them, and brings only
+  the global layers of the others;
+- a store copies only chunks whose sliding blocks are all present (every layer's KV)
   and each page's parent is the previous chunk's key (the chain seed for chunk 0).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from kvshare.kvpool.client import PageRef
 from kvshare.kvpool.layout import PageLayout
@@ -26,7 +30,7 @@ class LoadPlan:
     pages: tuple[PageRef, ...]  # the pages copied, one per copy
     segments: tuple[int, ...]  # checksummed segments copied per page
     held: tuple[int, ...]  # blocks written: held by the connector until the copy completed
-    incomplete: tuple[int, ...]  # blocks that get only their global layers
+    sliding_held: tuple[int, ...]  # sliding blocks written, held likewise
     resume_chunks: int  # the restored prefix ends after this many chunks
     hit_tokens: int  # tokens restored past the local prefix
 
@@ -40,32 +44,42 @@ def plan_load(
     local_tokens: int,
     block_table: Sequence[int],
     layout: PageLayout,
-    sliding_window: int | None,
+    sliding_table: Sequence[int | None] = (),
 ) -> LoadPlan:
     """Copy pages[j] (chunk j) into its blocks of `block_table`, for the chunks past
-    `local_tokens` (the GPU-local prefix, which may end inside a chunk)."""
+    `local_tokens` (the GPU-local prefix, which may end inside a chunk); a sliding-window
+    model's sliding part into the sliding blocks of `sliding_table` past local_tokens
+    (within a chunk they are a suffix of its blocks)."""
     chunk, bpp = layout.chunk_tokens, layout.blocks_per_page
     resume = len(pages) * chunk
-    # Queries from `resume` on read sliding-window keys from resume - window + 1 on.
-    full_from = 0 if sliding_window is None else max(0, resume - sliding_window + 1) // chunk
-    copies, copied, segments, held, incomplete = [], [], [], [], []
+    copies, copied, segments, held, sliding_held = [], [], [], [], []
     for j in range(local_tokens // chunk, len(pages)):
         page = pages[j]
-        nbytes = layout.payload_bytes if j >= full_from else layout.global_bytes
         blocks = tuple(block_table[j * bpp : (j + 1) * bpp])
         first = max(0, (local_tokens - j * chunk) // layout.block_size)
-        copies.append(PageCopy(page.offset + HEADER_BYTES, nbytes, blocks, page.key, first))
+        sliding = tuple(sliding_table[j * bpp : (j + 1) * bpp])
+        present = [i for i in range(first, len(sliding)) if sliding[i] is not None]
+        copy = PageCopy(page.offset + HEADER_BYTES, layout.global_bytes, blocks, page.key, first)
+        if layout.num_segments == 1:
+            copy = replace(copy, nbytes=layout.payload_bytes)
+        elif present:
+            if present != list(range(present[0], bpp)):
+                raise ValueError(f"chunk {j}: sliding blocks {sliding} are not a suffix")
+            # Entries before sliding_first are never copied: any block id stands in.
+            ids = tuple(blocks[i] if b is None else b for i, b in enumerate(sliding))
+            copy = replace(copy, nbytes=layout.payload_bytes, sliding_blocks=ids)
+            copy = replace(copy, sliding_first=present[0])
+            sliding_held += [ids[i] for i in present]
+        copies.append(copy)
         copied.append(page)
-        segments.append(len(layout.segments(nbytes)))
+        segments.append(len(layout.segments(copy.nbytes)))
         held += blocks[first:]
-        if nbytes < layout.payload_bytes:
-            incomplete += blocks[first:]
     return LoadPlan(
         tuple(copies),
         tuple(copied),
         tuple(segments),
         tuple(held),
-        tuple(incomplete),
+        tuple(sliding_held),
         len(pages),
         resume - local_tokens,
     )
@@ -74,13 +88,19 @@ def plan_load(
 def storable_chunks(
     first: int,
     end: int,
-    block_table: Sequence[int],
-    blocks_per_page: int,
-    all_complete: Callable[[Sequence[int]], bool],
+    layout: PageLayout,
+    sliding_table: Sequence[int | None] = (),
 ) -> list[int]:
-    """The chunks in [first, end) whose blocks are all complete."""
-    bpp = blocks_per_page
-    return [j for j in range(first, end) if all_complete(block_table[j * bpp : (j + 1) * bpp])]
+    """The chunks in [first, end) whose every layer is present: all of them without
+    sliding-window layers, else those whose sliding blocks are all in `sliding_table`."""
+    if layout.num_segments == 1:
+        return list(range(first, end))
+    bpp = layout.blocks_per_page
+    return [
+        j
+        for j in range(first, min(end, len(sliding_table) // bpp))
+        if None not in sliding_table[j * bpp : (j + 1) * bpp]
+    ]
 
 
 @dataclass(frozen=True)
@@ -89,6 +109,7 @@ class StorePlan:
     pages: tuple[PageRef, ...]  # the reserved pages, one per copy
     parents: tuple[bytes, ...]  # each page's parent key (its header's chain link)
     held: tuple[int, ...]  # blocks read: held by the connector until the copy completed
+    sliding_held: tuple[int, ...]  # sliding blocks read, held likewise
 
 
 def plan_store(
@@ -98,18 +119,25 @@ def plan_store(
     block_table: Sequence[int],
     layout: PageLayout,
     chain_seed: bytes,
+    sliding_table: Sequence[int | None] = (),
 ) -> StorePlan:
-    """Copy each chunk of `chunks` that got a reserved page (others are present already or
-    were dropped); `keys[j]` is chunk j's key."""
+    """Copy each chunk of `chunks` (storable_chunks) that got a reserved page (others are
+    present already or were dropped); `keys[j]` is chunk j's key."""
     bpp = layout.blocks_per_page
-    copies, pages, parents, held = [], [], [], []
+    copies, pages, parents, held, sliding_held = [], [], [], [], []
     for j in chunks:
         page = reserved.get(keys[j])
         if page is None:
             continue
         blocks = tuple(block_table[j * bpp : (j + 1) * bpp])
-        copies.append(PageCopy(page.offset + HEADER_BYTES, layout.payload_bytes, blocks, page.key))
+        sliding: tuple[int, ...] = ()
+        if layout.num_segments == 2:
+            sliding = tuple(b for b in sliding_table[j * bpp : (j + 1) * bpp] if b is not None)
+            assert len(sliding) == bpp, "storable_chunks: every sliding block present"
+        offset = page.offset + HEADER_BYTES
+        copies.append(PageCopy(offset, layout.payload_bytes, blocks, page.key, 0, sliding))
         pages.append(page)
         parents.append(keys[j - 1] if j else chain_seed)
         held += blocks
-    return StorePlan(tuple(copies), tuple(pages), tuple(parents), tuple(held))
+        sliding_held += sliding
+    return StorePlan(tuple(copies), tuple(pages), tuple(parents), tuple(held), tuple(sliding_held))

@@ -36,13 +36,17 @@ class PageCopy:
     """One page <-> one chunk's blocks. The first `nbytes` of the payload (at arena byte
     `offset`) cover the first nbytes / slot_bytes cache slots. `key` is the page's key,
     which keys its checksum. A load leaves the blocks before `first_block` untouched (the
-    engine already has them)."""
+    engine already has them). A copy past the global part (nbytes > global_bytes) moves
+    the sliding-window slots between the page and `sliding_blocks` of the sliding cache,
+    from `sliding_first` on."""
 
     offset: int
     nbytes: int
     blocks: tuple[int, ...]
     key: bytes
     first_block: int = 0
+    sliding_blocks: tuple[int, ...] = ()
+    sliding_first: int = 0
 
 
 class TransferJob(ABC):
@@ -78,9 +82,16 @@ class TransferJob(ABC):
 
 class Transfer(ABC):
     def __init__(
-        self, kv: torch.Tensor, layout: PageLayout, faults: FaultInjection | None = None
+        self,
+        kv: torch.Tensor,
+        layout: PageLayout,
+        faults: FaultInjection | None = None,
+        sliding_kv: torch.Tensor | None = None,
     ) -> None:
+        """`kv`: the global slots' cache; `sliding_kv`: the sliding-window slots' cache
+        (KVCacheLayout), None without such layers."""
         self.kv = kv
+        self.sliding_kv = sliding_kv
         self.layout = layout
         self.faults = faults  # None: no fault (production)
         self.arena: torch.Tensor | None = None

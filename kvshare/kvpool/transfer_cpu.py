@@ -40,9 +40,13 @@ class ThreadTransfer(Transfer):
     """CPU: one worker thread runs jobs in order, reading/writing the arena directly."""
 
     def __init__(
-        self, kv: torch.Tensor, layout: PageLayout, faults: FaultInjection | None = None
+        self,
+        kv: torch.Tensor,
+        layout: PageLayout,
+        faults: FaultInjection | None = None,
+        sliding_kv: torch.Tensor | None = None,
     ) -> None:
-        super().__init__(kv, layout, faults)
+        super().__init__(kv, layout, faults, sliding_kv)
         self.delay_seconds = injected_delay(faults)
         self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.worker = threading.Thread(target=self._run, name="kvshare-transfer", daemon=True)
@@ -63,6 +67,20 @@ class ThreadTransfer(Transfer):
     def _page(self, c: PageCopy) -> torch.Tensor:
         assert self.arena is not None
         return self.arena[c.offset : c.offset + c.nbytes]
+
+    def _parts(
+        self, data: torch.Tensor, c: PageCopy
+    ) -> list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], int]]:
+        """(cache, page view, blocks, first block) of each part of the page a copy moves:
+        the global slots, then the sliding-window slots when the copy holds them."""
+        split = min(c.nbytes, self.layout.global_bytes)
+        glob = self.page_view(data, split)
+        parts = [(self.kv[: glob.shape[0]], glob, c.blocks, c.first_block)]
+        if c.nbytes > split:
+            assert self.sliding_kv is not None and len(c.sliding_blocks) == len(c.blocks)
+            sliding = self.page_view(data[split:], c.nbytes - split)
+            parts.append((self.sliding_kv, sliding, c.sliding_blocks, c.sliding_first))
+        return parts
 
     def _checksums(self, job: _ThreadJob, i: int, data: torch.Tensor, key: bytes) -> None:
         constants, words = checksum_constants(key), payload_words(data)
@@ -101,9 +119,9 @@ class ThreadTransfer(Transfer):
             for i, c in enumerate(copies):
                 data = self._page(c)
                 self._checksums(job, i, data, c.key)
-                view = self.page_view(data, c.nbytes)
-                idx = torch.tensor(c.blocks[c.first_block :], dtype=torch.int64)
-                self.kv[: view.shape[0]].index_copy_(2, idx, view[:, :, c.first_block :])
+                for cache, view, blocks, first in self._parts(data, c):
+                    idx = torch.tensor(blocks[first:], dtype=torch.int64)
+                    cache.index_copy_(2, idx, view[:, :, first:])
 
         self._submit(job, work)
         return job
@@ -117,10 +135,8 @@ class ThreadTransfer(Transfer):
             for i, c in enumerate(copies):
                 data = self._page(c)
                 # Only the page's slots: index_select resizes `out` to its input's slots.
-                view = self.page_view(data, c.nbytes)
-                torch.index_select(
-                    self.kv[: view.shape[0]], 2, torch.tensor(c.blocks, dtype=torch.int64), out=view
-                )
+                for cache, view, blocks, _ in self._parts(data, c):
+                    torch.index_select(cache, 2, torch.tensor(blocks, dtype=torch.int64), out=view)
                 self._checksums(job, i, data, c.key)
 
         self._submit(job, work, ready)

@@ -55,9 +55,13 @@ class _CudaJob(TransferJob):
 
 class CudaTransfer(Transfer):
     def __init__(
-        self, kv: torch.Tensor, layout: PageLayout, faults: FaultInjection | None = None
+        self,
+        kv: torch.Tensor,
+        layout: PageLayout,
+        faults: FaultInjection | None = None,
+        sliding_kv: torch.Tensor | None = None,
     ) -> None:
-        super().__init__(kv, layout, faults)
+        super().__init__(kv, layout, faults, sliding_kv)
         self.device = kv.device
         # ~1.5 GHz SM clock: a lower bound of the injected delay is enough
         self.delay_cycles = int(injected_delay(faults) * 1.5e9)
@@ -80,6 +84,9 @@ class CudaTransfer(Transfer):
         from kvshare.kvpool.checksum_kernel import checksum_rows
 
         self.blocks: BlockCopy = BlockCopy(kv, layout.blocks_per_page)
+        self.sliding_blocks: BlockCopy | None = None
+        if sliding_kv is not None:
+            self.sliding_blocks = BlockCopy(sliding_kv, layout.blocks_per_page)
         self.checksum_rows = checksum_rows
 
     def _pipeline(
@@ -122,20 +129,53 @@ class CudaTransfer(Transfer):
         self.checksum_rows(rows, constants, sums, min(self.layout.global_bytes, rows.shape[1]))
 
     def _pairs(
-        self, copies: Sequence[PageCopy], stream: torch.cuda.Stream
+        self, copies: Sequence[PageCopy], stream: torch.cuda.Stream, sliding: bool = False
     ) -> Callable[[range], torch.Tensor]:
-        """The (page, j, block) pairs of every copy, uploaded once on `stream`; returns the
-        device pairs of a group (a slice: no GPU work)."""
-        table, offsets = self.blocks.pairs(
-            [c.blocks for c in copies], [c.first_block for c in copies]
-        )
+        """The (page, j, block) pairs of every copy, uploaded once on `stream`: of the
+        global blocks, or of the sliding blocks (none for a copy of the global part only);
+        returns the device pairs of a group (a slice: no GPU work)."""
+        if sliding:
+            bpp, split = self.layout.blocks_per_page, self.layout.global_bytes
+            whole = [c.nbytes > split for c in copies]
+            table, offsets = self.blocks.pairs(
+                [c.sliding_blocks if w else c.blocks for c, w in zip(copies, whole)],
+                [c.sliding_first if w else bpp for c, w in zip(copies, whole)],
+            )
+        else:
+            table, offsets = self.blocks.pairs(
+                [c.blocks for c in copies], [c.first_block for c in copies]
+            )
         pairs = self._upload(table, stream)
         return lambda group: pairs[offsets[group.start] : offsets[group.stop]]
+
+    def _copy_blocks(
+        self,
+        rows: torch.Tensor,
+        group: range,
+        pairs: Callable[[range], torch.Tensor],
+        sliding_pairs: Callable[[range], torch.Tensor] | None,
+        to_cache: bool,
+    ) -> None:
+        """Scatter (to_cache) or gather a group's page rows: the global part of each row
+        with the cache, the sliding part (rows past global_bytes) with the sliding cache."""
+        split = self.layout.global_bytes
+        self.blocks(rows[:, :split], pairs(group), group.start, to_cache)
+        if rows.shape[1] > split:
+            assert self.sliding_blocks is not None and sliding_pairs is not None
+            self.sliding_blocks(rows[:, split:], sliding_pairs(group), group.start, to_cache)
+
+    def _sliding_pairs(
+        self, copies: Sequence[PageCopy], stream: torch.cuda.Stream
+    ) -> Callable[[range], torch.Tensor] | None:
+        if not any(c.nbytes > self.layout.global_bytes for c in copies):
+            return None
+        return self._pairs(copies, stream, sliding=True)
 
     def load(self, copies: Sequence[PageCopy]) -> TransferJob:
         assert self.arena is not None
         copy_s, scatter_s = self.streams["load_copy"], self.streams["load_scatter"]
         pairs = self._pairs(copies, scatter_s)
+        sliding_pairs = self._sliding_pairs(copies, scatter_s)
         constants = self._constants([c.key for c in copies], scatter_s)
         with torch.cuda.stream(scatter_s):
             sums = torch.zeros((len(copies), 2, 2), dtype=torch.int64, device=self.device)
@@ -152,7 +192,7 @@ class CudaTransfer(Transfer):
             self._checksum_group(
                 rows, constants[group.start : group.stop], sums[group.start : group.stop]
             )
-            self.blocks(rows, pairs(group), group.start, to_cache=True)
+            self._copy_blocks(rows, group, pairs, sliding_pairs, to_cache=True)
 
         self._pipeline("load", copies, copy_s, fill, scatter_s, drain)
         return self._finish(copies, sums, scatter_s, always_done=breaks(self.faults, "load"))
@@ -167,12 +207,13 @@ class CudaTransfer(Transfer):
         if not breaks(self.faults, "store"):
             gather_s.wait_event(produced)
         pairs = self._pairs(copies, gather_s)
+        sliding_pairs = self._sliding_pairs(copies, gather_s)
         constants = self._constants([c.key for c in copies], gather_s)
         with torch.cuda.stream(gather_s):
             sums = torch.zeros((len(copies), 2, 2), dtype=torch.int64, device=self.device)
 
         def fill(rows: torch.Tensor, group: range) -> None:
-            self.blocks(rows, pairs(group), group.start, to_cache=False)
+            self._copy_blocks(rows, group, pairs, sliding_pairs, to_cache=False)
             self._checksum_group(
                 rows, constants[group.start : group.stop], sums[group.start : group.stop]
             )

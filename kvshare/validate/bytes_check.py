@@ -119,27 +119,33 @@ def run_store(config: BytesCheckConfig, trial: int, side: ConnectorHarness) -> d
     blocks = side.cache.blocks.allocate(
         side.cache.blocks.blocks_needed(config.num_chunks * config.chunk_tokens)
     )
-    idx = torch.tensor(blocks, device=side.device)
-    side.kv[:, :, idx] = _POISON_STORE
+    side.fill(blocks, _POISON_STORE)
     if side.device.type == "cuda":
         torch.cuda.synchronize()
     pattern = side.pattern(trial, len(blocks))
     ready = None
     if side.device.type == "cuda":
         _sleep_current_stream(side, config.delay)
-        side.kv.index_copy_(2, idx, pattern)
+        side.write(blocks, pattern)
     else:
         ready = threading.Event()
 
         def produce() -> None:
             time.sleep(config.delay)
-            side.kv.index_copy_(2, idx, pattern)
+            side.write(blocks, pattern)
             ready.set()
 
         threading.Thread(target=produce, daemon=True).start()
     tokens = side.tokens(trial, config.num_chunks)
     request = f"store-{trial}"
-    side.connector.store(request, tokens, blocks, len(tokens) - 1, ready=ready)
+    side.connector.store(
+        request,
+        tokens,
+        blocks,
+        len(tokens) - 1,
+        ready=ready,
+        sliding_table=side.sliding_table(blocks),
+    )
     side.connector.wait_idle()
     side.connector.forget(request)
     side.cache.blocks.release(blocks)
@@ -149,7 +155,7 @@ def run_store(config: BytesCheckConfig, trial: int, side: ConnectorHarness) -> d
 def run_load(config: BytesCheckConfig, trial: int, side: ConnectorHarness) -> TrialResult:
     start = time.monotonic()
     hit, ok, blocks = side.restore(trial, config.num_chunks, _POISON_LOAD)
-    got = side.kv[:, :, torch.tensor(blocks, device=side.device)].clone()  # the consumer
+    got = side.read(blocks)  # the consumer
     compared, mismatched = _compare(side, got, side.pattern(trial, len(blocks)), hit)
     side.cache.blocks.release(blocks)
     return TrialResult(trial, hit, compared, mismatched, ok, time.monotonic() - start)
@@ -159,14 +165,11 @@ def _compare(
     side: ConnectorHarness, got: torch.Tensor, expected: torch.Tensor, hit: int
 ) -> tuple[int, int]:
     """Bytes compared and bytes differing, over the slots the restore must have written."""
-    model = side.model
     if hit == 0:
         return 0, 0
     item = got.element_size()
     as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[item]
-    window = model.sliding_window
-    full_from_token = 0 if window is None else max(0, hit - window + 1)
-    full_from_block = (full_from_token // side.chunk_tokens) * side.chunk_tokens // side.block_size
+    full_from_block = side.restored_from_block(hit)
     num_global = side.cache.layout.num_global_slots
     hit_blocks = hit // side.block_size
     diff = got.view(as_int)[:, :, :hit_blocks] != expected.view(as_int)[:, :, :hit_blocks]

@@ -17,7 +17,8 @@ brought only the global layers of the chunks outside the window, so it must be d
 the answer equals the pool-off one, and afterwards neither that replica's GPU prefix
 cache nor the new pool serves anything of it (a request branching inside the prefix, and
 the other replica restoring 3 chunks from the new pool, answer as with the pool off). The
-broken variant keeps the restore (an injected `keep_lost_lease_restores`), and the check fails.
+broken variant keeps the restore (an injected `keep_lost_lease_restores`), and the check fails:
+the kept chunks count as in the pool, so the new pool never gets them.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 The validation checks drive the real pool connector and daemon with deterministic KV
 patterns instead of a model's activations, so every byte has a known expected value.
+The sliding-window layers' tensor is as large as the global one and a block's sliding
+block has the same id, so a block's every slot reads and writes as one
+([slots, K|V, blocks, ...], global slots first, as in a page).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import torch
 
 from kvshare.engine.block_manager import BlockManager
 from kvshare.engine.connector import KVCacheLayout, PagedKVCache
+from kvshare.engine.sliding import SlidingBlocks
 from kvshare.kvpool.client import PoolClient
 from kvshare.kvpool.connector import ConnectorOptions, PoolConnector
 from kvshare.kvpool.faults import FaultInjection
@@ -36,10 +40,15 @@ class ConnectorHarness:
         self.model = shape_preset(shape)
         self.device = torch.device(device)
         self.chunk_tokens = options.chunk_tokens
-        layout = KVCacheLayout.allocate(self.model, num_blocks, block_size, dtype, self.device)
-        self.cache = PagedKVCache(
-            layout, BlockManager(num_blocks, block_size, self.model.sliding_window)
+        layout = KVCacheLayout.allocate(
+            self.model, num_blocks, block_size, dtype, self.device, num_blocks + 1
         )
+        sliding = None
+        if self.model.sliding_window is not None:
+            sliding = SlidingBlocks(
+                num_blocks, block_size, self.model.sliding_window, options.chunk_tokens
+            )
+        self.cache = PagedKVCache(layout, BlockManager(num_blocks, block_size), sliding=sliding)
         namespace = Namespace(
             architecture=self.model.architecture,
             config_digest=self.model.digest(),
@@ -54,8 +63,45 @@ class ConnectorHarness:
             self.connector.registration.wait()
 
     @property
-    def kv(self) -> torch.Tensor:
-        return self.cache.layout.kv
+    def num_slots(self) -> int:
+        return self.cache.layout.num_slots
+
+    def _caches(self) -> list[torch.Tensor]:
+        layout = self.cache.layout
+        return [layout.kv] + ([] if layout.sliding_kv is None else [layout.sliding_kv])
+
+    def read(self, blocks: list[int]) -> torch.Tensor:
+        """Every slot of `blocks`: [slots, 2, len(blocks), block_size, Hkv, D]."""
+        idx = torch.tensor(blocks, device=self.device)
+        return torch.cat([kv.index_select(2, idx) for kv in self._caches()])
+
+    def write(self, blocks: list[int], values: torch.Tensor) -> None:
+        """Write `values` (as `read` returns them) into every slot of `blocks`."""
+        idx = torch.tensor(blocks, device=self.device)
+        split = self.cache.layout.num_global_slots
+        for kv, part in zip(self._caches(), (values[:split], values[split:])):
+            kv.index_copy_(2, idx, part)
+
+    def fill(self, blocks: list[int], value: float) -> None:
+        idx = torch.tensor(blocks, device=self.device)
+        for kv in self._caches():
+            kv.index_fill_(2, idx, value)
+
+    def sliding_table(self, blocks: list[int], from_block: int = 0) -> list[int]:
+        """The sliding table of `blocks` for the connector: the same ids from `from_block`
+        on, null before (none without sliding layers)."""
+        sliding = self.cache.sliding
+        if sliding is None:
+            return []
+        return [sliding.null if i < from_block else b for i, b in enumerate(blocks)]
+
+    def restored_from_block(self, hit: int) -> int:
+        """The first block whose sliding slots a restore of `hit` tokens fills: chunks
+        inside the window before the resume point, whole."""
+        window = self.model.sliding_window
+        if window is None:
+            return 0
+        return max(0, hit - window + 1) // self.chunk_tokens * self.chunk_tokens // self.block_size
 
     @property
     def block_size(self) -> int:
@@ -68,8 +114,9 @@ class ConnectorHarness:
 
     def pattern(self, trial: int, blocks: int) -> torch.Tensor:
         """The expected KV of `blocks` blocks of trial `trial` (every slot, K and V)."""
-        shape = (self.kv.shape[0], 2, blocks, *self.kv.shape[3:])
-        out = torch.empty(shape, dtype=self.kv.dtype, device=self.device)
+        kv = self.cache.layout.kv
+        shape = (self.num_slots, 2, blocks, *kv.shape[3:])
+        out = torch.empty(shape, dtype=kv.dtype, device=self.device)
         fill_uniform_(out, key=trial * 1_000_003 + 17, low=-4.0, high=4.0)
         return out
 
@@ -82,12 +129,12 @@ class ConnectorHarness:
         blocks = self.cache.blocks.allocate(
             self.cache.blocks.blocks_needed(num_chunks * self.chunk_tokens)
         )
-        self.kv.index_copy_(
-            2, torch.tensor(blocks, device=self.device), self.pattern(trial, len(blocks))
-        )
+        self.write(blocks, self.pattern(trial, len(blocks)))
         tokens = self.tokens(trial, num_chunks)
         request = f"store-{trial}"
-        self.connector.store(request, tokens, blocks, len(tokens) - 1)
+        self.connector.store(
+            request, tokens, blocks, len(tokens) - 1, sliding_table=self.sliding_table(blocks)
+        )
         self.connector.wait_idle()
         self.connector.forget(request)
         self.cache.blocks.release(blocks)
@@ -102,12 +149,13 @@ class ConnectorHarness:
         blocks = self.cache.blocks.allocate(
             self.cache.blocks.blocks_needed(num_chunks * self.chunk_tokens)
         )
-        self.kv[:, :, torch.tensor(blocks, device=self.device)] = poison
+        self.fill(blocks, poison)
         self.sync()
         request = f"load-{trial}"
         hit = self.connector.match(request, tokens, 0).num_tokens
         ok = False
-        if hit and self.connector.load(request, blocks):
+        sliding = self.sliding_table(blocks, self.restored_from_block(hit))
+        if hit and self.connector.load(request, blocks, sliding_table=sliding):
             ok = self.connector.finish_load(request)
         self.connector.forget(request)
         return hit, ok, blocks

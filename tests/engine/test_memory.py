@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from kvshare.engine.config import EngineConfig
-from kvshare.engine.memory import CUDA_RUNTIME_BYTES, plan_device_memory, staging_bytes
+from kvshare.engine.memory import (
+    CUDA_RUNTIME_BYTES,
+    kv_bytes_per_block,
+    plan_device_memory,
+    sliding_block_bounds,
+    split_kv_cache,
+    staging_bytes,
+)
 from kvshare.engine.recurrent_state import RecurrentStates
 from kvshare.models.presets import SHAPE_PRESETS
 from kvshare.preflight import device_plan
@@ -162,3 +169,54 @@ def test_kvshare_up_checks_each_replicas_whole_budget(fake_h200: None) -> None:
         check_up(up("--gpu-memory-fraction", "0.40"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"takes 2 x 83\.40 GiB"):
         check_up(up("--gpu-memory-fraction", "0.6"))  # type: ignore[arg-type]
+
+
+def test_two_gemma3_27b_replicas_with_130k_contexts_fit_an_h200() -> None:
+    """The sliding-window layers (52 of 62) count their window + step per sequence, not
+    the context: the KV cache of one replica at 0.48 holds a 130,816-token context with
+    every global layer and the sliding layers' windows; a full-length cache would not."""
+    gemma = SHAPE_PRESETS["gemma3-27b"]
+    h200 = int(139.8 * GIB)
+    engine = bench_engine(max_model_len=131072)
+    plan = device_plan("shape:gemma3-27b", engine, h200, pool_chunk_tokens=256)
+    assert plan is not None and plan.split is not None
+    assert 2 * plan.limit <= h200
+    assert plan.fixed_bytes + plan.kv_bytes == plan.limit
+    split = plan.split
+    assert split.context_tokens >= 131072 > 130816
+    global_block, sliding_block = kv_bytes_per_block(gemma, 16, 2 * gemma.head_dim)
+    assert (
+        split.num_blocks * global_block + split.num_sliding_blocks * sliding_block <= plan.kv_bytes
+    )
+    fewest, most = sliding_block_bounds(gemma, engine, 256)
+    assert fewest == -(-(1024 - 1 + 4096) // 16) + 1  # one sequence's window + a 4,096-token step
+    assert fewest < split.num_sliding_blocks <= most + 1
+    full_length = 130816 * len(gemma.attention_layers) * gemma.kv_bytes_per_token_per_layer * 2
+    assert full_length > 4 * plan.kv_bytes  # 61.9 GiB: what every layer at full length needs
+    assert "131104 tokens of context, sliding windows" in plan.describe()
+
+
+def test_the_cpu_cache_is_split_as_planned() -> None:
+    """The engine allocates the split the plan computes (CPU: the given KV size)."""
+    from kvshare import LLM
+
+    llm = LLM(
+        "shape:tiny-gemma3",
+        dtype="float32",
+        max_model_len=512,
+        max_num_batched_tokens=48,
+        kv_cache_memory=1 << 20,
+    )
+    layout = llm.engine.runner.layout
+    assert layout.sliding_kv is not None
+    split = split_kv_cache(
+        SHAPE_PRESETS["tiny-gemma3"], llm.config, 1 << 20, llm.engine.runner.kv_row_bytes
+    )
+    assert (layout.kv.shape[2], layout.sliding_kv.shape[2]) == (
+        split.num_blocks,
+        split.num_sliding_blocks,
+    )
+    assert split.context_tokens >= 512
+    assert layout.kv.shape[0] == 1 and layout.sliding_kv.shape[0] == 5
+    total = layout.kv.numel() + layout.sliding_kv.numel()
+    assert total * 4 <= 1 << 20

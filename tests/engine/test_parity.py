@@ -28,10 +28,14 @@ def engine_last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     seq = Sequence("logits-probe", list(prompt), SamplingParams())
     seq.block_table = engine.blocks.allocate(engine.blocks.blocks_needed(len(prompt)))
     seq.state_slot = states.allocate() if states is not None else None
+    if engine.sliding is not None:
+        engine.sliding.extend(seq.sliding_table, len(seq.block_table), 0)
     try:
         logits = engine.runner.execute([ScheduledChunk(seq, len(prompt))])
     finally:
         engine.blocks.release(seq.block_table)
+        if engine.sliding is not None:
+            engine.sliding.release(seq.sliding_table)
         if states is not None:
             states.release(seq.state_slot)
     assert logits is not None

@@ -47,12 +47,15 @@ def test_cpu_transfer_checksums_each_segment_at_its_place_in_the_page() -> None:
     cache = KVCacheLayout.allocate(
         shape_preset("tiny-gemma3"), 8, 16, torch.float32, torch.device("cpu")
     )
-    cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(2)))
+    generator = torch.Generator().manual_seed(2)
+    assert cache.sliding_kv is not None
+    for kv in (cache.kv, cache.sliding_kv):
+        kv.copy_(torch.randn(kv.shape, generator=generator))
     layout = PageLayout.of(cache, 32)
-    transfer = ThreadTransfer(cache.kv, layout)
+    transfer = ThreadTransfer(cache.kv, layout, sliding_kv=cache.sliding_kv)
     transfer.set_arena(torch.zeros(layout.payload_bytes, dtype=torch.uint8))
     key = bytes(range(16))
-    stored = transfer.store([PageCopy(0, layout.payload_bytes, (5, 2), key)])
+    stored = transfer.store([PageCopy(0, layout.payload_bytes, (5, 2), key, 0, (3, 6))])
     stored.wait()
     words, constants, split = (
         payload_words(transfer.arena),
@@ -64,10 +67,13 @@ def test_cpu_transfer_checksums_each_segment_at_its_place_in_the_page() -> None:
         payload_checksum(words[split:], constants, split).tobytes(),
     ]
     assert stored.checksums() == [expected]
-    whole = transfer.load([PageCopy(0, layout.payload_bytes, (1, 3), key)])
+    whole = transfer.load([PageCopy(0, layout.payload_bytes, (1, 3), key, 0, (0, 7))])
     prefix = transfer.load([PageCopy(0, layout.global_bytes, (4, 6), key)])
-    other_key = transfer.load([PageCopy(0, layout.payload_bytes, (1, 3), bytes(16))])
+    other_key = transfer.load([PageCopy(0, layout.payload_bytes, (1, 3), bytes(16), 0, (0, 7))])
     transfer.synchronize()
+    # The global part went to the blocks, the sliding part to the sliding blocks.
+    assert torch.equal(cache.kv[:, :, [1, 3]], cache.kv[:, :, [5, 2]])
+    assert torch.equal(cache.sliding_kv[:, :, [0, 7]], cache.sliding_kv[:, :, [3, 6]])
     assert whole.checksums() == [expected]
     assert prefix.checksums() == [expected[:1]]
     assert other_key.checksums()[0][0] != expected[0] and other_key.checksums()[0][1] != expected[1]

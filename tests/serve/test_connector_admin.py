@@ -44,7 +44,11 @@ class RecordingConnector(KVConnector):
         return PoolMatch(0)
 
     def load(
-        self, request_id: str, block_table: Sequence[int], state_slot: int | None = None
+        self,
+        request_id: str,
+        block_table: Sequence[int],
+        state_slot: int | None = None,
+        sliding_table: Sequence[int] = (),
     ) -> bool:
         return False
 
@@ -62,6 +66,7 @@ class RecordingConnector(KVConnector):
         num_computed_tokens: int,
         *,
         cache_salt: str | None = None,
+        sliding_table: Sequence[int] = (),
     ) -> None:
         pass
 

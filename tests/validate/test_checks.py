@@ -126,4 +126,9 @@ def test_a_restore_whose_lease_died_with_the_daemon_is_caught_when_kept(pools: P
         pool.address, pool.stop, pool.start, faults=FaultInjection(keep_lost_lease_restores=True)
     )
     assert not broken.passed
-    assert any("discarded restore" in failure for failure in broken.failures), broken.failures
+    # A kept restore never stores its chunks to the new pool (they count as restored), and
+    # its global-only chunks have no sliding blocks, so no GPU hit or store ever uses them.
+    assert any(
+        "discarded restore" in failure or "did not restore from the new pool" in failure
+        for failure in broken.failures
+    ), broken.failures
