@@ -71,6 +71,7 @@ class KVCacheLayout:
         dtype: torch.dtype,
         device: torch.device,
         num_sliding_blocks: int | None = None,
+        *,
         kv_cache_dtype: KVCacheDtype = "auto",
     ) -> KVCacheLayout:
         """One slot per attention layer (linear-attention layers keep state, not KV);

@@ -164,7 +164,7 @@ class ModelRunner:
             self.dtype,
             self.device,
             split.num_sliding_blocks,
-            self.config.kv_cache_dtype,
+            kv_cache_dtype=self.config.kv_cache_dtype,
         )
 
     @torch.inference_mode()

@@ -64,7 +64,9 @@ def test_zero_rows_and_rounding_past_448_stay_finite() -> None:
 def test_the_fp8_cache_is_one_byte_tensor_of_about_half_bfloat16s_bytes() -> None:
     config = shape_preset("tiny-gemma3")
     bf16 = KVCacheLayout.allocate(config, 4, 16, torch.bfloat16, torch.device("cpu"))
-    fp8 = KVCacheLayout.allocate(config, 4, 16, torch.bfloat16, torch.device("cpu"), "fp8")
+    fp8 = KVCacheLayout.allocate(
+        config, 4, 16, torch.bfloat16, torch.device("cpu"), kv_cache_dtype="fp8"
+    )
     assert fp8.kv.dtype == torch.uint8 and fp8.kv.shape[-1] == config.head_dim + 4
     assert fp8.kv.shape[:-1] == bf16.kv.shape[:-1] and fp8.layer_slot == bf16.layer_slot
     ratio = fp8.bytes_per_token_per_slot / bf16.bytes_per_token_per_slot
