@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python3 scripts/hit_path_profile.py --model shape:tiny-qwen3.5 --tokens 131072
     PYTHONPATH=$PWD python3 scripts/hit_path_profile.py --model shape:qwen3.5-27b --device cuda \
-        --tokens 131072 --arena-gib 24 --json $OUT/hit_path.json
+        --tokens 131072 --arena-gib 16 --repeats 5 --json $OUT/hit_path.json --trace $OUT/hit.json
 
 One process: a pool daemon and one engine with the pool connector. The prompt (`--tokens`
 random ids) is prefilled once with the pool on (it stores every chunk and the recurrent
@@ -25,7 +25,9 @@ On CUDA the engine's phases are host time: work issued to a stream shows where t
 waits for it (the restore's verification waits for the copies; sampling for the step).
 `--sync-phases` synchronizes the device after every phase, which gives each phase its
 device time too but takes away the overlap of the copy with the step. `--cprofile N`
-prints the N functions with the most cumulative time of the last hit.
+prints the N functions with the most cumulative time of the last hit; `--trace PATH`
+writes a torch profiler Chrome trace of one more hit (on CUDA: the copy streams, the
+step's kernels and where the host waited).
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
     w("step/schedule/match_prefix", engine.blocks, "match_prefix")
     w("step/schedule/pool_match", connector, "match")
     w("step/schedule/pool_match/chunk_keys", connector, "_keys")
+    w("step/schedule/pool_match/state_keys", connector_module, "state_key")
     w("step/schedule/pool_match/lookup", connector.client, "lookup")
     w("step/schedule/allocate", engine.blocks, "allocate")
     w("step/schedule/pool_load", connector, "load")
@@ -118,6 +121,7 @@ def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
     assert connector.transfer is not None
     w("step/schedule/pool_load/transfer_load", connector.transfer, "load")
     w("step/schedule/pool_load/transfer_state", connector.transfer, "load_raw")
+    w("step/schedule/pool_load/consume", connector.transfer, "consume")
     w("step/schedule/pool_load/headers", connector, "_header_ok")
     w("step/execute", engine.runner, "execute")
     w("step/execute/step_meta", model_runner_module, "StepMeta")
@@ -248,9 +252,7 @@ def http_phases(engine: LLMEngine, prompt: list[int], name: str, repeats: int) -
     return {
         "body_bytes": len(body),
         "router/parse_json": best_of(repeats, lambda: parse_json_object(body)),
-        "router/routing_keys": best_of(
-            repeats, lambda: keys.prefix_of("/v1/completions", parsed)
-        ),
+        "router/routing_keys": best_of(repeats, lambda: keys.prefix_of("/v1/completions", parsed)),
         "replica/parse_json": best_of(repeats, lambda: parse_json_object(body)),
         "replica/parse_generate": best_of(
             repeats, lambda: parse_generate(dict(parsed), False, info)
@@ -269,7 +271,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
-    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (CPU default 1 GiB)")
+    parser.add_argument(
+        "--kv-cache-memory", type=int, default=None, help="bytes (CPU default 1 GiB)"
+    )
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.9)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--max-num-seqs", type=int, default=8)
@@ -281,6 +285,9 @@ def main() -> int:
     )
     parser.add_argument("--sync-phases", action="store_true")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N")
+    parser.add_argument(
+        "--trace", type=Path, default=None, help="a torch profiler Chrome trace of one more hit"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -325,6 +332,18 @@ def main() -> int:
             for label in timer.order:
                 phases[label].append(timer.seconds.get(label, 0.0))
             print(f"hit {r}: {run}", flush=True)
+        if args.trace is not None:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            activities = [ProfilerActivity.CPU]
+            if engine.runner.device.type == "cuda":
+                activities.append(ProfilerActivity.CUDA)
+            engine.reset_prefix_cache()
+            with torch_profile(activities=activities) as trace:
+                run_request(engine, "hit-trace", follow_up, args.output_tokens)
+            engine.connector.wait_idle()
+            trace.export_chrome_trace(str(args.trace))
         result = {
             "args": {k: str(v) for k, v in vars(args).items()},
             "device": str(engine.runner.device),
@@ -336,8 +355,10 @@ def main() -> int:
             "http_phases_s": http_phases(engine, follow_up, args.model, args.repeats),
         }
         engine.connector.close()
-    print(f"\nhit at {args.tokens} + {args.new_tokens} tokens, {result['device']}: "
-          f"time to first token {result['ttft_s'] * 1e3:.1f} ms (best of {args.repeats})")
+    print(
+        f"\nhit at {args.tokens} + {args.new_tokens} tokens, {result['device']}: "
+        f"time to first token {result['ttft_s'] * 1e3:.1f} ms (best of {args.repeats})"
+    )
     print(f"{'phase':<48} {'ms':>9} {'calls':>6}")
     for label, seconds in result["http_phases_s"].items():
         if label != "body_bytes":
