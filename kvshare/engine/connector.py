@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvshare.engine.block_manager import BlockManager
@@ -161,12 +162,13 @@ class KVConnector(ABC):
     def match(
         self,
         request_id: str,
-        token_ids: Sequence[int],
+        token_ids: Sequence[int] | np.ndarray,
         num_local_tokens: int,
         *,
         cache_salt: str | None = None,
     ) -> PoolMatch:
-        """Pin the longest restorable run past num_local_tokens (never the last token)."""
+        """Pin the longest restorable run past num_local_tokens (never the last token).
+        The engine passes token_ids as an int32 array."""
 
     @abstractmethod
     def load(

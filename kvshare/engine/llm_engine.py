@@ -16,6 +16,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvshare.engine.block_manager import BlockManager, check_cache_salt
@@ -75,6 +76,16 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     error: str | None = None
+
+
+def _in_vocab(token_ids: list[int] | tuple[int, ...], vocab_size: int) -> np.ndarray | None:
+    """The token ids as int32 when every one is in [0, vocab_size), else None (one pass in
+    C: min() and max() over a 100k-token list take milliseconds each)."""
+    try:
+        ids = np.fromiter(token_ids, dtype=np.int32, count=len(token_ids))
+    except OverflowError:
+        return None
+    return ids if ids.min() >= 0 and ids.max() < vocab_size else None
 
 
 class LLMEngine:
@@ -145,9 +156,10 @@ class LLMEngine:
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.loaded.config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+        prompt = _in_vocab(prompt_token_ids, vocab)
+        if prompt is None:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        seq = Sequence(request_id, list(prompt_token_ids), params, cache_salt)
+        seq = Sequence(request_id, list(prompt_token_ids), params, cache_salt, prompt_array=prompt)
         self.scheduler.add(seq)
         generator = None
         if params.seed is not None:
@@ -197,6 +209,11 @@ class LLMEngine:
             sampling = [sampling[i] for i in kept]
             logits = logits[kept] if logits is not None else None
             chunks = [c for c in chunks if c.seq.request_id not in failed]
+        # Before sampling, which waits for the step: registering and storing the blocks of a
+        # long restored prefix is host work that overlaps the step on the device.
+        for chunk in chunks:
+            chunk.seq.num_computed_tokens += chunk.num_new_tokens
+        self._register_and_store(chunks)
         tokens = []
         if logits is not None:
             tokens = sample(
@@ -208,9 +225,6 @@ class LLMEngine:
         if self.connector is not None and prefill_tokens:  # sampling waited for the step
             self.connector.observe_prefill(prefill_tokens, time.perf_counter() - started)
         logprobs = self._logprobs(logits, sampling, tokens)
-        for chunk in chunks:
-            chunk.seq.num_computed_tokens += chunk.num_new_tokens
-        self._register_and_store(chunks)
         now = time.monotonic()
         for chunk, token, logprob in zip(sampling, tokens, logprobs):
             req = self.requests[chunk.seq.request_id]

@@ -318,7 +318,7 @@ class Scheduler:
         match = None
         if self.connector is not None and seq.use_pool:
             match = self.connector.match(
-                seq.request_id, seq.token_ids, local_tokens, cache_salt=seq.cache_salt
+                seq.request_id, seq.token_array(), local_tokens, cache_salt=seq.cache_salt
             )
             if match.wait:
                 return self._wait(seq, "pool_waits")

@@ -6,6 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvshare.engine.block_manager import ROOT_HASH, block_hashes, salted_root
 from kvshare.engine.sampling_params import SamplingParams
 
@@ -59,9 +61,29 @@ class Sequence:
     # counts) at which its state is snapshotted; prefill steps end exactly on them.
     state_slot: int | None = None
     snapshot_boundaries: tuple[int, ...] = ()
+    # The prompt as int32, converted once (None: from token_ids at construction): block
+    # hashes and pool keys read it instead of converting a 100k-token list each time.
+    prompt_array: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
+        if self.prompt_array is None:
+            self.prompt_array = np.fromiter(
+                self.token_ids, dtype=np.int32, count=len(self.token_ids)
+            )
+        if (
+            self.prompt_array.shape != (self.num_prompt_tokens,)
+            or self.prompt_array.dtype != np.int32
+        ):
+            raise ValueError("prompt_array must be the prompt's token ids as int32")
+
+    def token_array(self) -> np.ndarray:
+        """token_ids as an int32 array (the prompt's array while nothing was generated)."""
+        assert self.prompt_array is not None
+        if self.num_tokens == self.num_prompt_tokens:
+            return self.prompt_array
+        outputs = np.asarray(self.output_token_ids, dtype=np.int32)
+        return np.concatenate((self.prompt_array, outputs))
 
     @property
     def num_tokens(self) -> int:
@@ -87,8 +109,11 @@ class Sequence:
                 if self.block_hashes
                 else salted_root(ROOT_HASH, self.cache_salt)
             )
+            # full * block_size is every full block of token_ids; the prompt's array holds
+            # them while they lie inside the prompt.
+            inside_prompt = full * block_size <= self.num_prompt_tokens
             self.block_hashes += block_hashes(
-                self.token_ids[: full * block_size],
+                self.prompt_array if inside_prompt else self.token_ids,
                 block_size,
                 start=len(self.block_hashes),
                 parent=parent,

@@ -35,6 +35,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import xxhash
 
 from kvshare.engine.config import KVCacheDtype
@@ -281,7 +282,11 @@ class PoolConnector(KVConnector):
     # ------------------------------------------------------------------ lookup and load
 
     def _keys(
-        self, req: _Request, token_ids: Sequence[int], num_chunks: int, cache_salt: str | None
+        self,
+        req: _Request,
+        token_ids: Sequence[int] | np.ndarray,
+        num_chunks: int,
+        cache_salt: str | None,
     ) -> list[bytes]:
         if len(req.keys) < num_chunks:
             req.keys = chunk_keys(
@@ -292,7 +297,7 @@ class PoolConnector(KVConnector):
     def match(
         self,
         request_id: str,
-        token_ids: Sequence[int],
+        token_ids: Sequence[int] | np.ndarray,
         num_local_tokens: int,
         *,
         cache_salt: str | None = None,

@@ -21,6 +21,7 @@ multi-buffering them overflows shared memory at Qwen3.5-27B's head dims (128).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -278,6 +279,35 @@ def _causal_conv(
     )
 
 
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device` without making the host wait for the device.
+
+    torch.tensor(..., device="cuda") and repeat_interleave over a device tensor synchronize
+    the host with the stream: in the step after a pool restore, whose stream waits for the
+    copy, every linear-attention layer would hold the host until the copy ends, and the
+    rest of the step would then be issued kernel by kernel behind the GPU. A pinned,
+    asynchronous copy lets the whole step be queued while the copy runs."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def conv_indices(seq_lens: tuple[int, ...], width: int) -> tuple[np.ndarray, ...]:
+    """Host index arrays of the causal conv over packed sequences (state width K-1):
+    per token its sequence and its position in it; per sequence (rows [B, width]) the
+    position of each of its last `width` inputs (negative: it lies in the old state), the
+    row of x holding it, and the old state's column holding it."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    starts = np.cumsum(lens) - lens
+    seq = np.repeat(np.arange(len(lens), dtype=np.int64), lens)
+    pos = np.arange(len(seq), dtype=np.int64) - starts[seq]
+    back = lens[:, None] - width + np.arange(width, dtype=np.int64)
+    x_rows = np.maximum(starts[:, None] + back, 0)
+    state_cols = np.minimum(back + width, width - 1)
+    return seq, pos, back, x_rows, state_cols
+
+
 def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, seq_lens: tuple[int, ...]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,10 +315,11 @@ def causal_conv1d(
     tokens, channels = x.shape
     width = weight.shape[1] - 1
     x, weight, conv_state = x.contiguous(), weight.contiguous(), conv_state.contiguous()
-    lens = torch.tensor(seq_lens, device=x.device)
-    starts = torch.cumsum(lens, 0) - lens
-    seq = torch.repeat_interleave(torch.arange(len(seq_lens), device=x.device), lens)
-    pos = torch.arange(tokens, device=x.device) - starts[seq]
+    host = conv_indices(seq_lens, width)
+    packed = to_device(np.concatenate([a.ravel() for a in host]), x.device)
+    seq, pos, back, x_rows, state_cols = (
+        part.view(a.shape) for part, a in zip(packed.split([a.size for a in host]), host)
+    )
     out = torch.empty_like(x)
     grid = (triton.cdiv(tokens, 64), triton.cdiv(channels, 128))
     _causal_conv[grid](
@@ -305,11 +336,8 @@ def causal_conv1d(
         BC=128,
     )
     # New state: the last K-1 inputs, reaching back into the old state for short segments.
-    back = lens[:, None] - width + torch.arange(width, device=x.device)
-    from_x = x[(starts[:, None] + back).clamp(min=0)].transpose(1, 2)
-    old = conv_state.gather(
-        2, (back + width).clamp(max=width - 1)[:, None, :].expand(-1, channels, -1)
-    )
+    from_x = x[x_rows].transpose(1, 2)
+    old = conv_state.gather(2, state_cols[:, None, :].expand(-1, channels, -1))
     return out, torch.where((back >= 0)[:, None, :], from_x, old)
 
 
@@ -414,8 +442,9 @@ def chunk_prefill(
         starts += range(bounds[-1], bounds[-1] + n, CHUNK)
         lens += (min(CHUNK, n - i) for i in range(0, n, CHUNK))
         bounds.append(bounds[-1] + n)
-    chunk_table = torch.tensor([starts, lens], dtype=torch.int32, device=v.device)
-    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=v.device)
+    chunks = len(starts)
+    table = to_device(np.asarray([*starts, *lens, *bounds], dtype=np.int32), v.device)
+    chunk_starts, chunk_lens, cu_seqlens = table.split((chunks, chunks, len(bounds)))
     f32 = {"dtype": torch.float32, "device": v.device}
     gamma = torch.empty((tokens, value_heads), **f32)
     w_k = torch.empty((tokens, value_heads, key_dim), **f32)
@@ -431,7 +460,7 @@ def chunk_prefill(
         "C": CHUNK,
         "PRECISION": _precision(v),
     }
-    _chunk_prepare[(len(starts), value_heads)](
+    _chunk_prepare[(chunks, value_heads)](
         k,
         v,
         g,
@@ -439,8 +468,8 @@ def chunk_prefill(
         gamma,
         w_k,
         w_v,
-        chunk_table[0],
-        chunk_table[1],
+        chunk_starts,
+        chunk_lens,
         k.stride(0),
         k.stride(1),
         v.stride(0),

@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from kvshare.engine.block_manager import check_cache_salt
 from kvshare.engine.llm_engine import RequestOutput, TopLogprobs
 from kvshare.engine.sampling_params import (
@@ -148,13 +150,23 @@ def check_model(body: dict[str, Any], model: ModelInfo) -> None:
         )
 
 
+def _in_vocab(ids: list[int], vocab_size: int) -> bool:
+    """Every id in [0, vocab_size), checked in one pass in C (min() and max() over a
+    100k-token list take milliseconds each)."""
+    try:
+        array = np.fromiter(ids, dtype=np.int64, count=len(ids))
+    except OverflowError:
+        return False
+    return bool(array.min() >= 0 and array.max() < vocab_size)
+
+
 def _prompt_ids(body: dict[str, Any], chat: bool, model: ModelInfo) -> list[int]:
     path = "/v1/chat/completions" if chat else "/v1/completions"
     try:
         ids = request_prompt_ids(model.tokenizer, path, body)
     except PromptError as exc:
         raise bad_request(str(exc), exc.param) from None
-    if min(ids) < 0 or max(ids) >= model.vocab_size:
+    if not _in_vocab(ids, model.vocab_size):
         raise bad_request(f"prompt token ids must be in [0, {model.vocab_size})", "prompt")
     param = "messages" if chat else "prompt"
     if len(ids) >= model.max_model_len:

@@ -7,9 +7,13 @@ and checks the invariants after every step. Example tests pin the single behavio
 
 from __future__ import annotations
 
+import random
+import struct
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
+import xxhash
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -334,6 +338,46 @@ def test_block_hashes_chain_over_the_whole_prefix() -> None:
     assert len(a) == 2 and a[1] != b[1]  # same block content, different prefix
     assert block_hashes(tokens_of([0, 1], tail=3), BS) == a
     assert block_hashes(tokens_of([0, 1]), BS, start=1, parent=a[0]) == a[1:]
+
+
+def _reference_hashes(ids: list[int], start: int, parent: bytes) -> list[bytes]:
+    """The chain's definition: xxh3-128 of the parent and the block as little-endian int32."""
+    out = []
+    for b in range(start, len(ids) // BS):
+        parent = xxhash.xxh3_128_digest(
+            parent + struct.pack(f"<{BS}i", *ids[b * BS : (b + 1) * BS])
+        )
+        out.append(parent)
+    return out
+
+
+def test_block_hashes_agree_whatever_holds_the_ids() -> None:
+    """A list or tuple (converted by fromiter), an int32 or int64 array (a sequence's
+    prompt array), from any start block: the same chain; an id beyond int32 still raises."""
+    rng = random.Random(3)
+    tokens = [rng.randrange(0, 2**31) for _ in range(10 * BS + 3)]
+    for start, parent in ((0, ROOT_HASH), (3, b"p" * 16)):
+        expected = _reference_hashes(tokens, start, parent)
+        assert block_hashes(tokens, BS, start, parent) == expected
+        assert block_hashes(tuple(tokens), BS, start, parent) == expected
+        for dtype in (np.int32, np.int64):
+            assert block_hashes(np.asarray(tokens, dtype=dtype), BS, start, parent) == expected
+    with pytest.raises(OverflowError):
+        block_hashes([2**31] * BS, BS)
+
+
+def test_a_sequence_hashes_its_prompt_from_its_array_and_its_outputs_from_its_list() -> None:
+    rng = random.Random(4)
+    tokens = [rng.randrange(0, 1000) for _ in range(9 * BS + 2)]
+    seq = Sequence("r", tokens[: 5 * BS + 1], SamplingParams())
+    seq.update_block_hashes(BS)
+    for token in tokens[5 * BS + 1 :]:  # decode past the prompt
+        seq.token_ids.append(token)
+        seq.update_block_hashes(BS)
+    assert seq.block_hashes == _reference_hashes(tokens, 0, ROOT_HASH)
+    assert seq.token_array().dtype == np.int32 and seq.token_array().tolist() == tokens
+    with pytest.raises(ValueError, match="prompt_array"):
+        Sequence("r", [1, 2, 3], SamplingParams(), prompt_array=np.asarray([1, 2], np.int32))
 
 
 def test_invalid_sizes_are_rejected() -> None:

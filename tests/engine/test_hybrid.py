@@ -70,3 +70,44 @@ def test_no_reuse_without_a_snapshot(hybrid: tuple[LLM, object]) -> None:
     llm.generate([shared + prompt(9, 3)], GREEDY_32)
     out = llm.generate([shared + prompt(10, 3)], GREEDY_32)[0]
     assert out.gpu_hit_tokens == 0
+
+
+@pytest.mark.cuda
+def test_a_resumed_step_is_queued_without_waiting_for_the_device() -> None:
+    """After a pool restore the step's stream waits for the copy, and the host must queue
+    the whole step meanwhile: no call in the forward pass may synchronize (a linear layer
+    that did would hold the host until the copy ended and then issue the rest behind the
+    GPU). A resume from a GPU-local snapshot stands in for the restore, a sleep on the
+    stream for the copy; the step still computes what it computed synchronously."""
+    import torch
+
+    llm = LLM(
+        "shape:tiny-qwen3.5",
+        device="cuda",
+        dtype="bfloat16",
+        kv_cache_memory=64 << 20,
+        weights_seed=5,
+        snapshot_interval_tokens=64,
+    )
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    context = prompt(11, 256)
+    llm.generate(context + prompt(12, 8), greedy)
+    (expected,) = llm.generate(context + prompt(13, 32), greedy)
+    assert expected.gpu_hit_tokens == 256
+    runner = llm.engine.runner
+    execute, busy = runner.execute, []
+
+    def queued_behind_a_busy_stream(chunks: list) -> object:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e8))  # ~0.1 s of GPU cycles ahead of the step
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return execute(chunks)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            busy.append(not torch.cuda.current_stream().query())
+
+    runner.execute = queued_behind_a_busy_stream
+    (resumed,) = llm.generate(context + prompt(13, 32), greedy)
+    assert resumed.gpu_hit_tokens == 256 and resumed.token_ids == expected.token_ids
+    assert busy and all(busy), busy

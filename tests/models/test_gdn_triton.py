@@ -169,3 +169,68 @@ def test_tiny_model_on_cuda_matches_cpu() -> None:
     )
     assert ((gpu_last.cpu() - cpu_last).norm() / cpu_last.norm()).item() < 1e-4
     assert gpu_tokens == cpu_tokens
+
+
+@pytest.mark.parametrize("seq_lens", [(9, 2, 1, 5), (70,), (3, 130, 1), (1, 1, 1), (32,)])
+def test_conv_indices_are_the_packed_sequences_positions(seq_lens: tuple[int, ...]) -> None:
+    """The host-built indices of the causal conv equal what the device used to compute from
+    seq_lens (per token: sequence, position; per sequence: its last inputs' positions, rows
+    of x and columns of the old state), segments shorter than the state included."""
+    pytest.importorskip("triton")
+    from kvshare.models.gdn_triton import conv_indices
+
+    width = 3
+    lens = torch.tensor(seq_lens)
+    starts = torch.cumsum(lens, 0) - lens
+    seq = torch.repeat_interleave(torch.arange(len(seq_lens)), lens)
+    back = lens[:, None] - width + torch.arange(width)
+    expected = (
+        seq,
+        torch.arange(sum(seq_lens)) - starts[seq],
+        back,
+        (starts[:, None] + back).clamp(min=0),
+        (back + width).clamp(max=width - 1),
+    )
+    for got, want in zip(conv_indices(seq_lens, width), expected, strict=True):
+        assert torch.equal(torch.from_numpy(got), want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("seq_lens", [(32,), (5, 70, 1)])
+def test_prefill_kernels_never_make_the_host_wait_for_the_device(
+    seq_lens: tuple[int, ...],
+) -> None:
+    """The step after a pool restore is issued while its stream still waits for the copy.
+    A synchronizing call in a linear-attention layer (a pageable upload, repeat_interleave
+    over a device tensor) holds the host there until the copy ends, and the rest of the
+    step is then issued behind the GPU: none may synchronize, and with the stream busy,
+    both calls return before it is idle."""
+    from kvshare.models import gdn_triton
+
+    inputs = random_inputs(seq_lens, 16, 48, 128, 128, torch.bfloat16, "cuda")
+    gen = torch.Generator().manual_seed(1)
+    channels = 2 * 16 * 128 + 48 * 128
+    conv = [
+        torch.randn(sum(seq_lens), channels, generator=gen).to("cuda", torch.bfloat16),
+        torch.randn(channels, 4, generator=gen).to("cuda", torch.bfloat16),
+        torch.randn(len(seq_lens), channels, 3, generator=gen).to("cuda", torch.bfloat16),
+    ]
+    expected = (
+        gdn_triton.gated_delta_rule(*inputs, seq_lens),
+        gdn_triton.causal_conv1d(*conv, seq_lens),
+    )
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e8))  # ~0.1 s of GPU cycles ahead of the calls
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = (
+            gdn_triton.gated_delta_rule(*inputs, seq_lens),
+            gdn_triton.causal_conv1d(*conv, seq_lens),
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    busy = not torch.cuda.current_stream().query()
+    assert busy, "the calls returned only once the stream was idle"
+    for pair_got, pair_expected in zip(got, expected, strict=True):
+        for a, b in zip(pair_got, pair_expected, strict=True):
+            assert torch.equal(a, b)

@@ -76,6 +76,20 @@ CASES = [
         param="prompt",
     ),
     Case(
+        "token id beyond 64 bits",
+        400,
+        "token ids must be in",
+        completion(prompt=[1, 2**70]),
+        param="prompt",
+    ),
+    Case(
+        "negative token id",
+        400,
+        "token ids must be in",
+        completion(prompt=[-1, 1]),
+        param="prompt",
+    ),
+    Case(
         "prompt longer than the context",
         400,
         "context",

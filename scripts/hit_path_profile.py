@@ -1,0 +1,381 @@
+"""Where the host time of one long-prefix pool hit goes, phase by phase.
+
+    PYTHONPATH=$PWD python3 scripts/hit_path_profile.py --model shape:tiny-qwen3.5 --tokens 131072
+    PYTHONPATH=$PWD python3 scripts/hit_path_profile.py --model shape:qwen3.5-27b --device cuda \
+        --tokens 131072 --arena-gib 16 --repeats 5 --json $OUT/hit_path.json --trace $OUT/hit.json
+
+One process: a pool daemon and one engine with the pool connector. The prompt (`--tokens`
+random ids) is prefilled once with the pool on (it stores every chunk and the recurrent
+state at the last chunk boundary); then, `--repeats` times, the GPU-local prefix cache is
+reset and prompt + `--new-tokens` new tokens is sent again, so that its prefix comes from
+the pool only: the cross-replica hit of `kvshare up`, without the second replica.
+
+Reported per phase, the minimum over the repeats of the host seconds spent inside it
+(inclusive of the phases listed below it):
+
+- the request's JSON at the router (parse, routing keys) and at the replica (parse,
+  checks, token ids): the functions `kvshare router` and `kvshare serve` run, called
+  directly on the body an OpenAI client sends (token ids: shape models have no tokenizer);
+- the engine, from add_request to the first token: hashing, admission (prefix cache,
+  chunk keys, the daemon's lookup, the load plan, issuing the copies), the step that
+  computes the new tokens (metadata, forward, logits), the restore's verification,
+  sampling, registration and the store check.
+
+On CUDA the engine's phases are host time: work issued to a stream shows where the host
+waits for it (the restore's verification waits for the copies; sampling for the step).
+`--sync-phases` synchronizes the device after every phase, which gives each phase its
+device time too but takes away the overlap of the copy with the step. `--cprofile N`
+prints the N functions with the most cumulative time of the last hit; `--trace PATH`
+writes a torch profiler Chrome trace of one more hit (on CUDA: the copy streams, the
+step's kernels and where the host waited).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import io
+import json
+import pstats
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import kvshare.engine.llm_engine as llm_engine_module
+import kvshare.engine.model_runner as model_runner_module
+import kvshare.kvpool.connector as connector_module
+from kvshare.bench.engine_perf import random_prompt
+from kvshare.engine.attention import AttentionBackend, StepMeta
+from kvshare.engine.config import EngineConfig
+from kvshare.engine.llm_engine import LLMEngine
+from kvshare.engine.sampling_params import SamplingParams
+from kvshare.engine.sequence import Sequence
+from kvshare.kvpool.connector import PoolConnector
+from kvshare.kvpool.launch import PoolProcess, PoolProcessConfig
+from kvshare.models.loader import load_model
+from kvshare.serve.http import parse_json_object
+from kvshare.serve.protocol import ModelInfo, parse_generate
+from kvshare.serve.routing_keys import RoutingKeys
+
+
+class PhaseTimer:
+    """Inclusive host seconds per phase, while `active`; a phase is a wrapped callable."""
+
+    def __init__(self, sync: bool) -> None:
+        self.sync = sync
+        self.active = False
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+        self.calls: Counter[str] = Counter()
+        self.order: list[str] = []
+
+    def wrap(self, label: str, owner: object, name: str) -> None:
+        original = getattr(owner, name)
+        self.order.append(label)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.active:
+                return original(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if self.sync:
+                    torch.cuda.synchronize()
+                self.seconds[label] += time.perf_counter() - start
+                self.calls[label] += 1
+
+        setattr(owner, name, timed)
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
+def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
+    """Wrap the phases of a hit; labels nest with '/' (a child's time is in its parent's)."""
+    connector = engine.connector
+    assert isinstance(connector, PoolConnector)
+    w = timer.wrap
+    w("add_request", engine, "add_request")
+    w("add_request/block_hashes", Sequence, "update_block_hashes")
+    w("step", engine, "step")
+    w("step/poll", connector, "poll")
+    w("step/schedule", engine.scheduler, "schedule")
+    w("step/schedule/match_prefix", engine.blocks, "match_prefix")
+    w("step/schedule/pool_match", connector, "match")
+    w("step/schedule/pool_match/chunk_keys", connector, "_keys")
+    w("step/schedule/pool_match/state_keys", connector_module, "state_key")
+    w("step/schedule/pool_match/lookup", connector.client, "lookup")
+    w("step/schedule/allocate", engine.blocks, "allocate")
+    w("step/schedule/pool_load", connector, "load")
+    w("step/schedule/pool_load/plan", connector_module, "plan_load")
+    w("step/schedule/pool_load/acquire", engine.blocks, "acquire")
+    assert connector.transfer is not None
+    w("step/schedule/pool_load/transfer_load", connector.transfer, "load")
+    w("step/schedule/pool_load/transfer_state", connector.transfer, "load_raw")
+    w("step/schedule/pool_load/consume", connector.transfer, "consume")
+    w("step/schedule/pool_load/headers", connector, "_header_ok")
+    w("step/execute", engine.runner, "execute")
+    w("step/execute/step_meta", model_runner_module, "StepMeta")
+    w("step/execute/forward", engine.runner.model, "forward")
+    w("step/execute/logits", engine.runner.model, "compute_logits")
+    w("step/finish_restores", engine.scheduler, "finish_restores")
+    w("step/finish_restores/wait_copies", connector_module._Load, "wait")
+    w("step/finish_restores/checksums", connector, "_checksum_mismatches")
+    w("step/finish_restores/release", connector, "_release")
+    w("step/sample", llm_engine_module, "sample")
+    w("step/register_and_store", engine, "_register_and_store")
+    w("step/register_and_store/pool_store", connector, "store")
+    w("step/append_token", engine, "_append_or_fail")
+
+
+class SkipAttention(AttentionBackend):
+    """Fills the pool fast on a CPU: keys and values are still written to the cache (and
+    stored), but the attention output is zeros. Only the cold prefill uses it; what the
+    hit's tokens are does not matter to its timing."""
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: StepMeta,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        return torch.zeros_like(q)
+
+
+def build_engine(args: argparse.Namespace, address: str) -> LLMEngine:
+    device = "cuda" if args.device.startswith("cuda") else "cpu"
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    loaded = load_model(args.model, device=args.device, dtype=dtype, seed=0)
+    needed = args.tokens + args.new_tokens + args.output_tokens + 16
+    if loaded.config.max_position_embeddings < needed:  # tiny test shapes stop at 8192
+        config = dataclasses.replace(loaded.config, max_position_embeddings=needed)
+        loaded = dataclasses.replace(loaded, config=config)
+    config = EngineConfig(
+        device=args.device,
+        dtype=dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=needed,
+        gpu_memory_fraction=args.gpu_memory_fraction,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_memory=args.kv_cache_memory,
+    )
+    connector = PoolConnector.for_model(
+        address,
+        loaded,
+        chunk_tokens=args.chunk_tokens,
+        kv_cache_dtype=config.kv_cache_dtype,
+    )
+    engine = LLMEngine(loaded, config, connector)
+    if connector.bind_failure is not None:
+        raise SystemExit(f"pool unreachable: {connector.bind_failure}")
+    if connector.registration is not None:
+        connector.registration.wait()
+    return engine
+
+
+def sync(engine: LLMEngine) -> None:
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_request(
+    engine: LLMEngine,
+    request_id: str,
+    prompt: list[int],
+    max_tokens: int,
+    timer: PhaseTimer | None = None,
+) -> dict:
+    """add_request, then steps until the first token (synchronized; `timer` stops timing
+    there); the step count, time to first token and the output's KV sources."""
+    sync(engine)
+    start = time.perf_counter()
+    engine.add_request(
+        request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    )
+    steps, first = 0, None
+    while first is None:
+        steps += 1
+        for out in engine.step():
+            if out.token_ids:
+                first = out
+    sync(engine)
+    ttft = time.perf_counter() - start
+    if timer is not None:
+        timer.active = False
+    while engine.has_unfinished():
+        engine.step()
+    return {
+        "ttft_s": ttft,
+        "steps": steps,
+        "pool_hit_tokens": first.pool_hit_tokens,
+        "computed_tokens": first.computed_tokens,
+    }
+
+
+def best_of(repeats: int, fn: Callable[[], object]) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def http_phases(engine: LLMEngine, prompt: list[int], name: str, repeats: int) -> dict:
+    """What `kvshare router` and `kvshare serve` do with the request's body before the
+    engine sees it (token-id prompt, as an OpenAI client sends it for a shape model)."""
+    body = json.dumps(
+        {"model": name, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+    ).encode()
+    keys = RoutingKeys(engine.tokenizer, engine.config.block_size)
+    info = ModelInfo(
+        name,
+        engine.tokenizer,
+        engine.max_model_len,
+        engine.loaded.config.vocab_size,
+        engine.config.resolved_dtype,
+    )
+    parsed = parse_json_object(body)
+    return {
+        "body_bytes": len(body),
+        "router/parse_json": best_of(repeats, lambda: parse_json_object(body)),
+        "router/routing_keys": best_of(repeats, lambda: keys.prefix_of("/v1/completions", parsed)),
+        "replica/parse_json": best_of(repeats, lambda: parse_json_object(body)),
+        "replica/parse_generate": best_of(
+            repeats, lambda: parse_generate(dict(parsed), False, info)
+        ),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="shape:tiny-qwen3.5")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--tokens", type=int, default=131072, help="prefix tokens (the hit)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens after the prefix")
+    parser.add_argument("--output-tokens", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--chunk-tokens", type=int, default=256)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    parser.add_argument(
+        "--kv-cache-memory", type=int, default=None, help="bytes (CPU default 1 GiB)"
+    )
+    parser.add_argument("--gpu-memory-fraction", type=float, default=0.9)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--arena-gib", type=int, default=2)
+    parser.add_argument(
+        "--exact-fill",
+        action="store_true",
+        help="compute the cold prefill's attention (default: skip it, the KV is still stored)",
+    )
+    parser.add_argument("--sync-phases", action="store_true")
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N")
+    parser.add_argument(
+        "--trace", type=Path, default=None, help="a torch profiler Chrome trace of one more hit"
+    )
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+
+    folder = Path(tempfile.mkdtemp(prefix="kvshare-hit-"))
+    pool_config = PoolProcessConfig(
+        size_bytes=args.arena_gib << 30,
+        socket_path=str(folder / "pool.sock"),
+        arena_path=f"/dev/shm/kvshare-hit-{uuid.uuid4().hex[:8]}.arena",
+        runtime_dir=str(folder),
+        ready_timeout=180,
+        preallocate=args.device.startswith("cuda"),
+    )
+    with PoolProcess(pool_config) as pool:
+        engine = build_engine(args, pool.address)
+        vocab = engine.loaded.config.vocab_size
+        prompt = random_prompt(args.tokens, vocab, 1)
+        follow_up = prompt + random_prompt(args.new_tokens, vocab, 2)
+        timer = PhaseTimer(args.sync_phases)
+        instrument(engine, timer)
+        run_request(engine, "warm-up", random_prompt(512, vocab, 3), 1)
+        backend = engine.runner.backend
+        if not args.exact_fill:
+            engine.runner.backend = SkipAttention()
+        cold = run_request(engine, "cold", prompt, 1)
+        engine.runner.backend = backend
+        assert engine.connector is not None
+        engine.connector.wait_idle()
+        print(f"cold prefill of {args.tokens} tokens: {cold['ttft_s']:.2f} s", flush=True)
+        runs, phases = [], defaultdict(list)
+        profile = cProfile.Profile() if args.cprofile else None
+        for r in range(args.repeats):
+            engine.reset_prefix_cache()
+            timer.reset()
+            timer.active = True
+            if profile is not None and r == args.repeats - 1:
+                profile.enable()
+            run = run_request(engine, f"hit-{r}", follow_up, args.output_tokens, timer)
+            if profile is not None:
+                profile.disable()
+            engine.connector.wait_idle()
+            runs.append(run)
+            for label in timer.order:
+                phases[label].append(timer.seconds.get(label, 0.0))
+            print(f"hit {r}: {run}", flush=True)
+        if args.trace is not None:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            activities = [ProfilerActivity.CPU]
+            if engine.runner.device.type == "cuda":
+                activities.append(ProfilerActivity.CUDA)
+            engine.reset_prefix_cache()
+            with torch_profile(activities=activities) as trace:
+                run_request(engine, "hit-trace", follow_up, args.output_tokens)
+            engine.connector.wait_idle()
+            trace.export_chrome_trace(str(args.trace))
+        result = {
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "device": str(engine.runner.device),
+            "cold": cold,
+            "runs": runs,
+            "ttft_s": min(r["ttft_s"] for r in runs),
+            "engine_phases_s": {label: min(values) for label, values in phases.items()},
+            "engine_phase_calls": dict(timer.calls),
+            "http_phases_s": http_phases(engine, follow_up, args.model, args.repeats),
+        }
+        engine.connector.close()
+    print(
+        f"\nhit at {args.tokens} + {args.new_tokens} tokens, {result['device']}: "
+        f"time to first token {result['ttft_s'] * 1e3:.1f} ms (best of {args.repeats})"
+    )
+    print(f"{'phase':<48} {'ms':>9} {'calls':>6}")
+    for label, seconds in result["http_phases_s"].items():
+        if label != "body_bytes":
+            print(f"{label:<48} {seconds * 1e3:>9.2f}")
+    for label, seconds in result["engine_phases_s"].items():
+        depth = label.count("/")
+        name = "  " * depth + label.rsplit("/", 1)[-1]
+        print(f"{name:<48} {seconds * 1e3:>9.2f} {timer.calls.get(label, 0):>6}")
+    if profile is not None:
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(args.cprofile)
+        print(text.getvalue())
+        result["cprofile"] = text.getvalue()
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

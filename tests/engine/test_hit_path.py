@@ -1,0 +1,71 @@
+"""The host's work on a long prompt, done once and out of the device's way: the prompt is
+converted to int32 once (validation, block hashes and pool keys read that array), and a
+step registers its blocks before sampling waits for the device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvshare.engine.llm_engine as llm_engine
+from kvshare.engine.config import EngineConfig
+from kvshare.engine.llm_engine import LLMEngine
+from kvshare.engine.sampling_params import SamplingParams
+from kvshare.models.loader import load_model
+
+GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    loaded = load_model("shape:tiny-llama", dtype="float32", seed=5)
+    return LLMEngine(loaded, EngineConfig(kv_cache_memory=1 << 20, max_num_batched_tokens=64))
+
+
+def run(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple[int, ...]:
+    """The request's tokens, from a cold GPU-local cache."""
+    engine.reset_prefix_cache()
+    engine.add_request(request_id, prompt, GREEDY)
+    last = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            last = out
+    assert last is not None and last.finished
+    return last.token_ids
+
+
+@pytest.mark.parametrize("bad", [[1, -1], [1, 512], [3, 2**31], [2**40, 5], [2**70]])
+def test_prompts_outside_the_vocabulary_are_refused(engine: LLMEngine, bad: list[int]) -> None:
+    """ids beyond int32 or int64 included: a ValueError (the server's 400), nothing queued."""
+    assert engine.loaded.config.vocab_size == 512
+    with pytest.raises(ValueError, match=r"must be in \[0, 512\)"):
+        engine.add_request("bad", bad, GREEDY)
+    assert "bad" not in engine.requests and not engine.has_unfinished()
+
+
+def test_the_prompt_array_is_the_prompt(engine: LLMEngine) -> None:
+    prompt = list(range(3, 40))
+    engine.add_request("array", prompt, GREEDY)
+    seq = engine.requests["array"].seq
+    assert seq.prompt_array is not None and seq.prompt_array.dtype == np.int32
+    assert seq.token_array().tolist() == prompt
+    engine.abort("array")
+
+
+def test_blocks_are_registered_before_sampling_waits_for_the_step(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host's bookkeeping of a step (registering the blocks of a long restored prefix)
+    runs while the device computes it, not after sampling has waited for it."""
+    prompt = list(range(100, 140))
+    expected = run(engine, "reference", prompt)
+    sample, registered = llm_engine.sample, []
+
+    def recording(*args: object, **kwargs: object) -> list[int | None]:
+        registered.append(engine.requests["ordered"].seq.num_registered_blocks)
+        return sample(*args, **kwargs)
+
+    monkeypatch.setattr(llm_engine, "sample", recording)
+    assert run(engine, "ordered", prompt) == expected
+    # The prompt's full blocks, before the first sample.
+    assert registered[0] == len(prompt) // engine.config.block_size > 0
