@@ -130,7 +130,9 @@ def test_concurrent_requests_sharing_a_restored_prefix(pool: PoolProcess, tmp_pa
     with_pool = run_engine(tmp_path, "shape:tiny-gemma3", prompts, pool.address)
     without = run_engine(tmp_path, "shape:tiny-gemma3", prompts, None)
     hits = [o["pool_hit"] + o["gpu_hit"] for o in with_pool["outputs"]]
-    assert all(h == 512 for h in hits), hits
+    # 512 restored (two 256-token chunks); a request that waited for another's prefill
+    # gets that one's 37 computed blocks (592 tokens) from the GPU cache instead.
+    assert all(h in (512, 592) for h in hits) and with_pool["outputs"][0]["pool_hit"], hits
     for a, b in zip(with_pool["outputs"], without["outputs"]):
         assert a["token_ids"] == b["token_ids"]
 
