@@ -281,7 +281,8 @@ def hit_run(out: Path, port: int, dtype: str, length: int, per_block: int, deadl
     report = json.loads((out / f"{name}.json").read_text())
     (comparison,) = report["comparisons"]
     on_blocks = [b["summary"] for b in report["blocks"] if b["condition"] == "ON"]
-    loaded = sum(b["loaded_bytes"] for b in on_blocks) / sum(b["requests"] for b in on_blocks)
+    hits = [r for r in report["requests"] if r["condition"] == "ON" and r["role"] == "measure"]
+    loaded = sum(b["loaded_bytes"] for b in on_blocks) / len(hits)  # only follow-ups load
     return {
         "dtype": dtype,
         "tokens": length,
