@@ -5,7 +5,7 @@ the 4 bytes of its float32 scale, in one uint8 tensor whose last dim is head_dim
 blocks, pool pages, transfers and checksums stay plain byte copies of the cache, and the
 scales travel with their values wherever the bytes go.
 
-The scale is amax(|x|) / 448 over the row: a token's stored bytes are a pure function of
+The scale is amax(|x|) x (1/448) over the row: a token's stored bytes are a pure function of
 its own K/V values (no calibration state, nothing shared between tokens), so a prefix
 restored from the pool is byte-identical to the same prefix recomputed by the same model,
 and every token uses e4m3's whole range.
@@ -20,6 +20,7 @@ from kvshare.engine.config import KVCacheDtype
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 SCALE_BYTES = 4  # one float32 per row
+_INV_FP8_MAX = 1.0 / FP8_MAX
 _TINY = torch.finfo(torch.float32).tiny  # the scale of an all-zero row: keeps 0 / scale finite
 
 
@@ -66,7 +67,9 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
         (*x.shape[:-1], packed_head_bytes(head_dim)), dtype=torch.uint8, device=x.device
     )
     x32 = x.float()
-    scale = (x32.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(_TINY)
+    # A product, not `amax / 448`: CUDA divides a tensor by a scalar as a product with the
+    # scalar's reciprocal, the CPU truly divides, and the scales must be the same bits.
+    scale = (x32.abs().amax(-1, keepdim=True) * _INV_FP8_MAX).clamp_min(_TINY)
     # x / scale can round just past 448; e4m3fn has no infinity and casts overflow to NaN.
     packed[..., :head_dim] = (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
     packed[..., head_dim:] = scale.view(torch.uint8)

@@ -34,7 +34,7 @@ def test_a_packed_row_is_its_values_then_their_float32_scale() -> None:
     packed = kv_fp8.quantize(x)
     assert packed.dtype == torch.uint8 and packed.shape == (40, 3, 20)
     scale = kv_fp8.scales(packed)
-    assert torch.equal(scale, x.abs().amax(-1, keepdim=True) / kv_fp8.FP8_MAX)
+    assert torch.equal(scale, x.abs().amax(-1, keepdim=True) * (1.0 / kv_fp8.FP8_MAX))
     assert torch.equal(kv_fp8.values(packed).float().abs().amax(-1), torch.full((40, 3), 448.0))
     # e4m3 keeps 3 mantissa bits: every element within 1/16 of itself, or of its row's
     # smallest normal step.
