@@ -293,7 +293,11 @@ def _parent_death_signal() -> Callable[[], None] | None:
 
 
 class _Child:
-    """One child process; its stdout and stderr go, line by line, to the prefixed log."""
+    """One child process; its stdout and stderr go, line by line, to the prefixed log.
+
+    It leads a process group of its own, and every signal goes to the whole group: what it
+    started (vLLM's engine process, its workers) stops with it instead of being orphaned.
+    """
 
     def __init__(
         self,
@@ -321,6 +325,7 @@ class _Child:
             stdin=subprocess.DEVNULL,
             env=self._env,
             preexec_fn=_parent_death_signal(),
+            start_new_session=True,
         )
         self._pump = threading.Thread(
             target=self._copy_output, name=f"log-{self.name}", daemon=True
@@ -347,20 +352,36 @@ class _Child:
         return self._process is not None and self._process.poll() is None
 
     def signal(self, sig: int) -> None:
-        if self.alive:
-            assert self._process is not None
-            with contextlib.suppress(ProcessLookupError):
-                self._process.send_signal(sig)
+        """Send `sig` to the child's process group (also after the child itself exited:
+        what it started may still run)."""
+        if self._process is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._process.pid, sig)
+
+    def _group_alive(self) -> bool:
+        assert self._process is not None
+        try:
+            os.killpg(self._process.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
 
     def wait(self, timeout: float) -> None:
-        """Wait for exit; SIGKILL after `timeout`. Output is drained either way."""
+        """Wait for the child and the rest of its process group to exit; SIGKILL the group
+        after `timeout`. Output is drained either way."""
         if self._process is None:
             return
+        deadline = time.monotonic() + timeout
         try:
             self._process.wait(timeout)
         except subprocess.TimeoutExpired:
-            self._process.kill()
+            self.signal(signal.SIGKILL)
             self._process.wait()
+        while self._group_alive():
+            if time.monotonic() > deadline:
+                self.signal(signal.SIGKILL)
+                break
+            time.sleep(0.05)
         if self._pump is not None:
             self._pump.join(5.0)
 
@@ -499,6 +520,7 @@ class Cluster:
         if child is None or child.alive or restarts.given_up:
             return
         if restarts.due_at is None:  # a new exit
+            child.stop()  # what it started goes too (a vLLM server's engine process)
             restarts.exited(now)
             crashes = f"{restarts.fast_crashes} fast exit(s) in a row"
             if restarts.given_up:
@@ -596,8 +618,10 @@ class Cluster:
 
     def _replica_env(self) -> dict[str, str]:
         env = self._env()
-        if self.config.engine == "vllm":  # loopback for vLLM's internal queues; no hub
-            env |= {"VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1"}
+        if self.config.engine == "vllm":
+            # Loopback for vLLM's internal queues; no hub; POST /reset_prefix_cache served
+            # (the router's prefix-cache reset of vLLM replicas).
+            env |= {"VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"}
         if not self.config.on_gpu:  # replicas share the cores instead of each taking all
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.config.replicas))
         return env
@@ -652,6 +676,9 @@ class Cluster:
         ]
         if not c.kv_pool:  # nothing is shared: only GPU-local hits count
             argv += ["--pool-credit", "0"]
+        if c.engine == "vllm":  # the router does the admin calls vLLM does not serve
+            argv += ["--engine", "vllm"]
+            argv += ["--kv-pool", self.pool_address] if c.kv_pool else []
         for url in self.replica_urls:
             argv += ["--replica", url]
         return argv + list(c.router_args)

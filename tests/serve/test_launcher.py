@@ -214,6 +214,43 @@ def test_cluster_notices_a_dead_child(runtime: str) -> None:
     assert "[replica0] kvshare serve: shape:tiny-llama ready" in log.getvalue()
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a killed orphan waits for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_stopping_a_child_stops_what_it_started() -> None:
+    # `vllm serve` runs its engine in a process of its own: stopping the replica must not
+    # leave that one running (holding its memory and cores).
+    script = (
+        "import subprocess, time; p = subprocess.Popen(['sleep', '120']); "
+        "print(p.pid, flush=True); time.sleep(120)"
+    )
+    log = io.StringIO()
+    child = launcher._Child(
+        "replica0", [sys.executable, "-c", script], dict(os.environ), launcher._PrefixedLog(log)
+    )
+    child.start()
+    deadline = time.monotonic() + 30
+    while not re.search(r"\[replica0\] \d+", log.getvalue()):
+        assert time.monotonic() < deadline, log.getvalue()
+        time.sleep(0.05)
+    grandchild = int(re.search(r"\[replica0\] (\d+)", log.getvalue()).group(1))
+    assert _running(grandchild)
+    child.stop()
+    deadline = time.monotonic() + 10
+    while _running(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    running = _running(grandchild)
+    if running:
+        os.kill(grandchild, signal.SIGKILL)
+    assert not running, "the child's own child outlived it"
+
+
 def test_restarts_back_off_and_give_up_after_fast_crashes_in_a_row() -> None:
     policy = RestartPolicy(
         first_delay_s=1.0, max_delay_s=5.0, fast_crash_s=60.0, max_fast_crashes=4
