@@ -165,6 +165,7 @@ class Replica:
     healthy: bool = True  # optimistic until the first health check says otherwise
     in_flight: int = 0
     instance: str | None = None
+    answered: bool = False  # a health check has passed
     failed_checks: int = 0  # health checks failed in a row
     # Position in the replica's cache event log (kvshare.engine.cache_events); None: unknown,
     # the next read is a snapshot.
@@ -236,7 +237,8 @@ class Router:
             timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
             async with self.session.get(replica.url + "/health", timeout=timeout) as resp:
                 if resp.status == 200:
-                    info = await resp.json(content_type=None)
+                    # `vllm serve` answers an empty body: healthy, with no instance id.
+                    info = await resp.json(content_type=None) or {}
         except (*_UPSTREAM_ERRORS, ValueError):
             info = None
         healthy = isinstance(info, dict)
@@ -248,11 +250,11 @@ class Router:
         if healthy and self.policy.uses_prefix and self.admin.cache_events:
             await self._read_cache_events(replica)
         replica.failed_checks = 0 if healthy else replica.failed_checks + 1
+        replica.answered = replica.answered or healthy
         # A replica that never answered leaves at its first failed check.
-        never_answered = replica.instance is None
         if (
             healthy
-            or never_answered
+            or not replica.answered
             or replica.failed_checks >= self.config.health_failures_to_leave
         ):
             self._set_health(replica, healthy)

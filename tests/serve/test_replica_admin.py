@@ -95,8 +95,10 @@ def test_vllm_replicas_switch_clear_and_read_the_shared_pool_and_reset_through_v
         pools.close()
 
 
-def test_a_vllm_replica_without_dev_mode_or_pool_gets_a_clear_answer() -> None:
+def test_a_vllm_replica_is_healthy_and_without_dev_mode_or_pool_gets_a_clear_answer() -> None:
     with vllm_cluster([FakeVLLM(dev_mode=False)], None) as client:
+        # vLLM's /health answers 200 with an empty body.
+        assert [r["healthy"] for r in client.get("/admin/replicas").json()] == [True]
         reset = client.post("/admin/all/reset_prefix_cache")
         assert reset.status_code == 502
         assert "VLLM_SERVER_DEV_MODE=1" in reset.json()["replicas"][0]["body"]["error"]
