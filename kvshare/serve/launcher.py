@@ -295,8 +295,9 @@ def _parent_death_signal() -> Callable[[], None] | None:
 class _Child:
     """One child process; its stdout and stderr go, line by line, to the prefixed log.
 
-    It leads a process group of its own, and every signal goes to the whole group: what it
-    started (vLLM's engine process, its workers) stops with it instead of being orphaned.
+    With `own_group` (replicas) it leads a process group of its own and every signal goes
+    to the whole group: what it started (vLLM's engine process and workers) stops with it
+    instead of being orphaned. The pool and the router stay in the launcher's group.
     """
 
     def __init__(
@@ -306,8 +307,10 @@ class _Child:
         env: dict[str, str],
         log: _PrefixedLog,
         ready_prefix: str | None = None,
+        own_group: bool = False,
     ) -> None:
         self.name = name
+        self.own_group = own_group
         self.argv = argv
         self._env = env
         self._log = log
@@ -325,7 +328,7 @@ class _Child:
             stdin=subprocess.DEVNULL,
             env=self._env,
             preexec_fn=_parent_death_signal(),
-            start_new_session=True,
+            start_new_session=self.own_group,
         )
         self._pump = threading.Thread(
             target=self._copy_output, name=f"log-{self.name}", daemon=True
@@ -352,14 +355,20 @@ class _Child:
         return self._process is not None and self._process.poll() is None
 
     def signal(self, sig: int) -> None:
-        """Send `sig` to the child's process group (also after the child itself exited:
-        what it started may still run)."""
-        if self._process is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
+        """Send `sig` to the child, or to its process group (also after the child itself
+        exited: what it started may still run)."""
+        if self._process is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if self.own_group:
                 os.killpg(self._process.pid, sig)
+            elif self.alive:
+                self._process.send_signal(sig)
 
     def _group_alive(self) -> bool:
-        assert self._process is not None
+        """Whether a process of the child's own group still runs (False without one)."""
+        if not self.own_group or self._process is None:
+            return False
         try:
             os.killpg(self._process.pid, 0)
         except (ProcessLookupError, PermissionError):
@@ -367,8 +376,8 @@ class _Child:
         return True
 
     def wait(self, timeout: float) -> None:
-        """Wait for the child and the rest of its process group to exit; SIGKILL the group
-        after `timeout`. Output is drained either way."""
+        """Wait for the child (and the rest of its own group) to exit; SIGKILL after
+        `timeout`. Output is drained either way."""
         if self._process is None:
             return
         deadline = time.monotonic() + timeout
@@ -579,15 +588,23 @@ class Cluster:
     # ------------------------------------------------------------ internals
 
     def _spawn(
-        self, name: str, argv: list[str], env: dict[str, str], ready_prefix: str | None = None
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        ready_prefix: str | None = None,
+        own_group: bool = False,
     ) -> _Child:
-        child = _Child(name, argv, env, self._log, ready_prefix)
+        child = _Child(name, argv, env, self._log, ready_prefix, own_group)
         child.start()
         return child
 
     def _spawn_replica(self, i: int) -> _Child:
         child = self._spawn(
-            f"replica{i}", self._replica_argv(i), self._server_env(self._replica_env())
+            f"replica{i}",
+            self._replica_argv(i),
+            self._server_env(self._replica_env()),
+            own_group=True,
         )
         self._replicas[i] = child
         self._restarts[i].restarted(time.monotonic())

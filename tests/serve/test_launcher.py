@@ -223,32 +223,39 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_stopping_a_child_stops_what_it_started() -> None:
-    # `vllm serve` runs its engine in a process of its own: stopping the replica must not
-    # leave that one running (holding its memory and cores).
-    script = (
-        "import subprocess, time; p = subprocess.Popen(['sleep', '120']); "
-        "print(p.pid, flush=True); time.sleep(120)"
+def test_stopping_a_vllm_replica_stops_what_it_started(tmp_path: Path) -> None:
+    # `vllm serve` runs its engine in processes of its own: stopping the replica must not
+    # leave them running (holding their memory and cores). This fake starts one and waits.
+    fake_vllm = tmp_path / "vllm"
+    fake_vllm.write_text(
+        f"#!{sys.executable}\n"
+        "import subprocess, time\n"
+        "engine = subprocess.Popen(['sleep', '120'])\n"
+        "print('engine', engine.pid, flush=True)\n"
+        "time.sleep(120)\n"
     )
+    fake_vllm.chmod(0o755)
+    flags = ["--engine", "vllm", "--model", "/m", "--no-kv-pool", "--port", "0"]
+    config = UpConfig.from_args([*flags, "--vllm-bin", str(fake_vllm)])
     log = io.StringIO()
-    child = launcher._Child(
-        "replica0", [sys.executable, "-c", script], dict(os.environ), launcher._PrefixedLog(log)
-    )
-    child.start()
-    deadline = time.monotonic() + 30
-    while not re.search(r"\[replica0\] \d+", log.getvalue()):
-        assert time.monotonic() < deadline, log.getvalue()
-        time.sleep(0.05)
-    grandchild = int(re.search(r"\[replica0\] (\d+)", log.getvalue()).group(1))
-    assert _running(grandchild)
-    child.stop()
+    cluster = Cluster(config, log=log)
+    try:
+        cluster._spawn_replica(0)
+        deadline = time.monotonic() + 30
+        while not (found := re.search(r"\[replica0\] engine (\d+)", log.getvalue())):
+            assert time.monotonic() < deadline, log.getvalue()
+            time.sleep(0.05)
+        engine = int(found.group(1))
+        assert _running(engine)
+    finally:
+        cluster.stop()
     deadline = time.monotonic() + 10
-    while _running(grandchild) and time.monotonic() < deadline:
+    while _running(engine) and time.monotonic() < deadline:
         time.sleep(0.05)
-    running = _running(grandchild)
+    running = _running(engine)
     if running:
-        os.kill(grandchild, signal.SIGKILL)
-    assert not running, "the child's own child outlived it"
+        os.kill(engine, signal.SIGKILL)
+    assert not running, "the replica's engine process outlived it"
 
 
 def test_restarts_back_off_and_give_up_after_fast_crashes_in_a_row() -> None:
