@@ -7,9 +7,9 @@ server sends in every choice (`token_ids`, a kvshare extension). Requests ask fo
 `ignore_eos`, so every request generates exactly max_tokens tokens in both conditions and an
 answer that would end at once still has a first token to time.
 
-The target is the router. Admin calls go through its /admin/all/<path>, which reaches every
-replica and also makes the router's cache-aware index forget what the replicas forgot;
-counters are read from each replica's own /admin/stats (URLs from /admin/replicas).
+The target is the router. Admin calls and counters go through its /admin/all/<path>, which
+reaches every replica (whatever engine it runs: kvshare.serve.replica_admin) and also makes
+the router's cache-aware index forget what the replicas forgot.
 Requests carry the keys of KVSHARE_API_KEY and KVSHARE_ADMIN_KEY (kvshare.serve.auth).
 """
 
@@ -167,10 +167,12 @@ class BenchClient:
             await _check(resp, path)
             return await resp.json(content_type=None)
 
-    async def stats(self, base_url: str) -> dict[str, Any]:
-        return await get_json(
-            self.session, base_url + "/admin/stats", self.keys.authorization(True)
+    async def stats(self) -> list[dict[str, Any]]:
+        """Every replica's counters (its /admin/stats), in router index order."""
+        answer = await get_json(
+            self.session, self.url + "/admin/all/stats", self.keys.authorization(True)
         )
+        return [replica["body"] for replica in answer["replicas"]]
 
 
 async def get_json(session: aiohttp.ClientSession, url: str, headers: Mapping[str, str]) -> Any:

@@ -49,6 +49,12 @@ class RequestRecord:
     def measured(self) -> bool:
         return self.tag.role == MEASURE
 
+    @property
+    def counts_kv(self) -> bool:
+        """Whether the server sent kvshare's usage counters (usage.kv); a vLLM replica does
+        not, and its `cached_tokens` do not tell the pool's tokens from its own cache's."""
+        return isinstance((self.result.usage or {}).get("kv"), Mapping)
+
     def usage_int(self, *path: str) -> int:
         """A usage counter (e.g. "kv", "pool_hit_tokens"); 0 where the server did not send it."""
         node: Any = self.result.usage or {}

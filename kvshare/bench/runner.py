@@ -57,7 +57,7 @@ class BlockContext:
         await self.client.admin_all("reset_prefix_cache")
 
     async def settle(self) -> float:
-        return await settle(self.client, self.replicas[0], self.settle_timeout_s)
+        return await settle(self.client, self.settle_timeout_s)
 
     async def _timed(
         self,
@@ -90,9 +90,7 @@ class Workload(Protocol):
     async def run_block(self, ctx: BlockContext) -> list[RequestRecord]: ...
 
 
-async def settle(
-    client: BenchClient, replica: str, timeout_s: float, poll_s: float = 0.01
-) -> float:
+async def settle(client: BenchClient, timeout_s: float, poll_s: float = 0.01) -> float:
     """Wait until the pool holds no reservation: every store begun has committed or aborted.
 
     A replica stores a prompt's chunks after computing them and commits each once its copy
@@ -102,27 +100,21 @@ async def settle(
     """
     start = time.perf_counter()
     while (waited := time.perf_counter() - start) < timeout_s:
-        pool = (await client.stats(replica)).get("pool")
+        pool = (await client.stats())[0].get("pool")  # every replica's pool is the one
         if not pool or not pool.get("reserved"):
             break
         await asyncio.sleep(poll_s)
     return waited
 
 
-async def prepare_block(
-    client: BenchClient, block: Block, replica: str, settle_timeout_s: float
-) -> None:
+async def prepare_block(client: BenchClient, block: Block, settle_timeout_s: float) -> None:
     # Settle, toggle, clear, reset: the block starts with the pool in its setting and empty
     # (no store of the previous block lands later), and every GPU-local prefix cache cold.
     # (Every replica clears the one pool: idempotent.)
-    await settle(client, replica, settle_timeout_s)
+    await settle(client, settle_timeout_s)
     await client.admin_all("kv_pool", {"enabled": block.pool_enabled})
     await client.admin_all("clear_pool")
     await client.admin_all("reset_prefix_cache")
-
-
-async def all_stats(client: BenchClient, replicas: Sequence[str]) -> tuple[dict[str, Any], ...]:
-    return tuple(await asyncio.gather(*(client.stats(url) for url in replicas)))
 
 
 async def warm_up(
@@ -158,8 +150,8 @@ async def run_design(
     workload.check(len(replicas))
     results = []
     for block in design.blocks:
-        await prepare_block(client, block, replicas[0], settle_timeout_s)
-        before = await all_stats(client, replicas)
+        await prepare_block(client, block, settle_timeout_s)
+        before = tuple(await client.stats())
         observer.block_started(block, workload.planned_requests())
         started = time.perf_counter()
         ctx = BlockContext(
@@ -167,7 +159,7 @@ async def run_design(
         )
         records = await workload.run_block(ctx)
         wall = time.perf_counter() - started
-        result = BlockResult(block, wall, before, await all_stats(client, replicas), tuple(records))
+        result = BlockResult(block, wall, before, tuple(await client.stats()), tuple(records))
         observer.block_done(result)
         results.append(result)
     return tuple(results)

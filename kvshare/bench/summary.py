@@ -63,9 +63,12 @@ def samples(records: Iterable[RequestRecord]) -> list[Sample]:
 
 
 def pool_hit_rate(records: Iterable[RequestRecord]) -> float | None:
-    """pool_hit_tokens / prompt_tokens over the records (usage.kv); None with no prompt tokens."""
+    """pool_hit_tokens / prompt_tokens over the records (usage.kv); None with no prompt
+    tokens, or when a record has no usage.kv to count from."""
     prompt = hits = 0
     for r in records:
+        if not r.counts_kv:
+            return None
         prompt += r.usage_int("prompt_tokens")
         hits += r.usage_int("kv", "pool_hit_tokens")
     return hits / prompt if prompt else None
@@ -231,5 +234,7 @@ def block_row(result: BlockResult) -> BlockRow:
         settle_s=sum(r.settle_s or 0.0 for r in records),
         computed_tokens=computed,
         ideal_tokens=ideal,
-        computed_over_ideal=computed_over_ideal(computed, ideal),
+        computed_over_ideal=(
+            computed_over_ideal(computed, ideal) if all(r.counts_kv for r in records) else None
+        ),
     )

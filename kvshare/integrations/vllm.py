@@ -162,11 +162,19 @@ class KVShareConnector(KVConnectorBase_V1):
     # -- pool trouble -----------------------------------------------------------------
 
     def _pool_failed(self, op: str, error: Exception) -> None:
-        """One log line per change of the pool's state, not one per request."""
-        reason = f"{type(error).__name__}: {error}"
-        if self._pool_down != reason:
-            log.warning("kvshare pool %s failed (%s): recomputing without the pool", op, reason)
-        self._pool_down = reason
+        """One log line when the pool becomes unusable (a wrong address, the daemon down),
+        not one per request: while it stays down the client's reconnect attempts answer
+        with other messages, none of them news."""
+        if self._pool_down is None:
+            log.warning(
+                "kvshare pool at %s: %s failed (%s: %s): recomputing without the pool until "
+                "it is reachable",
+                self.address,
+                op,
+                type(error).__name__,
+                error,
+            )
+        self._pool_down = f"{type(error).__name__}: {error}"
 
     def _pool_ok(self) -> None:
         if self._pool_down is not None:

@@ -118,6 +118,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="request bodies held at once; a request waits up to 10 s for room, "
         "then gets 503 (default: 512MiB)",
     )
+    router.add_argument(
+        "--engine",
+        default="kvshare",
+        choices=("kvshare", "vllm"),
+        help="what the replicas run; with vllm, /admin/all/ switches, clears and reads the "
+        "pool at --kv-pool and resets prefix caches through vLLM's /reset_prefix_cache",
+    )
+    router.add_argument(
+        "--kv-pool",
+        metavar="unix:PATH",
+        help="--engine vllm: the pool daemon the replicas share (default: none)",
+    )
     add_key_arguments(router)
     router.add_argument("--log-level", default="INFO", choices=_LOG_LEVELS, help="log verbosity")
     router.set_defaults(func=run_router)
@@ -220,6 +232,8 @@ def run_router(args: argparse.Namespace) -> int:
             admin_key=access.admin_key,
             max_body_bytes=parse_size(args.max_body_bytes),
             max_buffered_bytes=parse_size(args.max_buffered_bytes),
+            engine=args.engine,
+            kv_pool=args.kv_pool,
         )
         keys = RoutingKeys(tokenizer, config.block_tokens)
     except (ValueError, FileNotFoundError) as exc:

@@ -293,7 +293,12 @@ def _parent_death_signal() -> Callable[[], None] | None:
 
 
 class _Child:
-    """One child process; its stdout and stderr go, line by line, to the prefixed log."""
+    """One child process; its stdout and stderr go, line by line, to the prefixed log.
+
+    With `own_group` (replicas) it leads a process group of its own and every signal goes
+    to the whole group: what it started (vLLM's engine process and workers) stops with it
+    instead of being orphaned. The pool and the router stay in the launcher's group.
+    """
 
     def __init__(
         self,
@@ -302,8 +307,10 @@ class _Child:
         env: dict[str, str],
         log: _PrefixedLog,
         ready_prefix: str | None = None,
+        own_group: bool = False,
     ) -> None:
         self.name = name
+        self.own_group = own_group
         self.argv = argv
         self._env = env
         self._log = log
@@ -321,6 +328,7 @@ class _Child:
             stdin=subprocess.DEVNULL,
             env=self._env,
             preexec_fn=_parent_death_signal(),
+            start_new_session=self.own_group,
         )
         self._pump = threading.Thread(
             target=self._copy_output, name=f"log-{self.name}", daemon=True
@@ -347,20 +355,42 @@ class _Child:
         return self._process is not None and self._process.poll() is None
 
     def signal(self, sig: int) -> None:
-        if self.alive:
-            assert self._process is not None
-            with contextlib.suppress(ProcessLookupError):
-                self._process.send_signal(sig)
-
-    def wait(self, timeout: float) -> None:
-        """Wait for exit; SIGKILL after `timeout`. Output is drained either way."""
+        """Send `sig` to the child, or to its process group (also after the child itself
+        exited: what it started may still run)."""
         if self._process is None:
             return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if self.own_group:
+                os.killpg(self._process.pid, sig)
+            elif self.alive:
+                self._process.send_signal(sig)
+
+    def _group_alive(self) -> bool:
+        """Whether a process of the child's own group still runs (False without one)."""
+        if not self.own_group or self._process is None:
+            return False
+        try:
+            os.killpg(self._process.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+    def wait(self, timeout: float) -> None:
+        """Wait for the child (and the rest of its own group) to exit; SIGKILL after
+        `timeout`. Output is drained either way."""
+        if self._process is None:
+            return
+        deadline = time.monotonic() + timeout
         try:
             self._process.wait(timeout)
         except subprocess.TimeoutExpired:
-            self._process.kill()
+            self.signal(signal.SIGKILL)
             self._process.wait()
+        while self._group_alive():
+            if time.monotonic() > deadline:
+                self.signal(signal.SIGKILL)
+                break
+            time.sleep(0.05)
         if self._pump is not None:
             self._pump.join(5.0)
 
@@ -499,6 +529,7 @@ class Cluster:
         if child is None or child.alive or restarts.given_up:
             return
         if restarts.due_at is None:  # a new exit
+            child.stop()  # what it started goes too (a vLLM server's engine process)
             restarts.exited(now)
             crashes = f"{restarts.fast_crashes} fast exit(s) in a row"
             if restarts.given_up:
@@ -557,15 +588,23 @@ class Cluster:
     # ------------------------------------------------------------ internals
 
     def _spawn(
-        self, name: str, argv: list[str], env: dict[str, str], ready_prefix: str | None = None
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        ready_prefix: str | None = None,
+        own_group: bool = False,
     ) -> _Child:
-        child = _Child(name, argv, env, self._log, ready_prefix)
+        child = _Child(name, argv, env, self._log, ready_prefix, own_group)
         child.start()
         return child
 
     def _spawn_replica(self, i: int) -> _Child:
         child = self._spawn(
-            f"replica{i}", self._replica_argv(i), self._server_env(self._replica_env())
+            f"replica{i}",
+            self._replica_argv(i),
+            self._server_env(self._replica_env()),
+            own_group=True,
         )
         self._replicas[i] = child
         self._restarts[i].restarted(time.monotonic())
@@ -596,8 +635,10 @@ class Cluster:
 
     def _replica_env(self) -> dict[str, str]:
         env = self._env()
-        if self.config.engine == "vllm":  # loopback for vLLM's internal queues; no hub
-            env |= {"VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1"}
+        if self.config.engine == "vllm":
+            # Loopback for vLLM's internal queues; no hub; POST /reset_prefix_cache served
+            # (the router's prefix-cache reset of vLLM replicas).
+            env |= {"VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"}
         if not self.config.on_gpu:  # replicas share the cores instead of each taking all
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.config.replicas))
         return env
@@ -652,6 +693,9 @@ class Cluster:
         ]
         if not c.kv_pool:  # nothing is shared: only GPU-local hits count
             argv += ["--pool-credit", "0"]
+        if c.engine == "vllm":  # the router does the admin calls vLLM does not serve
+            argv += ["--engine", "vllm"]
+            argv += ["--kv-pool", self.pool_address] if c.kv_pool else []
         for url in self.replica_urls:
             argv += ["--replica", url]
         return argv + list(c.router_args)

@@ -14,9 +14,11 @@
   last read, a snapshot after a reset, whether it uses the pool, the pool's size and clear
   count) and hands it to the policy, so the router's view follows the replica's cache.
 - Responses are relayed chunk by chunk as they arrive (SSE is never buffered).
-- GET /admin/replicas lists the replicas; /admin/all/<call> forwards one of the replicas'
-  admin calls (ADMIN_CALLS, nothing else) to every replica, with the router's admin
-  credential, and returns their answers.
+- GET /admin/replicas lists the replicas; /admin/all/<call> carries out one of the
+  replicas' admin calls on every replica and returns their answers: forwarded to a kvshare
+  replica's /admin/<call> with the router's admin credential, or, for `vllm serve`
+  replicas (`engine` "vllm"), done at the shared pool daemon and vLLM's own prefix-cache
+  reset (kvshare.serve.replica_admin). Nothing else is forwarded.
 - A /v1 path with a dot segment or an encoded separator is refused: the client side of
   the proxy would resolve `/v1/..%2Fadmin` into a replica's /admin.
 - Keys and the loopback rule for /admin without one: kvshare.serve.auth.
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,7 @@ from kvshare.serve.policies import (
     RouteRequest,
     make_policy,
 )
+from kvshare.serve.replica_admin import ENGINES, KVShareReplicaAdmin, replica_admin
 from kvshare.serve.routing_keys import Prefix, RoutingKeys
 from kvshare.version import __version__
 
@@ -73,14 +75,8 @@ _NOT_FORWARDED = frozenset(
 )
 _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 # The replica's admin endpoints (kvshare.serve.server.build_app) and their methods: the
-# only calls /admin/all/<call> forwards.
-ADMIN_CALLS = {
-    "reset_prefix_cache": "POST",
-    "kv_pool": "POST",
-    "clear_pool": "POST",
-    "stats": "GET",
-    "cache_events": "GET",
-}
+# only calls /admin/all/<call> forwards to kvshare replicas.
+ADMIN_CALLS = KVShareReplicaAdmin.calls
 _ENCODED_SEPARATORS = ("%2f", "%5c")
 # Admin calls after which the router reads every replica's cache events before answering.
 _CALLS_THAT_CHANGE_CACHES = frozenset({"reset_prefix_cache", "kv_pool", "clear_pool"})
@@ -104,9 +100,13 @@ class RouterConfig:
     admin_key: str | None = None
     max_buffered_bytes: int = 512 << 20
     body_wait_timeout: float = 10.0
+    engine: str = "kvshare"  # what the replicas run: "kvshare", or "vllm" (`vllm serve`)
+    kv_pool: str | None = None  # vllm: the pool daemon the replicas share (None: no pool)
 
     def __post_init__(self) -> None:
         AccessKeys(self.api_key, self.admin_key)  # checks both keys
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if not self.replicas:
             raise ValueError("a router needs at least one --replica URL")
         for url in self.replicas:
@@ -165,6 +165,7 @@ class Replica:
     healthy: bool = True  # optimistic until the first health check says otherwise
     in_flight: int = 0
     instance: str | None = None
+    answered: bool = False  # a health check has passed
     failed_checks: int = 0  # health checks failed in a row
     # Position in the replica's cache event log (kvshare.engine.cache_events); None: unknown,
     # the next read is a snapshot.
@@ -193,6 +194,7 @@ class Router:
         # What the fan-out sends replicas: in `kvshare up` they hold the router's keys.
         self.admin_credential = AccessKeys(config.api_key, config.admin_key).admin_credential
         self.bodies = BodyBudget(config.max_buffered_bytes)
+        self.admin = replica_admin(config.engine, config.kv_pool)
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._pool_cleared_keys: int | None = None  # the pool's clear count, last seen
@@ -212,6 +214,7 @@ class Router:
             self._health_task.cancel()
         if self._session is not None:
             await self._session.close()
+        await self.admin.close()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -234,7 +237,8 @@ class Router:
             timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
             async with self.session.get(replica.url + "/health", timeout=timeout) as resp:
                 if resp.status == 200:
-                    info = await resp.json(content_type=None)
+                    # `vllm serve` answers an empty body: healthy, with no instance id.
+                    info = await resp.json(content_type=None) or {}
         except (*_UPSTREAM_ERRORS, ValueError):
             info = None
         healthy = isinstance(info, dict)
@@ -243,14 +247,14 @@ class Router:
                 self.policy.forget_replica(replica.index)
             replica.instance = info.get("instance")
             replica.cache_generation = None
-        if healthy and self.policy.uses_prefix:
+        if healthy and self.policy.uses_prefix and self.admin.cache_events:
             await self._read_cache_events(replica)
         replica.failed_checks = 0 if healthy else replica.failed_checks + 1
+        replica.answered = replica.answered or healthy
         # A replica that never answered leaves at its first failed check.
-        never_answered = replica.instance is None
         if (
             healthy
-            or never_answered
+            or not replica.answered
             or replica.failed_checks >= self.config.health_failures_to_leave
         ):
             self._set_health(replica, healthy)
@@ -553,30 +557,33 @@ class Router:
         return web.json_response([r.describe() for r in self.replicas])
 
     async def admin_all(self, request: web.Request) -> web.Response:
-        """Forward /admin/all/<call> to /admin/<call> of every replica, concurrently."""
+        """Carry out /admin/all/<call> on every replica, concurrently."""
         call = request.match_info["call"]
-        if call not in ADMIN_CALLS:
+        calls = self.admin.calls
+        if call not in calls:
             raise APIError(
                 404,
-                f"unknown admin call {call!r}; /admin/all/ forwards only "
-                f"{', '.join(sorted(ADMIN_CALLS))}",
+                f"unknown admin call {call!r}; /admin/all/ on {self.config.engine} replicas "
+                f"offers only {', '.join(sorted(calls))}",
             )
-        if request.method != ADMIN_CALLS[call]:
-            raise APIError(
-                405, f"/admin/all/{call} takes {ADMIN_CALLS[call]}, not {request.method}"
-            )
-        path = "/admin/" + call
+        if request.method != calls[call]:
+            raise APIError(405, f"/admin/all/{call} takes {calls[call]}, not {request.method}")
         body = await request.read()
         answers = await asyncio.gather(
-            *(self._admin_one(r, request, path, body) for r in self.replicas)
+            *(self._admin_one(r, request, call, body) for r in self.replicas)
         )
         ok = all(a["status"] is not None and a["status"] < 400 for a in answers)
-        if ok and path == "/admin/reset_prefix_cache":
+        if ok and call == "reset_prefix_cache":
             for replica in self.replicas:
                 self.policy.forget_replica(replica.index)
-        if ok and path == "/admin/clear_pool":
+        if ok and call == "clear_pool":
             self.policy.forget_pool()
-        if ok and call in _CALLS_THAT_CHANGE_CACHES and self.policy.uses_prefix:
+        if (
+            ok
+            and call in _CALLS_THAT_CHANGE_CACHES
+            and self.policy.uses_prefix
+            and self.admin.cache_events
+        ):
             # Read the replicas' new state before answering: the caller (a bench block start)
             # sends its next requests at once, and a reset or clear first heard of at the next
             # health check would wipe what the router learned from them meanwhile.
@@ -584,28 +591,15 @@ class Router:
         return web.json_response({"replicas": answers}, status=200 if ok else 502)
 
     async def _admin_one(
-        self, replica: Replica, request: web.Request, path: str, body: bytes
+        self, replica: Replica, request: web.Request, call: str, body: bytes
     ) -> dict[str, Any]:
-        answer: dict[str, Any] = {"index": replica.index, "url": replica.url, "status": None}
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
         credential = self.admin_credential
         if credential is not None:  # replicas check their own key: send it, not the client's
             headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
             headers["Authorization"] = f"Bearer {credential}"
-        try:
-            async with self.session.request(
-                request.method, replica.url + path, data=body or None, headers=headers
-            ) as resp:
-                answer["status"] = resp.status
-                text = await resp.text()
-        except _UPSTREAM_ERRORS as exc:
-            answer["error"] = f"{type(exc).__name__}: {exc}"
-            return answer
-        try:
-            answer["body"] = json.loads(text)
-        except ValueError:
-            answer["body"] = text
-        return answer
+        answer = await self.admin.call(self.session, replica.url, call, body, headers)
+        return {"index": replica.index, "url": replica.url} | answer
 
 
 def _check_path(request: web.Request) -> None:

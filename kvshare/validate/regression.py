@@ -139,7 +139,12 @@ class _Service:
 def _answer(reply: dict) -> Answer:
     choice = reply["choices"][0]
     text = choice["message"]["content"] if "message" in choice else choice["text"]
-    hits = reply.get("usage", {}).get("kv", {}).get("pool_hit_tokens", 0)
+    usage = reply.get("usage") or {}
+    hits = (usage.get("kv") or {}).get("pool_hit_tokens")
+    if hits is None:
+        # A vLLM replica counts every cached prompt token (`--enable-prompt-tokens-details`);
+        # its GPU prefix cache was reset just before, so they all came from the pool.
+        hits = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return Answer(list(choice.get("token_ids") or []), text, hits)
 
 

@@ -66,6 +66,7 @@ class FakeCluster:
         app.router.add_post("/r{replica}/admin/{action}", self._admin)
         app.router.add_post("/admin/all/{action}", self._admin_all)
         app.router.add_get("/r{replica}/admin/stats", self._stats)
+        app.router.add_get("/admin/all/stats", self._all_stats)
         return app
 
     def requests(self) -> list[Event]:
@@ -112,7 +113,15 @@ class FakeCluster:
             raise web.HTTPNotFound()
 
     async def _stats(self, request: web.Request) -> web.Response:
-        i = int(request.match_info["replica"])
+        return web.json_response(self._stats_of(int(request.match_info["replica"])))
+
+    async def _all_stats(self, request: web.Request) -> web.Response:
+        answers = [
+            {"index": i, "status": 200, "body": self._stats_of(i)} for i in range(self.replicas)
+        ]
+        return web.json_response({"replicas": answers})
+
+    def _stats_of(self, i: int) -> dict[str, Any]:
         kv_pool = {
             "loaded_bytes": self.loaded[i],
             "stored_bytes": self.stored[i],
@@ -121,7 +130,7 @@ class FakeCluster:
         }
         now = time.monotonic()
         pool = {"reserved": sum(visible > now for visible in self.pool.values())}
-        return web.json_response({"engine": {"replica": i}, "kv_pool": kv_pool, "pool": pool})
+        return {"engine": {"replica": i}, "kv_pool": kv_pool, "pool": pool}
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

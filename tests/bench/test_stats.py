@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -190,3 +191,16 @@ def test_paired_designs_put_one_off_and_one_on_block_in_each_neighbour_pair() ->
     assert design.label == "OFF-ON-ON-OFF-OFF-ON"
     assert design.pairs() == [(0, 1), (3, 2), (4, 5)]
     assert Design.parse("OFF-OFF-ON-ON").pairs() == []  # neighbours of one condition are no pair
+
+
+def test_a_server_without_kvshares_counters_has_no_hit_rate_rather_than_zero() -> None:
+    # vLLM sends no usage.kv: its hits are unknown, not 0 %.
+    block = Design.parse("ON").blocks[0]
+    counted = _record(block, 1.0, hits=60)
+    vllm = dataclasses.replace(
+        counted, result=dataclasses.replace(counted.result, usage={"prompt_tokens": 100})
+    )
+    assert pool_hit_rate([counted]) == 0.6
+    assert pool_hit_rate([counted, vllm]) is None
+    row = block_row(BlockResult(block, 1.0, ({},), ({},), (vllm,)))
+    assert row.pool_hit_rate is None and row.computed_over_ideal is None

@@ -45,6 +45,12 @@ def test_vllm_replicas_serve_the_model_with_the_connector_on_the_clusters_pool()
     }
     assert argv[-2:] == ["--max-model-len", "4096"]
     assert cluster._replica_env()["VLLM_HOST_IP"] == "127.0.0.1"
+    # vLLM serves POST /reset_prefix_cache only in dev mode; the router resets through it
+    # and does the pool calls at the cluster's daemon.
+    assert cluster._replica_env()["VLLM_SERVER_DEV_MODE"] == "1"
+    router = cluster._router_argv()
+    assert router[router.index("--engine") + 1] == "vllm"
+    assert router[router.index("--kv-pool") + 1] == cluster.pool_address
     assert config.ready_timeout == 900.0  # a vLLM start takes minutes on a busy CPU host
 
 

@@ -214,6 +214,50 @@ def test_cluster_notices_a_dead_child(runtime: str) -> None:
     assert "[replica0] kvshare serve: shape:tiny-llama ready" in log.getvalue()
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a killed orphan waits for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_stopping_a_vllm_replica_stops_what_it_started(tmp_path: Path) -> None:
+    # `vllm serve` runs its engine in processes of its own: stopping the replica must not
+    # leave them running (holding their memory and cores). This fake starts one and waits.
+    fake_vllm = tmp_path / "vllm"
+    fake_vllm.write_text(
+        f"#!{sys.executable}\n"
+        "import subprocess, time\n"
+        "engine = subprocess.Popen(['sleep', '120'])\n"
+        "print('engine', engine.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    fake_vllm.chmod(0o755)
+    flags = ["--engine", "vllm", "--model", "/m", "--no-kv-pool", "--port", "0"]
+    config = UpConfig.from_args([*flags, "--vllm-bin", str(fake_vllm)])
+    log = io.StringIO()
+    cluster = Cluster(config, log=log)
+    try:
+        cluster._spawn_replica(0)
+        deadline = time.monotonic() + 30
+        while not (found := re.search(r"\[replica0\] engine (\d+)", log.getvalue())):
+            assert time.monotonic() < deadline, log.getvalue()
+            time.sleep(0.05)
+        engine = int(found.group(1))
+        assert _running(engine)
+    finally:
+        cluster.stop()
+    deadline = time.monotonic() + 10
+    while _running(engine) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    running = _running(engine)
+    if running:
+        os.kill(engine, signal.SIGKILL)
+    assert not running, "the replica's engine process outlived it"
+
+
 def test_restarts_back_off_and_give_up_after_fast_crashes_in_a_row() -> None:
     policy = RestartPolicy(
         first_delay_s=1.0, max_delay_s=5.0, fast_crash_s=60.0, max_fast_crashes=4
