@@ -105,6 +105,7 @@ def test_the_same_salt_hits_and_other_salts_share_nothing(tenancy: Tenancy) -> N
     assert tenancy.send(1, prompt, "tenant-c") == {
         "gpu_hit_tokens": 0,
         "pool_hit_tokens": 0,
+        "pool_remote_hit_tokens": 0,
         "computed_tokens": PROMPT_TOKENS,
     }
     moved = tenancy.send(1, prompt, "tenant-a")
