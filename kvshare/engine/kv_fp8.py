@@ -16,19 +16,13 @@ from __future__ import annotations
 import torch
 
 from kvshare.engine.config import KVCacheDtype
+from kvshare.engine.memory import FP8_SCALE_BYTES as SCALE_BYTES
+from kvshare.engine.memory import packed_head_bytes
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
-SCALE_BYTES = 4  # one float32 per row
 _INV_FP8_MAX = 1.0 / FP8_MAX
 _TINY = torch.finfo(torch.float32).tiny  # the scale of an all-zero row: keeps 0 / scale finite
-
-
-def packed_head_bytes(head_dim: int) -> int:
-    """Bytes of one packed row; the float32 scale must sit on a 4-byte boundary."""
-    if head_dim % SCALE_BYTES:
-        raise ValueError(f"fp8 KV needs a head dim divisible by 4, got {head_dim}")
-    return head_dim + SCALE_BYTES
 
 
 def row_bytes(head_dim: int, model_dtype: torch.dtype, kv_cache_dtype: KVCacheDtype) -> int:

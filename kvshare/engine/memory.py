@@ -42,8 +42,19 @@ def kv_row_bytes(model: ModelConfig, config: EngineConfig) -> int:
     """Cache bytes of one token's K (or V) for one KV head: head_dim elements of the model's
     dtype, or with fp8 head_dim e4m3 bytes and their float32 scale (kvshare.engine.kv_fp8)."""
     if config.kv_cache_dtype == "fp8":
-        return model.head_dim + 4
+        return packed_head_bytes(model.head_dim)
     return model.head_dim * item_bytes(config.resolved_dtype)
+
+
+FP8_SCALE_BYTES = 4  # one float32 scale per packed fp8 row
+
+
+def packed_head_bytes(head_dim: int) -> int:
+    """Bytes of one packed fp8 row (kvshare.engine.kv_fp8); the float32 scale must sit on a
+    4-byte boundary."""
+    if head_dim % FP8_SCALE_BYTES:
+        raise ValueError(f"fp8 KV needs a head dim divisible by 4, got {head_dim}")
+    return head_dim + FP8_SCALE_BYTES
 
 
 def kv_bytes_per_token(model: ModelConfig, config: EngineConfig) -> int:
