@@ -29,24 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def kvshare(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvshare", *args]
-
-
-def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+from gpu_cluster import REPO, env, gpu_memory_by_process, kvshare, start_cluster, stop_cluster
 
 
 def validate(out: Path) -> int:
@@ -78,58 +66,6 @@ def validate(out: Path) -> int:
     return done.returncode
 
 
-def wait_registered(url: str, timeout: float) -> float:
-    """Seconds until the replica's pool connector has registered the whole arena."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        try:
-            stats = httpx.get(f"{url}/admin/stats", timeout=10).json()
-            pool = stats.get("pool") or {}
-            registered = (stats.get("kv_pool") or {}).get("registered_bytes", 0)
-            if pool and registered >= pool["slab_count"] * pool["slab_bytes"]:
-                return time.monotonic() - start
-        except (httpx.HTTPError, KeyError, ValueError):
-            pass
-        time.sleep(1)
-    raise TimeoutError("the pool arena was not registered in time")
-
-
-def start_cluster(out: Path, port: int, *up_args: str) -> subprocess.Popen:
-    """`kvshare up` on `port` with its log in out/cluster-PORT.log; returns once the router answers
-    and every replica has registered the whole pool arena with CUDA."""
-    log = (out / f"cluster-{port}.log").open("w")
-    up = subprocess.Popen(
-        kvshare("up", "--device", "cuda", "--pool-preallocate", "--port", str(port), *up_args),
-        env=env(),
-        cwd=REPO,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    start = time.monotonic()
-    while time.monotonic() - start < 300:
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if up.poll() is not None:
-            raise RuntimeError("kvshare up exited")
-        time.sleep(1)
-    print(f"cluster ready in {time.monotonic() - start:.0f} s", flush=True)
-    for replica in httpx.get(f"{url}/admin/replicas", timeout=10).json():
-        print(
-            f"arena registered after {wait_registered(replica['url'], 240):.0f} s more", flush=True
-        )
-    return up
-
-
-def stop_cluster(up: subprocess.Popen) -> None:
-    os.killpg(up.pid, signal.SIGINT)
-    up.wait(timeout=60)
-
-
 def bench27b(out: Path, lengths: str, per_block: int, pool_size: str) -> int:
     deadline = time.monotonic() + 570  # the device call's limit is 600 s
     import torch
@@ -144,6 +80,7 @@ def bench27b(out: Path, lengths: str, per_block: int, pool_size: str) -> int:
     up = start_cluster(
         out,
         8180,
+        "cuda",
         "--replicas",
         "1",
         "--model",
@@ -207,18 +144,6 @@ def bench27b(out: Path, lengths: str, per_block: int, pool_size: str) -> int:
         stop_cluster(up)
 
 
-def gpu_memory_by_process() -> dict[str, int]:
-    """MiB of GPU memory per process id, as nvidia-smi reports it."""
-    done = subprocess.run(
-        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    rows = (line.split(",") for line in done.stdout.splitlines() if line.strip())
-    return {pid.strip(): int(mib) for pid, mib in rows}
-
-
 def hit_run(out: Path, port: int, dtype: str, length: int, per_block: int, deadline: float) -> dict:
     """One cluster, one cross-replica bench at `length`; returns the ON/OFF medians, the
     bytes loaded per hit and the replicas' GPU memory."""
@@ -226,6 +151,7 @@ def hit_run(out: Path, port: int, dtype: str, length: int, per_block: int, deadl
     up = start_cluster(
         out,
         port,
+        "cuda",
         "--replicas",
         "2",
         "--model",
@@ -341,6 +267,7 @@ def sessions_bench(out: Path, sessions: int, context: int, pool_size: str) -> in
     up = start_cluster(
         out,
         8280,
+        "cuda",
         "--replicas",
         "2",
         "--model",

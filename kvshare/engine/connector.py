@@ -166,9 +166,12 @@ class KVConnector(ABC):
         num_local_tokens: int,
         *,
         cache_salt: str | None = None,
+        snapshot_tokens: Sequence[int] = (),
     ) -> PoolMatch:
         """Pin the longest restorable run past num_local_tokens (never the last token).
-        The engine passes token_ids as an int32 array."""
+        The engine passes token_ids as an int32 array and, for hybrid models, the token
+        counts at which the request will snapshot its state if it computes up to them (the
+        connector may announce those snapshots to other replicas, which then wait for them)."""
 
     @abstractmethod
     def load(

@@ -25,8 +25,9 @@ was preempted or aborted) and it is admitted with everything the writer left. A 
 is never running, so waits form no cycle, and running sequences always progress. The
 same holds across replicas through the connector (`PoolMatch.wait`): it asks the
 scheduler to leave the sequence waiting, and is asked again at later steps. No waiting
-without prefix caching (nothing to find afterwards) or with recurrent state (a prefix is
-resumable only at a snapshot, which the writer may not take inside the shared part).
+without prefix caching (nothing to find afterwards). With recurrent state a prefix is
+resumable only at a snapshot: the waiter waits for the last chunk boundary inside the
+part it shares with the writer, and the writer, not yet there, is told to snapshot at it.
 """
 
 from __future__ import annotations
@@ -167,6 +168,11 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
+        if self.states is not None and self.blocks.enable_prefix_caching:
+            # Before the running sequences' steps are sized: a writer about to pass the
+            # snapshot a queued sequence needs must stop there, budget or not.
+            for seq in self.waiting:
+                self._snapshot_ahead(seq, 0)
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -279,8 +285,10 @@ class Scheduler:
         it too, into blocks of its own (a restore is a copy, not a prefill)."""
         if block >= (seq.num_tokens - 1) // self.blocks.block_size:
             return False  # never cached: the last token's logits are needed
-        if not self.blocks.enable_prefix_caching or self.states is not None:
+        if not self.blocks.enable_prefix_caching:
             return False
+        if self.states is not None:
+            return self._snapshot_ahead(seq, block)
         wanted = seq.block_hashes[block]
         bs = self.blocks.block_size
         return any(
@@ -288,6 +296,24 @@ class Scheduler:
             and other.block_hashes[block] == wanted
             for other in self.running
         )
+
+    def _snapshot_ahead(self, seq: Sequence, block: int) -> bool:
+        """Recurrent state: a running sequence shares seq's prompt past block `block` (where
+        seq's cached prefix ends) up to a chunk boundary it has not computed yet. It will
+        snapshot there (added to its boundaries), and seq resumes from that snapshot."""
+        bs = self.blocks.block_size
+        usable = (seq.num_tokens - 1) // bs
+        for other in self.running:
+            shared = _shared_blocks(
+                seq.block_hashes, other.block_hashes, min(usable, other.num_prompt_tokens // bs)
+            )
+            boundary = shared * bs // self.state_chunk * self.state_chunk
+            if boundary <= block * bs or other.num_computed_tokens >= boundary:
+                continue
+            if boundary not in other.snapshot_boundaries:
+                other.snapshot_boundaries = tuple(sorted((*other.snapshot_boundaries, boundary)))
+            return True
+        return False
 
     def _wait(self, seq: Sequence, counter: str) -> Admission:
         if not seq.waited:
@@ -318,7 +344,11 @@ class Scheduler:
         match = None
         if self.connector is not None and seq.use_pool:
             match = self.connector.match(
-                seq.request_id, seq.token_array(), local_tokens, cache_salt=seq.cache_salt
+                seq.request_id,
+                seq.token_array(),
+                local_tokens,
+                cache_salt=seq.cache_salt,
+                snapshot_tokens=self._snapshot_boundaries(seq) if self.states is not None else (),
             )
             if match.wait:
                 return self._wait(seq, "pool_waits")
@@ -374,3 +404,16 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return Admission.ADMITTED
+
+
+def _shared_blocks(a: list[bytes], b: list[bytes], limit: int) -> int:
+    """How many leading blocks two sequences share, up to `limit`. Block hashes are
+    chained (each covers every token before it), so equality at i implies it below i."""
+    lo, hi = 0, min(limit, len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -171,6 +171,7 @@ class PoolClient:
         page: dict[str, Any] | None = None,
         *,
         claim: bool = False,
+        claim_states: Sequence[bytes] = (),
     ) -> LookupResult:
         """The longest committed run from keys[0], pinned. With `states` ([(chunk index,
         state key)]), the run ends after a chunk with a committed state page, which is
@@ -178,7 +179,8 @@ class PoolClient:
         "segment_ends"}: the pages' shape) lets a daemon with a remote tier fetch the
         keys it lacks from there first. With `claim`, the keys no page holds and no other
         client claims are claimed for this connection, after the answer's `in_progress`
-        was counted (see PoolIndex.claim)."""
+        was counted (see PoolIndex.claim), and with them `claim_states`: the state keys of
+        the snapshots this client will store."""
         message: dict[str, Any] = {"op": "lookup", "keys": list(keys)}
         if states is not None:
             message["states"] = [[i, k] for i, k in states]
@@ -186,6 +188,8 @@ class PoolClient:
             message["page"] = page
         if claim:
             message["claim"] = True
+        if claim_states:
+            message["claim_states"] = list(claim_states)
         with self._lock:
             response = self._request_locked(message)
             lease = response["lease"]

@@ -22,8 +22,9 @@ Invariants:
   they are in progress here); a request that leaves before storing them unclaims them.
   A lookup that finds chunks in progress elsewhere may make its request wait (unpinned,
   unadmitted, asked again at later steps) under the rules of waiting.py; one wait per
-  request, never for a hybrid model (its resumable prefixes need state snapshots that a
-  waiter cannot count on).
+  request. A hybrid model resumes only at a state snapshot: its lookups also claim the
+  state pages of the snapshots the request will take, and wait only for chunks that end
+  at a state page committed or in progress.
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ class _Request:
     stored_chunks: int = 0  # chunks below this are in the pool or were tried
     match: _Match | None = None
     claimed: int = 0  # keys[:claimed] went to the daemon with a claim
+    claimed_states: set[bytes] = field(default_factory=set)  # state keys claimed, not reserved
     wait: _Wait | None = None
     waited: bool = False  # a wait ended: the request does not wait again
     remote_keys: set[bytes] = field(default_factory=set)  # fetched from another host for it
@@ -301,6 +303,7 @@ class PoolConnector(KVConnector):
         num_local_tokens: int,
         *,
         cache_salt: str | None = None,
+        snapshot_tokens: Sequence[int] = (),
     ) -> PoolMatch:
         req = self._requests.setdefault(request_id, _Request())
         usable_chunks = (len(token_ids) - 1) // self.chunk_tokens
@@ -314,9 +317,21 @@ class PoolConnector(KVConnector):
         try:
             if states is None:
                 result = self.client.lookup(keys, page=self._page_shape(), claim=True)
-                req.claimed = max(req.claimed, len(keys))
             else:
-                result = self.client.lookup(keys, [(i, state_key(k)) for i, k in enumerate(keys)])
+                snapshots = {
+                    state_key(keys[b // self.chunk_tokens - 1])
+                    for b in snapshot_tokens
+                    if num_local_tokens < b <= len(keys) * self.chunk_tokens
+                    and b % self.chunk_tokens == 0
+                }
+                result = self.client.lookup(
+                    keys,
+                    [(i, state_key(k)) for i, k in enumerate(keys)],
+                    claim=True,
+                    claim_states=sorted(snapshots),
+                )
+                req.claimed_states |= snapshots
+            req.claimed = max(req.claimed, len(keys))
             self._adopt_arena()
         except _POOL_ERRORS as exc:
             self._count_error("lookup", exc)
@@ -326,7 +341,7 @@ class PoolConnector(KVConnector):
         pages, state = result.pages, None
         if states is not None and pages:
             pages, state = pages[:-1], pages[-1]  # the KV run, then its end's state page
-        elif self._waits(req, result, num_local_tokens, now):
+        if self._waits(req, result, len(pages), num_local_tokens, now):
             self._release(result.lease)
             return PoolMatch(0, wait=True)
         self._end_wait(req, now, gave_up=result.in_progress > 0)
@@ -359,13 +374,19 @@ class PoolConnector(KVConnector):
         }
 
     def _waits(
-        self, req: _Request, result: LookupResult, num_local_tokens: int, now: float
+        self,
+        req: _Request,
+        result: LookupResult,
+        num_kv_pages: int,
+        num_local_tokens: int,
+        now: float,
     ) -> bool:
-        """Whether req waits (again) for the chunks the lookup found in progress elsewhere:
-        only those past its local prefix count (waiting.py decides)."""
+        """Whether req waits (again) for the chunks the lookup found in progress elsewhere
+        past its `num_kv_pages` committed ones: only those past its local prefix count
+        (waiting.py decides)."""
         if req.waited:
             return False
-        committed = len(result.pages) * self.chunk_tokens
+        committed = num_kv_pages * self.chunk_tokens
         end = committed + result.in_progress * self.chunk_tokens
         pending = end - max(committed, num_local_tokens)
         options = self.options.wait
@@ -632,6 +653,7 @@ class PoolConnector(KVConnector):
         req = self._requests.setdefault(request_id, _Request())
         chunk = self._keys(req, token_ids, boundary // self.chunk_tokens, cache_salt)[-1]
         row = self.cache.states.rows[snapshot_slot]
+        req.claimed_states.discard(state_key(chunk))  # reserve ends the claim
         try:
             reservation = self.client.reserve([state_key(chunk)], row.numel())
             self._adopt_arena()
@@ -712,8 +734,8 @@ class PoolConnector(KVConnector):
         if req.match is not None:
             self._release(req.match.lease)
         self._end_wait(req, time.monotonic(), gave_up=False)
-        if req.claimed > req.stored_chunks:
-            self._unclaim(req.keys[: req.claimed])
+        unstored = req.keys[: req.claimed] if req.claimed > req.stored_chunks else []
+        self._unclaim([*unstored, *sorted(req.claimed_states)])
 
     def _unclaim(self, keys: list[bytes]) -> None:
         """Claims this replica will not honour: whoever waits for them stops at once.

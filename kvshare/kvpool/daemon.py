@@ -309,14 +309,18 @@ class PoolDaemon:
         claim = request.get("claim", False)
         if type(claim) is not bool:
             raise ValueError(f"field 'claim' must be a bool, got {claim!r}")
+        # The state pages the caller will store (its snapshots), claimed with the keys.
+        claim_states = _keys(request, "claim_states") if "claim_states" in request else []
+        if claim_states and not claim:
+            raise ValueError("field 'claim_states' needs 'claim'")
         if not self.enabled:
             return {"lease": 0, "pages": []}
         lease, pages = self.index.lookup(conn, keys, states)
         # What others are producing past the committed run, before this caller claims
         # the rest: the caller may wait for those keys instead of computing them.
-        in_progress, idle_s = self.index.in_progress(conn, keys)
+        in_progress, idle_s = self.index.in_progress(conn, keys, states)
         if claim:
-            self.index.claim(conn, keys)
+            self.index.claim(conn, [*keys, *claim_states])
         return {"lease": lease, "pages": pages, "in_progress": in_progress, "idle_s": idle_s}
 
     def _unclaim(self, conn: int, request: dict[str, Any]) -> dict[str, Any]:

@@ -43,7 +43,10 @@ reserved, is in progress itself), aborts it or unclaims it, and when its connect
 drops. `in_progress` tells another connection how many keys after its committed run are
 being produced elsewhere (claimed, or reserved and not yet committed) and how long their
 producer has been idle (no claim, reserve or commit since), so that it can wait for them instead
-of computing them again. A connection holds at most MAX_CLAIMS_PER_CONN claims.
+of computing them again. For a model that resumes only at a state snapshot, the count ends
+at the last chunk whose state page is committed or being produced too: a waiter resumes
+there or nowhere, so a producer claims the state keys of the snapshots it will store. A
+connection holds at most MAX_CLAIMS_PER_CONN claims.
 """
 
 from __future__ import annotations
@@ -418,11 +421,22 @@ class PoolIndex:
             del self._conn_claims[conn]
         return dropped
 
-    def in_progress(self, conn: int, keys: Sequence[bytes]) -> tuple[int, float]:
+    def in_progress(
+        self,
+        conn: int,
+        keys: Sequence[bytes],
+        states: Sequence[tuple[int, bytes]] | None = None,
+    ) -> tuple[int, float]:
         """After the leading COMMITTED run of `keys`: how many keys in a row another
         connection is producing (claimed, or reserved and not committed), and the seconds
         since the producer of the first of them last claimed, reserved or committed.
-        (0, 0.0) when the first key after the run is not in progress elsewhere."""
+        (0, 0.0) when the first key after the run is not in progress elsewhere.
+
+        With `states` (as in `lookup`) the run is the resumable one `lookup` answers (cut
+        at a committed state), and the count ends after the last chunk i whose keys up to
+        i and whose state key are each committed or produced elsewhere."""
+        if states is not None:
+            return self._resumable_in_progress(conn, keys, states)
         pages = self._pages
         start = 0
         while start < len(keys):
@@ -444,6 +458,42 @@ class PoolIndex:
         self._counters["in_progress_answers"] += 1
         idle = self._clock() - self._last_progress.get(producer, float("-inf"))
         return count, max(0.0, idle)
+
+    def _resumable_in_progress(
+        self, conn: int, keys: Sequence[bytes], states: Sequence[tuple[int, bytes]]
+    ) -> tuple[int, float]:
+        committed = self._cut_at_state(
+            [self._pages[k] for k in keys[: self.committed_run(keys)]], states
+        )
+        start = len(committed) - 1 if committed else 0  # the KV chunks lookup answers
+        state_at = dict(states)
+        end, producer = start, None
+        first: int | None = None  # the producer of the first key in progress past start
+        for i, key in enumerate(keys):
+            available, owner = self._availability(conn, key)
+            if not available:
+                break
+            if i >= start and first is None:
+                first = owner
+            state = state_at.get(i)
+            if state is None or i < start:
+                continue
+            available, owner = self._availability(conn, state)
+            if available:
+                end, producer = i + 1, first if first is not None else owner
+        if end == start or producer is None:
+            return 0, 0.0
+        self._counters["in_progress_answers"] += 1
+        idle = self._clock() - self._last_progress.get(producer, float("-inf"))
+        return end - start, max(0.0, idle)
+
+    def _availability(self, conn: int, key: bytes) -> tuple[bool, int | None]:
+        """(committed or produced by a connection other than `conn`, that producer)."""
+        page = self._pages.get(key)
+        if page is not None and page.state is _COMMITTED:
+            return True, None
+        owner = self._producer(key)
+        return owner is not None and owner != conn, owner
 
     def _producer(self, key: bytes) -> int | None:
         """The connection producing `key` now: its reserver, else its claimer."""

@@ -3,7 +3,8 @@
 Logits and 32 greedy tokens match HF transformers on the same weights (float32, CPU) for
 one prompt, a batch of different lengths, a prompt longer than the prefill chunk, and a
 prompt whose prefix resumes from a GPU-local state snapshot; prefill steps end on the
-snapshot boundaries; a prefix without a snapshot at its end is never reused.
+snapshot boundaries; a prefix without a snapshot at its end is never reused; a request
+sharing a running request's prefix waits for a snapshot there instead of computing it.
 """
 
 from __future__ import annotations
@@ -70,6 +71,25 @@ def test_no_reuse_without_a_snapshot(hybrid: tuple[LLM, object]) -> None:
     llm.generate([shared + prompt(9, 3)], GREEDY_32)
     out = llm.generate([shared + prompt(10, 3)], GREEDY_32)[0]
     assert out.gpu_hit_tokens == 0
+
+
+def test_a_request_waits_for_the_snapshot_a_running_request_is_told_to_take(
+    hybrid: tuple[LLM, object],
+) -> None:
+    """b shares a's first 300 tokens and arrives with it. a's own snapshots are at its last
+    chunk boundary (512) only; b waits while a computes the shared part, a is told to
+    snapshot at 256 (the last chunk boundary b shares), and b resumes there: the shared
+    prefix is computed once, and both answer as HF does."""
+    _, hf = hybrid
+    llm = LLM("shape:tiny-qwen3.5", dtype="float32", max_num_batched_tokens=48, weights_seed=5)
+    shared = prompt(11, 300)
+    a, b = shared + prompt(12, 300), shared + prompt(13, 30)
+    outs = llm.generate([a, b], GREEDY_32)
+    assert (outs[0].gpu_hit_tokens, outs[0].computed_tokens) == (0, len(a))
+    assert (outs[1].gpu_hit_tokens, outs[1].computed_tokens) == (256, len(b) - 256)
+    assert llm.engine.scheduler.counters["local_waits"] == 1
+    for p, out in zip((a, b), outs):
+        assert list(out.token_ids) == hf_greedy(hf, p, 32)
 
 
 @pytest.mark.cuda

@@ -339,6 +339,31 @@ def test_a_claim_is_in_progress_for_others_until_its_commit() -> None:
     assert (stats["claims"], stats["claimed_keys"]) == (2, 4)  # A's key 4, B's key 5
 
 
+def test_with_states_in_progress_ends_at_the_last_state_in_progress() -> None:
+    """A hybrid waiter resumes only after a chunk with a state page: what it may wait for
+    ends at the last chunk whose state key is claimed or committed too, counted from the
+    resumable run lookup answers."""
+    clock = FakeClock()
+    index = PoolIndex(ArenaGeometry(4 * SLAB, SLAB), clock=clock)
+    ks, ss = keys(*range(1, 9)), keys(*range(101, 109))
+    states = list(enumerate(ss))
+    index.claim(A, [*ks, ss[3], ss[7]])  # A will snapshot after chunks 3 and 7
+    assert index.in_progress(B, ks, states) == (8, 0.0)
+    assert index.in_progress(A, ks, states) == (0, 0.0)  # its own claims
+    index.unclaim(A, [ss[7]])
+    assert index.in_progress(B, ks, states) == (4, 0.0)  # resumable only after chunk 3
+    assert index.in_progress(B, ks) == (8, 0.0)  # without states every chunk counts
+    store(index, ks[:5])
+    store(index, [ss[3]])
+    assert index.lookup(B, ks, states)[1][-1][0] == ss[3]
+    assert index.in_progress(B, ks, states) == (0, 0.0)  # nothing resumable past chunk 3
+    index.claim(A, [ss[7]])
+    clock.now += 1.5
+    assert index.in_progress(B, ks, states) == (4, 1.5)  # chunks 4-7, A idle since its claim
+    index.unclaim(A, ks[6:7])  # a gap: chunk 6 is nobody's
+    assert index.in_progress(B, ks, states) == (0, 0.0)
+
+
 def test_unclaim_abort_and_disconnect_end_claims_at_once() -> None:
     index = PoolIndex(ArenaGeometry(2 * SLAB, SLAB), clock=FakeClock())
     index.claim(A, keys(1, 2, 3))

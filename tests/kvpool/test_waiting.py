@@ -47,9 +47,11 @@ def pool() -> Iterator[PoolProcess]:
     factory.close()
 
 
-def replica(pool: PoolProcess, wait: WaitOptions, batch_tokens: int = 512) -> LLMEngine:
+def replica(
+    pool: PoolProcess, wait: WaitOptions, batch_tokens: int = 512, model: str = MODEL
+) -> LLMEngine:
     llm = LLM(
-        MODEL,
+        model,
         dtype="float32",
         kv_pool=pool.address,
         weights_seed=3,
@@ -102,6 +104,8 @@ def test_the_daemon_answers_what_others_produce_after_the_committed_run(
         assert asker.lookup(ks[2:]).in_progress == 2
         with pytest.raises(PoolError, match="claim"):
             producer._request({"op": "lookup", "keys": ks, "claim": 1})
+        with pytest.raises(PoolError, match="claim_states"):
+            producer._request({"op": "lookup", "keys": ks, "claim_states": ks[:1]})
         assert producer.stats()["claims"] == 3  # ks[2:] and the asker's key
     finally:
         producer.close()
@@ -135,6 +139,28 @@ def test_a_waiter_loads_the_chunks_another_replica_was_computing(pool: PoolProce
     assert reader.scheduler.counters["pool_waits"] == 1
     stats = connector_of(reader).stats()
     assert stats["wait_requests"] == 1 and stats.get("wait_gave_up", 0) == 0
+
+
+def test_a_hybrid_waiter_resumes_at_the_snapshot_the_writer_announced(pool: PoolProcess) -> None:
+    """Hybrid model: a prefix resumes only at a state snapshot. The writer's lookup claims
+    its chunks and the state page of the snapshot it will take at the document's end; the
+    reader waits for both instead of computing the document, then restores all of it."""
+    wait = WaitOptions(max_wait_s=30.0, stall_s=30.0)
+    hybrid = "shape:tiny-qwen3.5"
+    writer = replica(pool, wait, batch_tokens=CHUNK, model=hybrid)
+    reader = replica(pool, wait, model=hybrid)
+    writer.add_request("w", PROMPT, GREEDY)
+    writer.step()
+    reader.add_request("r", [*DOCUMENT, 7, 8, 9], GREEDY)
+    done: dict[str, RequestOutput] = {}
+    deadline = time.monotonic() + 60
+    while len(done) < 2 and time.monotonic() < deadline:
+        for engine in (writer, reader):
+            done |= {o.request_id: o for o in engine.step() if o.finished}
+    assert done["w"].computed_tokens == len(PROMPT)
+    assert (done["r"].pool_hit_tokens, done["r"].computed_tokens) == (len(DOCUMENT), 3)
+    assert reader.scheduler.counters["pool_waits"] == 1
+    assert connector_of(reader).stats().get("wait_gave_up", 0) == 0
 
 
 def test_a_waiter_is_released_when_the_writer_process_is_killed(pool: PoolProcess) -> None:

@@ -40,6 +40,7 @@ class RecordingConnector(KVConnector):
         num_local_tokens: int,
         *,
         cache_salt: str | None = None,
+        snapshot_tokens: Sequence[int] = (),
     ) -> PoolMatch:
         return PoolMatch(0)
 

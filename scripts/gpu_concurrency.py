@@ -1,0 +1,286 @@
+"""GPU session for issue 17: the shared-prefix workload under concurrency, per router policy,
+and two gemma3-27b replicas sharing one H200 at 130,816 tokens.
+
+python3 scripts/gpu_concurrency.py shared-prefix --out $OUT [--policies round-robin,cache-aware]
+python3 scripts/gpu_concurrency.py gemma-pair --out $OUT [--length 130816] [--per-block 1]
+
+`shared-prefix` starts, per policy, `kvshare up` with two shape:qwen3.5-27b replicas on the one
+GPU (0.48 of it each, 8 sequences, 8,192-token steps, a 40 GiB pool) and runs `kvshare bench
+concurrency` on it: 8 documents x 16,384 tokens, 32 users, concurrency 8 and 32, OFF-ON-ON-OFF
+per point, a warm-up request per replica first. It then checks the issue's bars: computed
+<= 1.05x ideal with the pool ON for every policy and concurrency, and per concurrency the
+best ON median TTFT <= 0.8x the lower of (cache-aware OFF, round-robin ON).
+
+`gemma-pair` starts two shape:gemma3-27b replicas on the one GPU (0.48 each; only their
+sliding-window layers' windows are cached) and runs the blocked cross-replica bench A=0 ->
+B=1 at `--length` tokens, with the raw pinned host->GPU memcpy measured in the same call.
+
+`--device cpu --model shape:tiny-qwen3.5` runs either mode on the CPU at toy sizes
+(`--doc-tokens`, `--length`), to check the script before a GPU call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gpu_cluster import REPO, env, gpu_memory_by_process, kvshare, start_cluster, stop_cluster
+
+CALL_LIMIT_S = 570  # the device call's limit is 600 s
+
+
+def qwen_pair(args: argparse.Namespace, policy: str, max_len: int) -> tuple[str, ...]:
+    return (
+        "--replicas",
+        "2",
+        "--model",
+        args.model,
+        "--gpu-memory-fraction",
+        "0.48",
+        "--max-num-seqs",
+        "8",
+        "--max-num-batched-tokens",
+        "8192",
+        "--max-model-len",
+        str(max_len),
+        "--pool-size",
+        args.pool_size,
+        "--policy",
+        policy,
+    )
+
+
+def sweep_policy(args: argparse.Namespace, policy: str, port: int, deadline: float) -> dict:
+    max_len = args.doc_tokens + 1024
+    up = start_cluster(args.out, port, args.device, *qwen_pair(args, policy, max_len))
+    name = f"shared_prefix_{policy}"
+    try:
+        done = subprocess.run(
+            kvshare(
+                "bench",
+                "concurrency",
+                "--target",
+                f"http://127.0.0.1:{port}",
+                "--documents",
+                str(args.documents),
+                "--users",
+                str(args.users),
+                "--doc-tokens",
+                str(args.doc_tokens),
+                "--question-tokens",
+                "32",
+                "--output-tokens",
+                "16",
+                "--concurrency",
+                args.concurrency,
+                "--warmup-tokens",
+                str(args.warmup_tokens),
+                "--settle-timeout",
+                "60",
+                "--json",
+                str(args.out / f"{name}.json"),
+                "--markdown",
+                str(args.out / f"{name}.md"),
+                "--plot",
+                str(args.out / f"{name}.png"),
+            ),
+            env=env(),
+            cwd=REPO,
+            timeout=max(1.0, deadline - time.monotonic()),
+        )
+    finally:
+        stop_cluster(up)
+    report = json.loads((args.out / f"{name}.json").read_text())
+    return {"policy": policy, "returncode": done.returncode, "rows": report["rows"]}
+
+
+def verdicts(results: list[dict]) -> list[dict[str, Any]]:
+    """The issue's bars per concurrency, from the sweeps' rows."""
+    rows = [dict(r, policy=res["policy"]) for res in results if "rows" in res for r in res["rows"]]
+    checks = []
+    for concurrency in sorted({r["concurrency"] for r in rows}):
+        at = {(r["policy"], r["condition"]): r for r in rows if r["concurrency"] == concurrency}
+        on = {p: r for (p, c), r in at.items() if c == "ON"}
+        computed = {p: r["computed_over_ideal"] for p, r in on.items()}
+        best_policy = min(on, key=lambda p: on[p]["p50_ttft_s"])
+        baselines = [
+            at[key]["p50_ttft_s"]
+            for key in (("cache-aware", "OFF"), ("round-robin", "ON"))
+            if key in at
+        ]
+        bar = 0.8 * min(baselines) if baselines else None
+        best = on[best_policy]["p50_ttft_s"]
+        checks.append(
+            {
+                "concurrency": concurrency,
+                "computed_over_ideal_on": computed,
+                "computed_ok": all(v is not None and v <= 1.05 for v in computed.values()),
+                "best_policy": best_policy,
+                "best_on_p50_s": best,
+                "bar_s": bar,
+                "ttft_ok": bar is not None and best <= bar,
+            }
+        )
+    return checks
+
+
+def shared_prefix(args: argparse.Namespace) -> int:
+    deadline = time.monotonic() + args.budget_s
+    results = []
+    for index, policy in enumerate(args.policies.split(",")):
+        try:
+            results.append(sweep_policy(args, policy, 8480 + 10 * index, deadline))
+        except (subprocess.TimeoutExpired, RuntimeError, TimeoutError, FileNotFoundError) as exc:
+            print(f"{policy}: {exc!r}", flush=True)
+            results.append({"policy": policy, "error": repr(exc)})
+    checks = verdicts(results)
+    summary = {"results": results, "checks": checks}
+    (args.out / "shared_prefix_summary.json").write_text(json.dumps(summary, indent=1))
+    print("| policy | conc | cond | p50 TTFT s | p99 TTFT s | req/s | computed/ideal | pool hits |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for res in results:
+        for r in res.get("rows", []):
+            print(
+                f"| {res['policy']} | {r['concurrency']} | {r['condition']} | "
+                f"{r['p50_ttft_s']:.2f} | {r['p99_ttft_s']:.2f} | {r['requests_per_s']:.2f} | "
+                f"{r['computed_over_ideal']:.2f} | {r['pool_hit_rate']} |"
+            )
+        if "error" in res:
+            print(f"| {res['policy']} | failed: {res['error']} |")
+    for c in checks:
+        print(
+            f"concurrency {c['concurrency']}: computed/ideal ON {c['computed_over_ideal_on']} "
+            f"(<= 1.05: {c['computed_ok']}); best {c['best_policy']} ON p50 "
+            f"{c['best_on_p50_s']:.2f} s vs bar {c['bar_s']} (ok: {c['ttft_ok']})"
+        )
+    failed = any("error" in r or r["returncode"] for r in results)
+    return int(failed)
+
+
+def gemma_pair(args: argparse.Namespace) -> int:
+    deadline = time.monotonic() + args.budget_s
+    ceiling = pcie_ceiling(args.device)
+    up = start_cluster(
+        args.out,
+        8580,
+        args.device,
+        "--replicas",
+        "2",
+        "--model",
+        args.model,
+        "--gpu-memory-fraction",
+        "0.48",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "8192",
+        "--max-model-len",
+        str(args.length + 256),
+        "--pool-size",
+        args.pool_size,
+    )
+    name = f"gemma_pair_{args.length}"
+    try:
+        memory = {"after start": gpu_memory_by_process()}
+        done = subprocess.run(
+            kvshare(
+                "bench",
+                "cross-replica",
+                "--target",
+                "http://127.0.0.1:8580",
+                "--lengths",
+                str(args.length),
+                "--requests-per-block",
+                str(args.per_block),
+                "--replica-a",
+                "0",
+                "--replica-b",
+                "1",
+                "--shared-context",
+                "--question-tokens",
+                "32",
+                "--output-tokens",
+                "8",
+                "--warmup-tokens",
+                str(args.warmup_tokens),
+                "--settle-timeout",
+                "60",
+                "--json",
+                str(args.out / f"{name}.json"),
+                "--markdown",
+                str(args.out / f"{name}.md"),
+                "--plot",
+                str(args.out / f"{name}.png"),
+            ),
+            env=env(),
+            cwd=REPO,
+            timeout=max(1.0, deadline - time.monotonic()),
+        )
+        memory["after the bench"] = gpu_memory_by_process()
+    finally:
+        stop_cluster(up)
+    report = json.loads((args.out / f"{name}.json").read_text())
+    (comparison,) = report["comparisons"]
+    on_blocks = [b["summary"] for b in report["blocks"] if b["condition"] == "ON"]
+    hits = [r for r in report["requests"] if r["condition"] == "ON" and r["role"] == "measure"]
+    loaded = sum(b["loaded_bytes"] for b in on_blocks) / max(1, len(hits))
+    floor = loaded / (ceiling["h2d_GBps"] * 1e9) if ceiling else None
+    summary = {
+        "ceiling": ceiling,
+        "returncode": done.returncode,
+        "off_s": comparison["off"]["value"],
+        "on_s": comparison["on"]["value"],
+        "block_medians_s": comparison["block_medians"],
+        "bytes_per_hit": loaded,
+        "floor_s": floor,
+        "gpu_memory_mib": memory,
+    }
+    (args.out / "gemma_pair_summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))
+    return done.returncode
+
+
+def pcie_ceiling(device: str) -> dict | None:
+    if device != "cuda":
+        return None
+    import torch
+
+    from kvshare.bench.ceilings import pcie_bandwidth
+
+    ceiling = pcie_bandwidth()
+    torch.cuda.empty_cache()
+    return ceiling
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("what", choices=("shared-prefix", "gemma-pair"))
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model", help="default: shape:qwen3.5-27b / shape:gemma3-27b")
+    parser.add_argument("--pool-size", default="40GiB")
+    parser.add_argument("--policies", default="round-robin,cache-aware")
+    parser.add_argument("--concurrency", default="8,32")
+    parser.add_argument("--documents", type=int, default=8)
+    parser.add_argument("--users", type=int, default=32)
+    parser.add_argument("--doc-tokens", type=int, default=16384)
+    parser.add_argument("--warmup-tokens", type=int, default=8192)
+    parser.add_argument("--length", type=int, default=130816)
+    parser.add_argument("--per-block", type=int, default=1)
+    parser.add_argument("--budget-s", type=float, default=CALL_LIMIT_S)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.what == "shared-prefix":
+        args.model = args.model or "shape:qwen3.5-27b"
+        return shared_prefix(args)
+    args.model = args.model or "shape:gemma3-27b"
+    return gemma_pair(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
