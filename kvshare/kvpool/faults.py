@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-BreakOrder = Literal["", "store", "load"]
+BreakOrder = Literal["", "store", "load", "load_target"]
+BREAK_ORDERS = ("store", "load", "load_target")  # the broken variants, for test-only flags
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,9 @@ class FaultInjection:
 
     - `break_order`: drop the stream dependency of stores ("store": the copy may read the
       blocks before the compute wrote them) or loads ("load": compute may read the blocks
-      before the copy wrote them, and the load reports done at once).
+      before the copy wrote them, and the load reports done at once; "load_target": the
+      copy may write its target blocks or state row before compute work issued earlier on
+      them, such as zeroing a fresh state slot, has run, which then overwrites the copy).
     - `load_delay`: seconds every load copy waits first (on CUDA as GPU sleep cycles), so a
       broken order shows as wrong bytes.
     - `skip_checksums`: a restore whose header or checksums disagree is kept.
@@ -35,7 +38,7 @@ class FaultInjection:
     keep_lost_lease_restores: bool = False
 
     def __post_init__(self) -> None:
-        if self.break_order not in ("", "store", "load"):
+        if self.break_order not in ("", *BREAK_ORDERS):
             raise ValueError(f"unknown break_order {self.break_order!r}")
         if self.load_delay < 0:
             raise ValueError(f"load_delay must be >= 0, got {self.load_delay}")

@@ -171,9 +171,20 @@ class CudaTransfer(Transfer):
             return None
         return self._pairs(copies, stream, sliding=True)
 
+    def _after_compute(self, stream: torch.cuda.Stream) -> None:
+        """Order `stream`'s writes into a load's target after the compute stream's work
+        issued so far: the target's earlier writers (zeroing a fresh state slot, the last
+        step of the blocks' previous owner) must not land on top of the restored bytes."""
+        if breaks(self.faults, "load_target"):
+            return
+        issued = torch.cuda.Event()
+        issued.record(torch.cuda.current_stream(self.device))
+        stream.wait_event(issued)
+
     def load(self, copies: Sequence[PageCopy]) -> TransferJob:
         assert self.arena is not None
         copy_s, scatter_s = self.streams["load_copy"], self.streams["load_scatter"]
+        self._after_compute(scatter_s)
         pairs = self._pairs(copies, scatter_s)
         sliding_pairs = self._sliding_pairs(copies, scatter_s)
         constants = self._constants([c.key for c in copies], scatter_s)
@@ -240,6 +251,7 @@ class CudaTransfer(Transfer):
     def load_raw(self, offset: int, row: torch.Tensor, key: bytes) -> TransferJob:
         assert self.arena is not None
         stream = self.streams["load_copy"]
+        self._after_compute(stream)
         with torch.cuda.stream(stream):
             row.copy_(self.arena[offset : offset + row.numel()], non_blocking=True)
         sums = self._raw_checksum(row, key, stream)

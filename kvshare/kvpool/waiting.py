@@ -27,8 +27,12 @@ class WaitOptions:
     request (the engine's step loop asks at every step while a request waits)."""
 
     enabled: bool = True
-    max_wait_s: float = 10.0
-    stall_s: float = 1.0
+    # A 27B replica's prefill step over long contexts takes seconds, and a loaded producer
+    # commits a document's chunks only every few steps: shorter bounds give up on live
+    # producers (measured on the H200 with 1 s: waiters gave up and computed). A producer
+    # that dies loses its claims at once, so these bound only a hung, connected producer.
+    max_wait_s: float = 30.0
+    stall_s: float = 5.0
     recheck_s: float = 0.005
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ from kvshare.engine.cli import (
     check_engine_fits,
     engine_options,
 )
+from kvshare.kvpool.faults import BREAK_ORDERS
 from kvshare.serve.policies import DEFAULT_POOL_CREDIT
 from kvshare.spec import DEFAULT_CHUNK_TOKENS
 
@@ -65,7 +66,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     # Test-only: break the pool's load ordering so `kvshare validate regression` can show
     # it catches the wrong answers that follow (never use in production).
     serve.add_argument(
-        "--unsafe-break-stream-order", choices=("store", "load"), default="", help=argparse.SUPPRESS
+        "--unsafe-break-stream-order", choices=BREAK_ORDERS, default="", help=argparse.SUPPRESS
     )
     serve.add_argument("--unsafe-load-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     serve.add_argument("--unsafe-skip-checksums", action="store_true", help=argparse.SUPPRESS)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from kvshare.kvpool.connector import ConnectorOptions
-from kvshare.kvpool.faults import FaultInjection
+from kvshare.kvpool.faults import BREAK_ORDERS, FaultInjection
 from kvshare.models.loader import parse_dtype
 from kvshare.spec import DEFAULT_CHUNK_TOKENS
 from kvshare.validate.capacity import PoolNeed, kv_page_bytes
@@ -58,7 +58,7 @@ class BytesCheckConfig:
             raise ValueError("num_chunks and trials must be >= 1")
         if self.chunk_tokens % self.block_size:
             raise ValueError("chunk_tokens must be a multiple of block_size")
-        if self.break_order not in ("", "store", "load"):
+        if self.break_order not in ("", *BREAK_ORDERS):
             raise ValueError(f"unknown break_order {self.break_order!r}")
 
     @property
@@ -93,9 +93,15 @@ def pool_needs(config: BytesCheckConfig) -> list[PoolNeed]:
 
 def _harness(config: BytesCheckConfig, role: str) -> ConnectorHarness:
     num_blocks = config.num_chunks * config.chunk_tokens // config.block_size + 1
+    broken_side = "load" if config.break_order == "load_target" else config.break_order
+    load_delay = 0.0
+    if role == "load" and config.break_order != "load_target":
+        # On CUDA the restore's poison fill waits behind `delay` on the compute stream
+        # (run_load): the copy waits longer, so a consumer that does not wait reads poison.
+        load_delay = config.delay * (2 if config.device.startswith("cuda") else 1)
     faults = FaultInjection(
-        break_order=config.break_order if config.break_order == role else "",  # type: ignore[arg-type]
-        load_delay=config.delay if role == "load" else 0.0,
+        break_order=config.break_order if broken_side == role else "",  # type: ignore[arg-type]
+        load_delay=load_delay,
     )
     return ConnectorHarness(
         config.pool,
@@ -154,7 +160,8 @@ def run_store(config: BytesCheckConfig, trial: int, side: ConnectorHarness) -> d
 
 def run_load(config: BytesCheckConfig, trial: int, side: ConnectorHarness) -> TrialResult:
     start = time.monotonic()
-    hit, ok, blocks = side.restore(trial, config.num_chunks, _POISON_LOAD)
+    fill_delay = config.delay if side.device.type == "cuda" else 0.0
+    hit, ok, blocks = side.restore(trial, config.num_chunks, _POISON_LOAD, fill_delay)
     got = side.read(blocks)  # the consumer
     compared, mismatched = _compare(side, got, side.pattern(trial, len(blocks)), hit)
     side.cache.blocks.release(blocks)

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvshare.kvpool.faults import BREAK_ORDERS
+
 if TYPE_CHECKING:
     import torch
     from rich.console import Console
@@ -70,7 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     # Test-only: remove one stream dependency / ignore checksums / keep a restore whose lease
     # was lost, to prove the checks catch it.
     parser.add_argument(
-        "--unsafe-break-stream-order", choices=("store", "load"), default="", help=argparse.SUPPRESS
+        "--unsafe-break-stream-order", choices=BREAK_ORDERS, default="", help=argparse.SUPPRESS
     )
     parser.add_argument("--unsafe-skip-checksums", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(

@@ -140,17 +140,26 @@ class ConnectorHarness:
         self.cache.blocks.release(blocks)
         return chunk_keys(self.connector.namespace, tokens)
 
-    def restore(self, trial: int, num_chunks: int, poison: float) -> tuple[int, bool, list[int]]:
+    def restore(
+        self, trial: int, num_chunks: int, poison: float, fill_delay: float = 0.0
+    ) -> tuple[int, bool, list[int]]:
         """Restore trial's prefix into fresh, poisoned blocks: (hit tokens, ok, blocks).
 
+        With `fill_delay` (CUDA) the poison fill is queued on the compute stream behind
+        that much GPU sleep and not waited for: the blocks' earlier writer is still
+        running when the load starts, and the load must land after it.
         The caller releases the blocks (cache.blocks.release) after reading them.
         """
         tokens = self.tokens(trial, num_chunks)
         blocks = self.cache.blocks.allocate(
             self.cache.blocks.blocks_needed(num_chunks * self.chunk_tokens)
         )
-        self.fill(blocks, poison)
-        self.sync()
+        if fill_delay and self.device.type == "cuda":
+            torch.cuda._sleep(int(fill_delay * 1.5e9))
+            self.fill(blocks, poison)
+        else:
+            self.fill(blocks, poison)
+            self.sync()
         request = f"load-{trial}"
         hit = self.connector.match(request, tokens, 0).num_tokens
         ok = False

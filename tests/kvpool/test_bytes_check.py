@@ -1,7 +1,8 @@
 """The byte test across two processes catches a missing ordering dependency every trial.
 
 CPU: the producer is a delayed thread (store) and the load worker is delayed (load).
-The CUDA variant (GPU machine) imposes torch.cuda._sleep on the producing stream.
+The CUDA variant (GPU machine) imposes torch.cuda._sleep on the producing stream, and on
+the compute stream before it poisons a restore's target blocks (the load must land after).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def test_cuda_bytes_exact_with_sleep_on_producing_stream(pool: PoolProcess, shap
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("broken", ["store", "load"])
+@pytest.mark.parametrize("broken", ["store", "load", "load_target"])
 def test_cuda_broken_stream_wait_is_caught_every_trial(pool: PoolProcess, broken: str) -> None:
     summary = _check(
         pool, "cuda", CUDA_TRIALS, shape="qwen3-8b", num_chunks=2, delay=0.05, break_order=broken

@@ -1,15 +1,18 @@
 """The CPU transfer checksums each segment of a page where it lies in the page, and the
-grouping of a load or store covers every copy once, in order, one page size per group."""
+grouping of a load or store covers every copy once, in order, one page size per group. On
+CUDA a state load lands after the compute stream's earlier writes to its slot."""
 
 from __future__ import annotations
 
 from itertools import pairwise
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvshare.engine.connector import KVCacheLayout
+from kvshare.kvpool.faults import FaultInjection
 from kvshare.kvpool.layout import PageLayout, checksum_constants, payload_checksum, payload_words
 from kvshare.kvpool.transfer import PageCopy, page_groups
 from kvshare.kvpool.transfer_cpu import ThreadTransfer
@@ -96,3 +99,27 @@ def test_cpu_store_of_a_global_only_page_writes_only_that_page() -> None:
     assert bool((arena[nbytes:] == 0x5A).all())
     expected = cache.kv[: layout.num_global_slots][:, :, [5, 2]]
     assert torch.equal(transfer.page_view(arena, nbytes), expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("broken", [False, True])
+def test_cuda_state_load_lands_after_the_compute_streams_earlier_writes(broken: bool) -> None:
+    """A hybrid restore loads the recurrent state into a fresh slot, which the compute
+    stream zeroes first (RecurrentStates.allocate). The load stream must wait for that: in
+    the broken variant the zeroing, held back by a GPU sleep, wipes the restored state."""
+    from kvshare.kvpool.transfer_cuda import CudaTransfer
+
+    device = torch.device("cuda")
+    cache = KVCacheLayout.allocate(shape_preset("tiny-llama"), 8, 16, torch.float32, device)
+    faults = FaultInjection(break_order="load_target") if broken else None
+    transfer = CudaTransfer(cache.kv, PageLayout.of(cache, 32), faults)
+    nbytes = 64 << 20
+    arena = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).pin_memory()
+    transfer.set_arena(arena)
+    row = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(0.05 * 1.5e9))
+    row.zero_()
+    transfer.consume(transfer.load_raw(0, row, bytes(16)))
+    torch.cuda.synchronize()
+    assert torch.equal(row.cpu(), arena) is not broken
