@@ -78,6 +78,8 @@ def sweep_policy(args: argparse.Namespace, policy: str, port: int, deadline: flo
                 "16",
                 "--concurrency",
                 args.concurrency,
+                "--design",
+                args.design,
                 "--warmup-tokens",
                 str(args.warmup_tokens),
                 "--settle-timeout",
@@ -266,6 +268,7 @@ def main() -> int:
     parser.add_argument("--pool-size", default="40GiB")
     parser.add_argument("--policies", default="round-robin,cache-aware")
     parser.add_argument("--concurrency", default="8,32")
+    parser.add_argument("--design", default="OFF-ON-ON-OFF")
     parser.add_argument("--documents", type=int, default=8)
     parser.add_argument("--users", type=int, default=32)
     parser.add_argument("--doc-tokens", type=int, default=16384)
