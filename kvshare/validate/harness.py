@@ -82,8 +82,13 @@ class ConnectorHarness:
         for kv, part in zip(self._caches(), (values[:split], values[split:])):
             kv.index_copy_(2, idx, part)
 
-    def fill(self, blocks: list[int], value: float) -> None:
+    def fill(self, blocks: list[int], value: float, delay: float = 0.0) -> None:
+        """Fill `blocks` with `value`; on CUDA with `delay`, queued behind that much GPU
+        sleep on the current stream and not waited for (the index is uploaded first: a
+        pageable upload behind the sleep would hold the host until it ended)."""
         idx = torch.tensor(blocks, device=self.device)
+        if delay and self.device.type == "cuda":
+            torch.cuda._sleep(int(delay * 1.5e9))
         for kv in self._caches():
             kv.index_fill_(2, idx, value)
 
@@ -154,11 +159,8 @@ class ConnectorHarness:
         blocks = self.cache.blocks.allocate(
             self.cache.blocks.blocks_needed(num_chunks * self.chunk_tokens)
         )
-        if fill_delay and self.device.type == "cuda":
-            torch.cuda._sleep(int(fill_delay * 1.5e9))
-            self.fill(blocks, poison)
-        else:
-            self.fill(blocks, poison)
+        self.fill(blocks, poison, fill_delay)
+        if not fill_delay:
             self.sync()
         request = f"load-{trial}"
         hit = self.connector.match(request, tokens, 0).num_tokens
