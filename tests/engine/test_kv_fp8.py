@@ -11,6 +11,8 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from kvshare import LLM, SamplingParams
 from kvshare.engine import kv_fp8
@@ -193,6 +195,36 @@ def test_varlen_gathers_at_most_the_longest_context_per_call() -> None:
     too_long = StepMeta((1,), (801,), (tuple(range(51)),), bs, torch.device("cpu"))
     with pytest.raises(ValueError, match="reads 801 keys, more than the 800 gathered"):
         backend.attend(q[:1], pk, pv, too_long, 0.25, None)
+
+
+class LargestFloat32(TorchDispatchMode):
+    """Records the most elements of any float32 tensor an op returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_a_long_packed_context_is_read_with_float32_products_of_one_chunk() -> None:
+    """The varlen path over 2,000 packed keys in bfloat16 with 64-token chunks: no float32
+    tensor larger than one chunk's products (whole-context products were 2 x 13 bytes per
+    element beside the bfloat16 keys, outside the memory plan)."""
+    pk = kv_fp8.quantize(scaled_rows(2048, 2, 16, 12))
+    pv = kv_fp8.quantize(scaled_rows(2048, 2, 16, 13))
+    meta = StepMeta((100,), (2000,), (tuple(range(128)),), 16, torch.device("cpu"))
+    q = torch.randn(100, 4, 16).to(torch.bfloat16)
+    backend = VarlenBackend(2048, paged_decode=False, dequant_chunk_tokens=64)
+    backend._varlen_attn = lambda q, *args, **kwargs: torch.zeros_like(q)
+    with LargestFloat32() as largest:
+        backend.attend(q, pk, pv, meta, 0.25, None)
+    assert largest.numel == 64 * 2 * 16
 
 
 def _sdpa_meta() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepMeta]:
