@@ -153,7 +153,7 @@ def short_queries() -> dict:
 
     out: dict[str, object] = {}
     bs, hq, hkv, d = 16, 32, 16, 128
-    paged, flash = VarlenBackend(), VarlenBackend(paged_decode=False)
+    paged, flash = VarlenBackend(131072), VarlenBackend(131072, paged_decode=False)
     for q_lens, ctx, window in (
         ((32, 17, 1), (32768, 4097, 1000), None),
         ((32, 3), (32768, 2000), 1024),

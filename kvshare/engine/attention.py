@@ -7,12 +7,14 @@ keys/values into their slots and asks a backend for the attention output.
 Backends:
 - `SDPABackend`: per-sequence torch SDPA with an explicit mask. Any device, any dtype;
   it is the reference the others are tested against.
-Every backend reads a packed fp8 cache (kv_fp8.py) as well: the gathering ones dequantize
-what they gathered, the paged kernel dequantizes in its loop.
 - `VarlenBackend` (CUDA, bf16/fp16): gathers each sequence's keys into one packed batch
   and runs torch's varlen flash attention, causal aligned bottom-right with an optional
   sliding window. Steps whose sequences all have at most MAX_QUERY new tokens (decode
   included) use the paged Triton kernel when it is available.
+Every backend reads a packed fp8 cache (kv_fp8.py) as well: the gathering ones gather and
+dequantize through kv_fp8.GatherBuffers a chunk at a time, the paged kernel dequantizes in
+its loop. A gather never holds more than the longest context's keys (the memory plan's
+attention context): VarlenBackend splits a step whose sequences' keys add up to more.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 from kvshare.engine import kv_fp8
 from kvshare.engine.connector import KVCacheLayout
+from kvshare.engine.memory import DEQUANT_CHUNK_TOKENS
 from kvshare.engine.recurrent_state import RecurrentStates
 
 
@@ -140,6 +143,11 @@ class AttentionBackend(ABC):
 
 
 class SDPABackend(AttentionBackend):
+    """`dequant_chunk_tokens`: tokens of a packed cache dequantized at a time."""
+
+    def __init__(self, dequant_chunk_tokens: int = DEQUANT_CHUNK_TOKENS) -> None:
+        self.dequant_chunk_tokens = dequant_chunk_tokens
+
     def attend(
         self,
         q: torch.Tensor,
@@ -150,6 +158,9 @@ class SDPABackend(AttentionBackend):
         window: int | None,
     ) -> torch.Tensor:
         keys = meta.key_range(window)
+        buffers = kv_fp8.GatherBuffers.allocate(
+            keys.max_len, k_cache, q.dtype, self.dequant_chunk_tokens
+        )
         out = torch.empty_like(q)
         q_start = 0
         k_start = 0
@@ -157,8 +168,8 @@ class SDPABackend(AttentionBackend):
             n, m = meta.q_lens[i], keys.lens[i]
             idx = keys.slots[k_start : k_start + m]
             qi = q[q_start : q_start + n].transpose(0, 1)[None]
-            ki = kv_fp8.to_compute(k_cache[idx], q.dtype).transpose(0, 1)[None]
-            vi = kv_fp8.to_compute(v_cache[idx], q.dtype).transpose(0, 1)[None]
+            ki = buffers.gather(k_cache, idx, buffers.keys).transpose(0, 1)[None]
+            vi = buffers.gather(v_cache, idx, buffers.values).transpose(0, 1)[None]
             mask = _causal_mask(meta.ctx_lens[i], n, keys.starts[i], m, window, q.device)
             o = F.scaled_dot_product_attention(
                 qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True
@@ -189,11 +200,26 @@ class VarlenBackend(AttentionBackend):
 
     Flash's grid is (query blocks x heads): a few new tokens over a long context leave most
     SMs idle, each CTA streaming the whole context, after a gather of every key; the paged
-    kernel reads the keys in place and splits the context over the SMs."""
+    kernel reads the keys in place and splits the context over the SMs.
 
-    def __init__(self, paged_decode: bool = True) -> None:
+    Varlen steps gather keys into buffers of `max_context_tokens` (the longest context the
+    engine admits), allocated at the first such step and kept: a step whose sequences'
+    keys add up to more runs as several varlen calls over consecutive sequences.
+    `dequant_chunk_tokens`: tokens of a packed cache dequantized at a time."""
+
+    def __init__(
+        self,
+        max_context_tokens: int,
+        paged_decode: bool = True,
+        dequant_chunk_tokens: int = DEQUANT_CHUNK_TOKENS,
+    ) -> None:
         from torch.nn.attention.varlen import varlen_attn
 
+        if max_context_tokens < 1:
+            raise ValueError(f"max_context_tokens must be >= 1, got {max_context_tokens}")
+        self.max_context_tokens = max_context_tokens
+        self.dequant_chunk_tokens = dequant_chunk_tokens
+        self._buffers: kv_fp8.GatherBuffers | None = None
         self._varlen_attn = varlen_attn
         self._paged: ModuleType | None = None  # the paged kernels; None: varlen for every step
         if paged_decode:
@@ -235,19 +261,66 @@ class VarlenBackend(AttentionBackend):
                 max_context=max(meta.ctx_lens),
             )
         keys = meta.key_range(window)
-        k = kv_fp8.to_compute(k_cache.index_select(0, keys.slots), q.dtype)
-        v = kv_fp8.to_compute(v_cache.index_select(0, keys.slots), q.dtype)
-        return self._varlen_attn(
-            q,
-            k,
-            v,
-            meta.cu_seqlens_q,
-            keys.cu_seqlens,
-            meta.max_q,
-            keys.max_len,
-            scale=scale,
-            window_size=(-1 if window is None else window - 1, 0),
-        )
+        buffers = self._gather_buffers(k_cache, q.dtype)
+        window_size = (-1 if window is None else window - 1, 0)
+        groups = gather_groups(keys.lens, self.max_context_tokens)
+        if len(groups) == 1:  # the whole step in one call (its cu_seqlens as they are)
+            k = buffers.gather(k_cache, keys.slots, buffers.keys)
+            v = buffers.gather(v_cache, keys.slots, buffers.values)
+            return self._varlen_attn(
+                q,
+                k,
+                v,
+                meta.cu_seqlens_q,
+                keys.cu_seqlens,
+                meta.max_q,
+                keys.max_len,
+                scale=scale,
+                window_size=window_size,
+            )
+        out = torch.empty_like(q)
+        for first, stop in groups:
+            q_at, q_end = sum(meta.q_lens[:first]), sum(meta.q_lens[:stop])
+            k_at, k_end = sum(keys.lens[:first]), sum(keys.lens[:stop])
+            slots = keys.slots[k_at:k_end]
+            out[q_at:q_end] = self._varlen_attn(
+                q[q_at:q_end],
+                buffers.gather(k_cache, slots, buffers.keys),
+                buffers.gather(v_cache, slots, buffers.values),
+                meta.cu_seqlens_q[first : stop + 1] - q_at,
+                keys.cu_seqlens[first : stop + 1] - k_at,
+                max(meta.q_lens[first:stop]),
+                max(keys.lens[first:stop]),
+                scale=scale,
+                window_size=window_size,
+            )
+        return out
+
+    def _gather_buffers(self, cache: torch.Tensor, dtype: torch.dtype) -> kv_fp8.GatherBuffers:
+        """This backend's buffers, allocated for the first cache rows and dtype it reads (an
+        engine's layers all share them)."""
+        if self._buffers is None or not self._buffers.fits(cache, dtype):
+            self._buffers = None  # the old buffers go before the new ones are allocated
+            self._buffers = kv_fp8.GatherBuffers.allocate(
+                self.max_context_tokens, cache, dtype, self.dequant_chunk_tokens
+            )
+        return self._buffers
+
+
+def gather_groups(lens: tuple[int, ...], max_tokens: int) -> list[tuple[int, int]]:
+    """Runs [first, stop) of consecutive sequences whose keys (`lens`) add up to at most
+    `max_tokens`, in order; ValueError for a sequence longer than that on its own."""
+    groups: list[tuple[int, int]] = []
+    first, total = 0, 0
+    for i, n in enumerate(lens):
+        if n > max_tokens:
+            raise ValueError(f"a sequence reads {n} keys, more than the {max_tokens} gathered")
+        if total + n > max_tokens:
+            groups.append((first, i))
+            first, total = i, 0
+        total += n
+    groups.append((first, len(lens)))
+    return groups
 
 
 def _to_cache(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:

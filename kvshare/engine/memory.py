@@ -36,6 +36,10 @@ GRAPH_POOL_SLACK_BYTES = 64 << 20
 STEP_SLACK_BYTES = 128 << 20
 ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 STAGING_BUFFERS = 4  # the pool connector's CUDA transfer: two per direction
+# Tokens of packed fp8 rows dequantized at a time: the float32 products of one chunk are the
+# only float32 temporaries of reading a packed cache (kvshare.engine.kv_fp8.GatherBuffers).
+DEQUANT_CHUNK_TOKENS = 8192
+ATTENTION_CONTEXT = "attention context"
 
 
 def kv_row_bytes(model: ModelConfig, config: EngineConfig) -> int:
@@ -55,6 +59,24 @@ def packed_head_bytes(head_dim: int) -> int:
     if head_dim % FP8_SCALE_BYTES:
         raise ValueError(f"fp8 KV needs a head dim divisible by 4, got {head_dim}")
     return head_dim + FP8_SCALE_BYTES
+
+
+def longest_context(model: ModelConfig, config: EngineConfig) -> int:
+    """The most keys one sequence's attention reads: max_model_len, or the model's context."""
+    return config.max_model_len or model.max_position_embeddings
+
+
+def attention_context_bytes(model: ModelConfig, config: EngineConfig) -> int:
+    """The buffers attention gathers one layer's keys into (kvshare.engine.kv_fp8.GatherBuffers,
+    sized for the longest context): K and V in the compute dtype, and with fp8 one chunk of
+    packed rows and of their float32 products."""
+    tokens = longest_context(model, config)
+    heads, dim = model.num_kv_heads, model.head_dim
+    gathered = 2 * tokens * heads * dim * item_bytes(config.resolved_dtype)
+    if config.kv_cache_dtype != "fp8":
+        return gathered
+    chunk = min(DEQUANT_CHUNK_TOKENS, tokens)
+    return gathered + chunk * heads * (packed_head_bytes(dim) + 4 * dim)
 
 
 def kv_bytes_per_token(model: ModelConfig, config: EngineConfig) -> int:
@@ -139,7 +161,7 @@ def split_kv_cache(
     if not sliding_block:
         return KVCacheSplit(kv_bytes // global_block, 0, bs)
     fewest, most = sliding_block_bounds(model, config, chunk_tokens)
-    max_len = config.max_model_len or model.max_position_embeddings
+    max_len = longest_context(model, config)
     context_blocks = -(-max_len // bs) + 1
     left = (kv_bytes - context_blocks * global_block) // sliding_block - 1  # - the null block
     sliding = max(fewest, min(most, left)) + 1
@@ -235,12 +257,13 @@ def plan_device_memory(
     (a sliding-window model keeps the chunk not yet stored).
     """
     item = item_bytes(config.resolved_dtype)
-    max_len = config.max_model_len or model.max_position_embeddings
+    max_len = longest_context(model, config)
     states = model.state_bytes_per_sequence(item)
     parts = (
         ("weights", weights_bytes),
         ("CUDA runtime", CUDA_RUNTIME_BYTES),
         ("activations", activation_bytes(model, config, config.max_num_batched_tokens)),
+        (ATTENTION_CONTEXT, attention_context_bytes(model, config)),
         ("recurrent-state slots", config.max_num_seqs * states),
         ("state snapshots", config.num_state_snapshots * states if states else 0),
         (
@@ -274,7 +297,11 @@ def plan_device_memory(
             + "): "
             + ", ".join(f"{name} {format_size(n)}" for name, n in parts if n)
             + f" leave {format_size(max(left, 0))}, not enough for {what}; raise the fraction, "
-            "or lower --max-num-seqs, --max-num-batched-tokens or --max-model-len"
+            "or lower --max-num-seqs, --max-num-batched-tokens or --max-model-len (the "
+            f"{ATTENTION_CONTEXT} is one layer's K and V of {max_len} tokens, in "
+            f"{config.resolved_dtype}"
+            + (" with a chunk of fp8 dequantizing" if config.kv_cache_dtype == "fp8" else "")
+            + ")"
         )
     kv_bytes = config.kv_cache_memory or left
     return DeviceMemoryPlan(

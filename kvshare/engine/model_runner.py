@@ -23,6 +23,7 @@ from kvshare.engine.cuda_graphs import DecodeGraphs
 from kvshare.engine.memory import (
     DeviceMemoryPlan,
     KVCacheSplit,
+    longest_context,
     plan_device_memory,
     split_kv_cache,
 )
@@ -105,7 +106,7 @@ class ModelRunner:
         if name == "varlen" and not fast_ok:
             raise ValueError("the varlen backend needs CUDA and bfloat16/float16")
         if name == "varlen" or (name == "auto" and fast_ok):
-            return VarlenBackend()
+            return VarlenBackend(longest_context(self.model_config, self.config))
         return SDPABackend()
 
     @property

@@ -11,10 +11,12 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from kvshare import LLM, SamplingParams
 from kvshare.engine import kv_fp8
-from kvshare.engine.attention import SDPABackend, StepMeta
+from kvshare.engine.attention import SDPABackend, StepMeta, VarlenBackend
 from kvshare.engine.connector import KVCacheLayout
 from kvshare.models.presets import shape_preset
 from tests.engine.test_paged_decode import interpret
@@ -73,6 +75,156 @@ def test_the_fp8_cache_is_one_byte_tensor_of_about_half_bfloat16s_bytes() -> Non
     assert ratio == (config.head_dim + 4) / (2 * config.head_dim)  # 0.53 at head dim 64
     assert kv_fp8.kv_format(torch.bfloat16, "fp8") != kv_fp8.kv_format(torch.bfloat16, "auto")
     assert kv_fp8.kv_format(torch.bfloat16, "fp8") != kv_fp8.kv_format(torch.float32, "fp8")
+
+
+def random_packed_rows(n: int, heads: int, dim: int, seed: int) -> torch.Tensor:
+    """Packed rows of random bytes (every e4m3 pattern, NaN included) with random finite
+    scales over eight decades."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (n, heads, dim + 4), dtype=torch.uint8, generator=gen)
+    scale = 10 ** (8 * torch.rand(n, heads, 1, generator=gen) - 4)
+    packed[..., dim:] = scale.view(torch.uint8)
+    return packed
+
+
+def whole_tensor_dequantize(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The unchunked formula: every product in float32 at once, then rounded."""
+    return (kv_fp8.values(packed).float() * kv_fp8.scales(packed)).to(dtype)
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view({4: torch.int32, 2: torch.int16}[x.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_chunked_dequantize_is_the_whole_tensor_formula_bit_for_bit(dtype: torch.dtype) -> None:
+    packed = random_packed_rows(1000, 3, 16, 4)
+    whole = whole_tensor_dequantize(packed, dtype)
+    for chunk in (64, 999, 1000, 4096):  # 1000 = 15 x 64 + 40
+        assert torch.equal(bits(kv_fp8.dequantize(packed, dtype, chunk)), bits(whole)), chunk
+    assert torch.equal(bits(kv_fp8.dequantize(packed[:5], dtype, 1)), bits(whole[:5]))
+    assert kv_fp8.dequantize(packed[:0], dtype, 64).shape == (0, 3, 16)
+    if dtype != torch.float32:  # teeth: products rounded before the multiply differ
+        early = (kv_fp8.values(packed).to(dtype) * kv_fp8.scales(packed).to(dtype)).to(dtype)
+        assert not torch.equal(bits(early), bits(whole))
+
+
+def test_gather_buffers_dequantize_gathered_rows_a_chunk_at_a_time() -> None:
+    cache = random_packed_rows(3000, 2, 32, 5)
+    slots = torch.randperm(3000, generator=torch.Generator().manual_seed(6))[:1000]
+    buffers = kv_fp8.GatherBuffers.allocate(1200, cache, torch.bfloat16, chunk_tokens=64)
+    assert buffers.keys.shape == (1200, 2, 32) and buffers.keys.dtype == torch.bfloat16
+    assert buffers.packed is not None and buffers.packed.shape == (64, 2, 36)
+    assert buffers.products is not None and buffers.products.shape == (64, 2, 32)
+    want = whole_tensor_dequantize(cache[slots], torch.bfloat16)
+    keys = buffers.gather(cache, slots, buffers.keys)
+    assert keys.data_ptr() == buffers.keys.data_ptr()  # in place, no new tensor
+    assert torch.equal(bits(keys), bits(want))
+    values = buffers.gather(cache, slots[:130], buffers.values)
+    assert torch.equal(bits(values), bits(want[:130]))
+    with pytest.raises(ValueError, match="gathering 1300 keys into buffers of 1200"):
+        buffers.gather(cache, torch.arange(1300), buffers.keys)
+    plain = torch.randn(3000, 2, 32).to(torch.bfloat16)
+    plain_buffers = kv_fp8.GatherBuffers.allocate(1200, plain, torch.bfloat16)
+    assert plain_buffers.packed is None and plain_buffers.products is None
+    assert torch.equal(plain_buffers.gather(plain, slots, plain_buffers.keys), plain[slots])
+    assert not plain_buffers.fits(cache, torch.bfloat16) and buffers.fits(cache, torch.bfloat16)
+
+
+def fake_varlen(calls: list[int]):  # type: ignore[no-untyped-def]
+    """varlen flash on the CPU: per sequence, SDPA with the causal mask aligned bottom-right
+    and flash's window convention; records the keys of each call."""
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):  # type: ignore[no-untyped-def]
+        calls.append(len(k))
+        assert int(cu_q[-1]) == len(q) and int(cu_k[-1]) == len(k)
+        out = torch.empty_like(q)
+        for i in range(len(cu_q) - 1):
+            qs, qe, ks, ke = (int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1]))
+            n, m = qe - qs, ke - ks
+            assert n <= max_q and m <= max_k
+            last = torch.arange(n)[:, None] + m - n  # the last key each query sees
+            keys = torch.arange(m)[None, :]
+            allowed = keys <= last
+            if window_size[0] >= 0:
+                allowed &= keys >= last - window_size[0]
+            out[qs:qe] = torch.nn.functional.scaled_dot_product_attention(
+                q[qs:qe].transpose(0, 1)[None],
+                k[ks:ke].transpose(0, 1)[None],
+                v[ks:ke].transpose(0, 1)[None],
+                attn_mask=allowed,
+                scale=scale,
+                enable_gqa=True,
+            )[0].transpose(0, 1)
+        return out
+
+    return varlen
+
+
+def test_varlen_gathers_at_most_the_longest_context_per_call() -> None:
+    """A step whose sequences' keys add up to more than max_context_tokens runs as several
+    calls, each over keys that fit the buffers (the memory plan's attention context);
+    the chunked fp8 gather feeds it the same values SDPA reads."""
+    bs, seqs = 16, [(40, 300), (50, 120), (33, 700), (1, 90)]
+    blocks = sum(-(-c // bs) for _, c in seqs)
+    pk = kv_fp8.quantize(scaled_rows(blocks * bs, 2, 16, 7))
+    pv = kv_fp8.quantize(scaled_rows(blocks * bs, 2, 16, 8))
+    order = torch.randperm(blocks, generator=torch.Generator().manual_seed(9)).tolist()
+    tables, at = [], 0
+    for _, c in seqs:
+        tables.append(tuple(order[at : at + -(-c // bs)]))
+        at += -(-c // bs)
+    q = torch.randn(sum(n for n, _ in seqs), 4, 16, generator=torch.Generator().manual_seed(10))
+    meta = StepMeta(
+        q_lens=tuple(n for n, _ in seqs),
+        ctx_lens=tuple(c for _, c in seqs),
+        block_tables=tuple(tables),
+        block_size=bs,
+        device=torch.device("cpu"),
+    )
+    backend = VarlenBackend(800, paged_decode=False, dequant_chunk_tokens=64)
+    calls: list[int] = []
+    backend._varlen_attn = fake_varlen(calls)
+    for window, want_calls in ((None, [420, 790]), (64, [103 + 113 + 96 + 64])):
+        calls.clear()
+        out = backend.attend(q, pk, pv, meta, 0.25, window)
+        ref = SDPABackend(dequant_chunk_tokens=64).attend(q, pk, pv, meta, 0.25, window)
+        assert calls == want_calls, window
+        assert rel_error(out, ref) < 1e-6, window
+    assert backend._buffers is not None and backend._buffers.keys.shape[0] == 800
+    too_long = StepMeta((1,), (801,), (tuple(range(51)),), bs, torch.device("cpu"))
+    with pytest.raises(ValueError, match="reads 801 keys, more than the 800 gathered"):
+        backend.attend(q[:1], pk, pv, too_long, 0.25, None)
+
+
+class LargestFloat32(TorchDispatchMode):
+    """Records the most elements of any float32 tensor an op returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_a_long_packed_context_is_read_with_float32_products_of_one_chunk() -> None:
+    """The varlen path over 2,000 packed keys in bfloat16 with 64-token chunks: no float32
+    tensor larger than one chunk's products (whole-context products were 2 x 13 bytes per
+    element beside the bfloat16 keys, outside the memory plan)."""
+    pk = kv_fp8.quantize(scaled_rows(2048, 2, 16, 12))
+    pv = kv_fp8.quantize(scaled_rows(2048, 2, 16, 13))
+    meta = StepMeta((100,), (2000,), (tuple(range(128)),), 16, torch.device("cpu"))
+    q = torch.randn(100, 4, 16).to(torch.bfloat16)
+    backend = VarlenBackend(2048, paged_decode=False, dequant_chunk_tokens=64)
+    backend._varlen_attn = lambda q, *args, **kwargs: torch.zeros_like(q)
+    with LargestFloat32() as largest:
+        backend.attend(q, pk, pv, meta, 0.25, None)
+    assert largest.numel == 64 * 2 * 16
 
 
 def _sdpa_meta() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepMeta]:
@@ -247,7 +399,7 @@ def test_cuda_backends_read_packed_fp8_like_sdpa(seqs: list[tuple[int, int]]) ->
     )
     for window in (None, 128):
         ref = SDPABackend().attend(q.float(), pk, pv, meta, dim**-0.5, window)
-        out = VarlenBackend().attend(q, pk, pv, meta, dim**-0.5, window)
+        out = VarlenBackend(4096).attend(q, pk, pv, meta, dim**-0.5, window)
         assert rel_error(out.float(), ref) < 2e-2, window
 
 
@@ -269,3 +421,41 @@ def test_cuda_fp8_engine_with_and_without_graphs_agrees() -> None:
     for a, b in zip(*outs):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 5e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_cuda_long_context_varlen_holds_only_the_planned_buffers(kv_cache_dtype: str) -> None:
+    """An 8,192-token chunk over a 65,536-token context in qwen3.5-27b's attention shape
+    (24 query heads, 4 KV heads x 256): the first call allocates the gather buffers, which
+    are the plan's attention context for max_model_len 65,536; no call allocates anything
+    else that grows with the context (no whole-context float32 products)."""
+    from kvshare.engine.config import EngineConfig
+    from kvshare.engine.memory import attention_context_bytes
+    from kvshare.models.presets import SHAPE_PRESETS
+
+    dev, bs, context, n = torch.device("cuda"), 16, 65536, 8192
+    rows = scaled_rows(context, 4, 256, 11).to(dev)
+    if kv_cache_dtype == "fp8":
+        k_cache, v_cache = kv_fp8.quantize(rows), kv_fp8.quantize(rows.flip(0))
+    else:
+        k_cache, v_cache = rows.to(torch.bfloat16), rows.flip(0).to(torch.bfloat16)
+    del rows
+    q = torch.randn(n, 24, 256, device=dev, dtype=torch.bfloat16)
+    meta = StepMeta((n,), (context,), (tuple(range(context // bs)),), bs, dev)
+    meta.key_range(None)  # the step's slot ids, allocated before the measurement
+    engine = EngineConfig(device="cuda", max_model_len=context, kv_cache_dtype=kv_cache_dtype)
+    planned = attention_context_bytes(SHAPE_PRESETS["qwen3.5-27b"], engine)
+    backend = VarlenBackend(context)
+    out_bytes = n * 24 * 256 * 2
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    for _ in range(2):
+        torch.cuda.reset_peak_memory_stats()
+        out = backend.attend(q, k_cache, v_cache, meta, 256**-0.5, None)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - base - out_bytes
+        assert abs(held - planned) < 1 << 20, (held, planned)
+        transient = torch.cuda.max_memory_allocated() - base - out_bytes - planned
+        assert transient < 32 << 20, transient  # flash's softmax statistics, cu_seqlens
+        del out

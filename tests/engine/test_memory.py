@@ -8,12 +8,16 @@ allocates no more than its plan.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.memory import (
     CUDA_RUNTIME_BYTES,
+    DEQUANT_CHUNK_TOKENS,
+    attention_context_bytes,
     kv_bytes_per_block,
     plan_device_memory,
     sliding_block_bounds,
@@ -77,6 +81,62 @@ def test_a_fraction_too_small_fails_naming_the_parts_and_their_sizes() -> None:
     ):
         assert part in message, message
     assert "KV cache for one step (4096 tokens" in message
+
+
+def test_the_attention_context_is_one_layers_keys_of_max_model_len() -> None:
+    """K and V of the longest context in bfloat16 (4 KV heads x 256 for qwen3.5-27b), and
+    with fp8 one dequantizing chunk: packed rows (256 + 4 bytes) and float32 products."""
+    weights = QWEN35.num_parameters() * 2
+    plans = {}
+    for kv in ("auto", "fp8"):
+        for tokens in (4096, 32768, 262144):
+            engine = bench_engine(max_model_len=tokens, kv_cache_dtype=kv)
+            plan = plan_device_memory(QWEN35, engine, H200, weights)
+            gathered = 2 * tokens * 4 * 256 * 2
+            scratch = min(tokens, DEQUANT_CHUNK_TOKENS) * 4 * (260 + 4 * 256) if kv == "fp8" else 0
+            assert plan.part("attention context") == gathered + scratch, (kv, tokens)
+            assert attention_context_bytes(QWEN35, engine) == gathered + scratch
+            plans[kv, tokens] = plan
+    assert DEQUANT_CHUNK_TOKENS == 8192
+    assert plans["fp8", 262144].part("attention context") == (1 << 30) + 42_074_112  # + 40.1 MiB
+    # The KV cache gives up what the longer context's gather takes (nothing else changed).
+    for kv in ("auto", "fp8"):
+        short, long = plans[kv, 32768], plans[kv, 262144]
+        grown = long.part("attention context") - short.part("attention context")
+        assert grown == 2 * (262144 - 32768) * 4 * 256 * 2
+        assert short.kv_bytes - long.kv_bytes == grown
+    assert "attention context 1.04 GiB" in plans["fp8", 262144].describe()
+
+
+def test_a_budget_without_the_longest_contexts_attention_fails_naming_it() -> None:
+    """A 10 GiB KV cache fits beside the gather of a 32k context, not of 256k: start fails
+    with every part named, the attention context among them."""
+    weights = QWEN35.num_parameters() * 2
+    engine = bench_engine(kv_cache_dtype="fp8", kv_cache_memory=10 * GIB)
+    plan = plan_device_memory(QWEN35, replace(engine, max_model_len=32768), H200, weights)
+    assert plan.kv_bytes == 10 * GIB
+    with pytest.raises(ValueError) as caught:
+        plan_device_memory(QWEN35, replace(engine, max_model_len=262144), H200, weights)
+    message = str(caught.value)
+    assert "attention context 1.04 GiB" in message and "weights 50.10 GiB" in message
+    assert "the KV cache of 10 GiB (--kv-cache-memory)" in message
+    assert "one layer's K and V of 262144 tokens, in bfloat16 with a chunk of fp8" in message
+
+
+def test_two_qwen3_5_27b_fp8_replicas_with_256k_contexts_fit_an_h200() -> None:
+    """The 256k fp8 run: two replicas at 0.48 of 139.8 GiB, 8,192-token steps, 8 sequences,
+    max_model_len 262,144 (no pool: its staging would leave 258,160 tokens). Every part,
+    the attention context included, fits the limit and the KV cache holds the context."""
+    h200 = int(139.8 * GIB)
+    engine = bench_engine(kv_cache_dtype="fp8", max_model_len=262144, max_num_batched_tokens=8192)
+    plan = device_plan("shape:qwen3.5-27b", engine, h200)
+    assert plan is not None and plan.split is not None
+    assert 2 * plan.limit <= h200 and plan.fixed_bytes + plan.kv_bytes == plan.limit
+    assert plan.part("attention context") == attention_context_bytes(QWEN35, engine)
+    assert plan.split.context_tokens >= 262144
+    # With the measured 50.3 GiB of weights it still does.
+    measured = plan_device_memory(QWEN35, engine, h200, int(50.3 * GIB))
+    assert measured.split is not None and measured.split.context_tokens >= 262144
 
 
 def test_states_count_per_sequence_slot_and_per_snapshot() -> None:
@@ -173,11 +233,12 @@ def test_kvshare_up_checks_each_replicas_whole_budget(fake_h200: None) -> None:
 
 def test_two_gemma3_27b_replicas_with_130k_contexts_fit_an_h200() -> None:
     """The sliding-window layers (52 of 62) count their window + step per sequence, not
-    the context: the KV cache of one replica at 0.48 holds a 130,816-token context with
-    every global layer and the sliding layers' windows; a full-length cache would not."""
+    the context: the KV cache of one replica at 0.49 holds a 130,816-token context with
+    every global layer and the sliding layers' windows; a full-length cache would not.
+    (At 0.48 the 1 GiB attention context leaves 129,776 tokens.)"""
     gemma = SHAPE_PRESETS["gemma3-27b"]
     h200 = int(139.8 * GIB)
-    engine = bench_engine(max_model_len=131072)
+    engine = bench_engine(max_model_len=131072, gpu_memory_fraction=0.49)
     plan = device_plan("shape:gemma3-27b", engine, h200, pool_chunk_tokens=256)
     assert plan is not None and plan.split is not None
     assert 2 * plan.limit <= h200

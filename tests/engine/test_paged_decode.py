@@ -147,7 +147,7 @@ for heads, kv_heads, dim, window, splits, seqs in json.loads(sys.argv[1]):
     result["teeth"].append([rel(out, w) for w in wrong])
 
 # The backend's routing: chunks up to MAX_QUERY tokens take the paged kernel, longer ones varlen.
-backend, calls = VarlenBackend(), []
+backend, calls = VarlenBackend(4096), []
 backend._varlen_attn = lambda q, *args, **kwargs: calls.append(q.shape[0]) or torch.zeros_like(q)
 q, k, v, meta = setup(4, 2, 16, [(3, 40), (MAX_QUERY, 90), (1, 20)], 7)
 result["routed_paged"] = rel(backend.attend(q, k, v, meta, 0.25, 30), reference(q, k, v, meta, 30, 0.25))
