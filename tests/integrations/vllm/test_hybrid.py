@@ -20,6 +20,7 @@ from tests.integrations.vllm.conftest import VLLMCluster
 from tests.integrations.vllm.test_connector import CHUNK, chain_of, pages_in_arena, prompt
 
 RESTORED = 4 * CHUNK  # 1,024 of the 1,100 prompt tokens: 4 chunks + the state after them
+TOLERANCE = 1e-5  # logprobs of a restored answer against the computed one
 
 
 @pytest.fixture
@@ -60,7 +61,7 @@ def test_a_restored_hybrid_prefix_answers_like_the_computed_one(
     restored = cluster.h.ask(tokens)
     assert restored["cached"] == RESTORED
     assert restored["tokens"] == reference["tokens"]
-    assert max_difference(restored["logprobs"], reference["logprobs"]) <= 1e-5
+    assert max_difference(restored["logprobs"], reference["logprobs"]) <= TOLERANCE
     assert sum(c["pinned"] for c in hybrid_client.stats()["classes"]) == 0
 
 
@@ -73,7 +74,7 @@ def test_another_replica_restores_the_prefix_and_the_state_it_stored(
     restored = cluster.h.ask(tokens)
     assert restored["cached"] == RESTORED
     assert restored["tokens"] == reference["tokens"]
-    assert max_difference(restored["logprobs"], reference["logprobs"]) <= 1e-5
+    assert max_difference(restored["logprobs"], reference["logprobs"]) <= TOLERANCE
 
 
 def test_restoring_the_kv_without_the_state_is_caught(cluster: VLLMCluster) -> None:
@@ -81,7 +82,9 @@ def test_restoring_the_kv_without_the_state_is_caught(cluster: VLLMCluster) -> N
     reference = cluster.h.ask(tokens)
     broken = cluster.x.ask(tokens)
     assert broken["cached"] == RESTORED  # X did restore the KV from the pool
-    assert max_difference(broken["logprobs"], reference["logprobs"]) > 1e-3
+    # Beyond the tolerance the restore tests hold answers to, so they would catch it (the
+    # tiny random model's logits are nearly flat: 1e-4 to 4e-3 apart were measured).
+    assert max_difference(broken["logprobs"], reference["logprobs"]) > TOLERANCE
 
 
 def test_a_corrupt_state_page_fails_only_that_request_and_it_is_recomputed(
@@ -98,11 +101,11 @@ def test_a_corrupt_state_page_fails_only_that_request_and_it_is_recomputed(
     # Reported per request (failed_recving): vLLM cannot map block ids to requests when
     # there are several KV cache groups, and raises if a connector reports them.
     assert answer["tokens"] == reference["tokens"]
-    assert max_difference(answer["logprobs"], reference["logprobs"]) <= 1e-5
+    assert max_difference(answer["logprobs"], reference["logprobs"]) <= TOLERANCE
     log = cluster.h.log()
     assert f"page of chunk 4 (key {state.hex()}) failed verification" in log
     assert "the 4 chunks and their state were not restored; recomputing the request" in log
     # The engine goes on: the next restore works.
     again = prompt(15)
     first = cluster.x.ask(again)
-    assert cluster.h.ask(again)["logprobs"] == pytest.approx(first["logprobs"], abs=1e-5)
+    assert cluster.h.ask(again)["logprobs"] == pytest.approx(first["logprobs"], abs=TOLERANCE)
