@@ -22,7 +22,23 @@ vLLM's KV cache and the arena, synchronously:
 Blocks of the engine's own prefix cache (before the local hit) are never written.
 Any pool trouble (no daemon, another user's socket, a full pool, a daemon restart) is a
 miss or a skipped store with a log line; the connector never raises into vLLM.
-Limits: one KV cache group (attention-only models), tensor parallel size 1.
+
+Hybrid models (Gated DeltaNet / Mamba layers + attention, e.g. Qwen3-Next) need vLLM's
+prefix caching ("align" mode: the state block at position p of a request's row holds the
+state after exactly (p + 1) x block_size tokens). A prefix is usable only up to a chunk
+boundary that has every KV chunk AND a state page (the recurrent state after exactly that
+many tokens, key `state_key(chunk key)`): the lookup asks the daemon for exactly that, and
+restoring KV without its state would give wrong output. A state page is stored when a
+forward pass ends on a chunk boundary (vLLM ends a prefill step on the prompt's last block
+boundary, so `chunk_tokens` defaults to the block size for hybrid models). Hybrid loads
+are asynchronous in vLLM's sense (the request waits one step in WAITING_FOR_REMOTE_KVS):
+vLLM copies the state of the hit's last block into the running block before the forward
+pass, before a synchronous load would run, and it maps load failures to requests only per
+request (`failed_recving`) when there are several KV cache groups, since block ids are
+only unique within a group. A failed hybrid load is recomputed from token 0.
+Limits: tensor parallel size 1; KV cache groups of full attention and of Mamba-type state
+only (sliding-window or chunked-local attention groups: run vLLM with
+--disable-hybrid-kv-cache-manager to get one group, or the connector stays off).
 """
 
 from __future__ import annotations
@@ -37,7 +53,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from kvshare.integrations.vllm_pages import (
@@ -48,7 +66,8 @@ from kvshare.integrations.vllm_pages import (
     page_header,
     verify_page,
 )
-from kvshare.kvpool.client import PoolClient, PoolError, PoolUnavailable
+from kvshare.kvpool.client import PageRef, PoolClient, PoolError, PoolUnavailable
+from kvshare.kvpool.connector import state_key
 from kvshare.kvpool.keys import Namespace, chain_seed, chunk_keys
 from kvshare.kvpool.page import HEADER_BYTES
 from kvshare.kvpool.paths import default_pool_address
@@ -64,27 +83,52 @@ if TYPE_CHECKING:
 # Under vLLM's logger, so these lines appear in its log with its format.
 log = logging.getLogger("vllm.kvshare")
 _POOL_ERRORS = (PoolUnavailable, PoolError)
+# vLLM's placeholder block id (BlockPool.null_block): a position of a row with no block.
+_NULL_BLOCK = 0
+
+
+@dataclass(frozen=True)
+class CacheGroups:
+    """vLLM's KV cache groups by what their blocks hold: per-token attention KV (`kv`) or
+    a recurrent state per block boundary (`state`, Mamba-type layers). Indexes into
+    `kv_cache_config.kv_cache_groups`."""
+
+    kv: tuple[int, ...]
+    state: tuple[int, ...]
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.state)
 
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """Load chunks [0, len(keys)) of a request; blocks before `first_block` are the engine's."""
+    """Load chunks [0, len(keys)) of a request; blocks before `first_block` are the engine's.
+
+    `block_ids[g]`: the hit's blocks in KV group g (CacheGroups.kv order). `state_blocks[g]`:
+    the block of state group g that must hold the state after the hit (hybrid models;
+    empty otherwise), the last page of the lookup."""
 
     request_id: str
     keys: list[bytes]
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
     first_block: int
+    state_blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class StoreSpec:
-    """Store chunks `chunks` of a request, complete after this step's forward pass."""
+    """Store chunks `chunks` of a request, complete after this step's forward pass; with
+    `state_chunk`, also the state after that chunk, which this step's forward pass ends on,
+    from the blocks `state_blocks` (one per state group)."""
 
     request_id: str
     chunks: list[int]
     keys: list[bytes]  # every key of the prompt, from chunk 0
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # per KV group
     seed: bytes  # the parent of chunk 0
+    state_chunk: int | None = None
+    state_blocks: tuple[int, ...] = ()
 
 
 @dataclass
@@ -106,12 +150,13 @@ class KVShareWorkerMetadata(KVConnectorWorkerMetadata):
 
 @dataclass
 class _Tracked:
-    """A running request as the scheduler side sees it."""
+    """A running request as the scheduler side sees it. `block_ids[g]`: its row in KV
+    cache group g (every group, vLLM's order), position-indexed."""
 
     keys: list[bytes]
     seed: bytes
     prompt_tokens: int
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
     stored_chunks: int = 0
 
 
@@ -121,22 +166,29 @@ class _Match:
     chunks: int
 
 
-class KVShareConnector(KVConnectorBase_V1):
+class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.block_size = vllm_config.cache_config.block_size
-        self.chunk_tokens = int(extra.get("chunk_tokens", max(256, self.block_size)))
+        self.groups, self.usable = cache_groups(vllm_config, kv_cache_config)
+        default_chunk = self.block_size if self.groups.hybrid else max(256, self.block_size)
+        self.chunk_tokens = int(extra.get("chunk_tokens", default_chunk))
         if self.chunk_tokens % self.block_size:
             raise ValueError(
                 f"kvshare: chunk_tokens ({self.chunk_tokens}) must be a multiple of vLLM's "
                 f"block size ({self.block_size})"
             )
+        self.blocks_per_chunk = self.chunk_tokens // self.block_size
+        # Test only: restore a hybrid prefix's KV but not its state (wrong output); the
+        # tests show that this is caught. Never on unless passed explicitly.
+        self.skip_state_load = extra.get("test_only_skip_state_load") is True
+        if self.skip_state_load:
+            log.warning("kvshare: test_only_skip_state_load: restored prefixes are WRONG")
         self.address = str(extra.get("kv_pool") or default_pool_address())
         self.namespace = vllm_namespace(vllm_config, kv_cache_config, self.chunk_tokens)
-        self.usable = _usable_reason(vllm_config, kv_cache_config)
         if self.usable:
             log.warning("kvshare connector disabled: %s", self.usable)
         self.client = PoolClient(self.address, timeout=2.0, retry_interval=2.0)
@@ -148,15 +200,25 @@ class KVShareConnector(KVConnectorBase_V1):
         self._dispatched: dict[str, int] = {}  # request id -> lease, until its load is done
         # worker side
         self._geometry: PageGeometry | None = None
+        self._state_geometry: PageGeometry | None = None
         self._load_errors: set[int] = set()
         self._loaded: set[str] = set()
-        self.counters = {"load_chunks": 0, "load_failures": 0, "stored": 0, "store_skipped": 0}
+        self._failed_loads: set[str] = set()
+        self.counters = {
+            "load_chunks": 0,
+            "load_states": 0,
+            "load_failures": 0,
+            "stored": 0,
+            "stored_states": 0,
+            "store_skipped": 0,
+        }
         log.info(
-            "kvshare connector (%s) on %s: chunk %d tokens, block %d",
+            "kvshare connector (%s) on %s: chunk %d tokens, block %d%s",
             role.name.lower(),
             self.address,
             self.chunk_tokens,
             self.block_size,
+            ", hybrid (KV + state pages)" if self.groups.hybrid else "",
         )
 
     # -- pool trouble -----------------------------------------------------------------
@@ -192,8 +254,8 @@ class KVShareConnector(KVConnectorBase_V1):
         if match is None:
             match = self._lookup(request)
             self._matches[request.request_id] = match
-        hit_tokens = match.chunks * self.chunk_tokens
-        return max(0, hit_tokens - num_computed_tokens), False
+        new_tokens = max(0, match.chunks * self.chunk_tokens - num_computed_tokens)
+        return new_tokens, self.groups.hybrid and new_tokens > 0
 
     def _lookup(self, request: Request) -> _Match:
         tracked = self._track(request)
@@ -201,13 +263,17 @@ class KVShareConnector(KVConnectorBase_V1):
         usable = (tracked.prompt_tokens - 1) // self.chunk_tokens
         if usable == 0:
             return _Match(0, 0)
+        keys = tracked.keys[:usable]
+        states = [(j, state_key(key)) for j, key in enumerate(keys)] if self.groups.hybrid else None
         try:
-            result = self.client.lookup(tracked.keys[:usable])
+            result = self.client.lookup(keys, states)
         except _POOL_ERRORS as error:
             self._pool_failed("lookup", error)
             return _Match(0, 0)
         self._pool_ok()
-        return _Match(result.lease, len(result.pages))
+        # With states, the run ends after a chunk that has a state page, that page last.
+        chunks = len(result.pages) - 1 if self.groups.hybrid and result.pages else len(result.pages)
+        return _Match(result.lease, chunks)
 
     def _track(self, request: Request) -> _Tracked:
         tracked = self._tracked.get(request.request_id)
@@ -230,12 +296,14 @@ class KVShareConnector(KVConnectorBase_V1):
         match = self._matches[request.request_id]
         tracked = self._tracked[request.request_id]
         hit_tokens = match.chunks * self.chunk_tokens
-        local_tokens = hit_tokens - num_external_tokens
+        hit_blocks = hit_tokens // self.block_size
+        rows = blocks.get_block_ids()
         self._pending_loads[request.request_id] = LoadSpec(
             request.request_id,
             tracked.keys[: match.chunks],
-            list(blocks.get_block_ids()[0][: hit_tokens // self.block_size]),
-            local_tokens // self.block_size,
+            tuple(list(rows[g][:hit_blocks]) for g in self.groups.kv),
+            (hit_tokens - num_external_tokens) // self.block_size,
+            tuple(rows[g][hit_blocks - 1] for g in self.groups.state),
         )
         # Chunks restored from the pool are there already.
         tracked.stored_chunks = match.chunks
@@ -252,7 +320,7 @@ class KVShareConnector(KVConnectorBase_V1):
             tracked = self._tracked.get(new.req_id)
             if tracked is None:
                 continue
-            tracked.block_ids = list(new.block_ids[0])
+            tracked.block_ids = [list(row) for row in new.block_ids]
             self._add_store(
                 meta, new.req_id, tracked, new.num_computed_tokens + scheduled[new.req_id]
             )
@@ -263,9 +331,12 @@ class KVShareConnector(KVConnectorBase_V1):
                 continue
             new_blocks = cached.new_block_ids[i]
             if request_id in cached.resumed_req_ids:
-                tracked.block_ids = list(new_blocks[0]) if new_blocks else []
+                tracked.block_ids = [list(row) for row in new_blocks] if new_blocks else []
             elif new_blocks:
-                tracked.block_ids.extend(new_blocks[0])
+                if not tracked.block_ids:
+                    tracked.block_ids = [[] for _ in new_blocks]
+                for row, added in zip(tracked.block_ids, new_blocks, strict=True):
+                    row.extend(added)
             end = cached.num_computed_tokens[i] + scheduled.get(request_id, 0)
             self._add_store(meta, request_id, tracked, end)
         return meta
@@ -273,16 +344,44 @@ class KVShareConnector(KVConnectorBase_V1):
     def _add_store(
         self, meta: KVShareMetadata, request_id: str, tracked: _Tracked, end: int
     ) -> None:
-        """Chunks of the prompt that this step completes (the blocks hold every token)."""
+        """Chunks of the prompt that this step completes (the blocks hold every token),
+        and for hybrid models the state at `end` when this step ends on a chunk boundary
+        (the state is only observable between forward passes)."""
+        if not tracked.block_ids:
+            return
+        kv_rows = [tracked.block_ids[g] for g in self.groups.kv]
         complete = min(end, tracked.prompt_tokens) // self.chunk_tokens
-        complete = min(complete, len(tracked.block_ids) * self.block_size // self.chunk_tokens)
+        complete = min(complete, min(len(row) for row in kv_rows) // self.blocks_per_chunk)
         if complete <= tracked.stored_chunks:
             return
+        state_blocks = (
+            self._state_blocks_at(tracked, end) if end == complete * self.chunk_tokens else ()
+        )
         chunks = list(range(tracked.stored_chunks, complete))
         tracked.stored_chunks = complete
         meta.stores.append(
-            StoreSpec(request_id, chunks, tracked.keys, list(tracked.block_ids), tracked.seed)
+            StoreSpec(
+                request_id,
+                chunks,
+                tracked.keys,
+                tuple(list(row) for row in kv_rows),
+                tracked.seed,
+                complete - 1 if state_blocks else None,
+                state_blocks,
+            )
         )
+
+    def _state_blocks_at(self, tracked: _Tracked, tokens: int) -> tuple[int, ...]:
+        """The blocks (one per state group) that hold the state after `tokens` tokens
+        (a multiple of the block size) at the end of this step; () for models without
+        state or when a group has no block there."""
+        if not self.groups.hybrid:
+            return ()
+        at = tokens // self.block_size - 1
+        rows = [tracked.block_ids[g] for g in self.groups.state]
+        if not all(at < len(row) and row[at] != _NULL_BLOCK for row in rows):
+            return ()
+        return tuple(row[at] for row in rows)
 
     def update_connector_output(self, connector_output: Any) -> None:
         # The workers pin what they copy under their own lease: this one only kept the
@@ -294,6 +393,15 @@ class KVShareConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        return self._finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._finished(request)
+
+    def _finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Stores and loads are done within their step: nothing holds the blocks."""
         match = self._matches.pop(request.request_id, None)
         leases = [match.lease] if match is not None and match.lease else []
         dispatched = self._dispatched.pop(request.request_id, None)
@@ -314,26 +422,47 @@ class KVShareConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.usable:
             return
-        num_blocks = self._kv_cache_config.num_blocks
-        names = self._kv_cache_config.kv_cache_groups[0].layer_names
-        layers = tuple(cache_layer(name, kv_caches[name], num_blocks) for name in names)
-        self._geometry = PageGeometry(layers, self.chunk_tokens // self.block_size)
+        self._geometry = self._page_geometry(kv_caches, self.groups.kv, self.blocks_per_chunk)
+        if self.groups.hybrid:
+            self._state_geometry = self._page_geometry(kv_caches, self.groups.state, 1)
         log.info(
-            "kvshare: %d layers, %d bytes per page, layout %s",
-            len(layers),
+            "kvshare: %d layers, %d bytes per page, layout %s%s",
+            len(self._geometry.layers),
             self._geometry.payload_bytes,
-            [tuple(layer.tensor.shape) for layer in layers[:1]],
+            [tuple(layer.tensor.shape) for layer in self._geometry.layers[:1]],
+            f"; state pages of {self._state_geometry.payload_bytes} bytes "
+            f"({len(self._state_geometry.layers)} tensors)"
+            if self._state_geometry is not None
+            else "",
         )
+
+    def _page_geometry(
+        self, kv_caches: dict[str, Any], group_ids: tuple[int, ...], blocks_per_page: int
+    ) -> PageGeometry:
+        """The layers of `group_ids`, each reading the block ids of its group (a layer
+        whose cache is a list of tensors, such as conv + SSM state, gives one per tensor)."""
+        num_blocks = self._kv_cache_config.num_blocks
+        groups = self._kv_cache_config.kv_cache_groups
+        layers = []
+        for index, group_id in enumerate(group_ids):
+            for name in groups[group_id].layer_names:
+                cache = kv_caches[name]
+                tensors = cache if isinstance(cache, (list, tuple)) else [cache]
+                layers += [cache_layer(name, t, num_blocks, index) for t in tensors]
+        return PageGeometry(tuple(layers), blocks_per_page)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVShareMetadata)
         for load in meta.loads:
-            self._load(load)
+            if self.groups.hybrid:
+                self._load_hybrid(load)
+            else:
+                self._load(load)
 
     def _load(self, load: LoadSpec) -> None:
         geometry = self._geometry
-        bpp = self.chunk_tokens // self.block_size
+        bpp = self.blocks_per_chunk
         good = 0
         lease = 0
         if geometry is not None:
@@ -350,7 +479,7 @@ class KVShareConnector(KVConnectorBase_V1):
                         self._corrupt(lease, page.key, load.request_id, j)
                         break
                     first = max(0, load.first_block - j * bpp)
-                    geometry.scatter(payload, load.block_ids[j * bpp : (j + 1) * bpp], first)
+                    geometry.scatter(payload, _chunk_blocks(load.block_ids, j, bpp), first)
                     good += 1
             except _POOL_ERRORS as error:
                 self._pool_failed("load", error)
@@ -359,7 +488,8 @@ class KVShareConnector(KVConnectorBase_V1):
                     self._release([lease])
         self._loaded.add(load.request_id)
         self.counters["load_chunks"] += good
-        failed = load.block_ids[max(load.first_block, good * bpp) :]
+        (blocks,) = load.block_ids  # one KV cache group: its ids identify blocks
+        failed = blocks[max(load.first_block, good * bpp) :]
         if failed:
             self.counters["load_failures"] += 1
             log.warning(
@@ -370,6 +500,63 @@ class KVShareConnector(KVConnectorBase_V1):
                 len(failed),
             )
             self._load_errors.update(failed)
+
+    def _load_hybrid(self, load: LoadSpec) -> None:
+        """Every KV chunk and the state after the last, or nothing: the request is then
+        reported in `failed_recving` and vLLM recomputes it (block ids would not say which
+        request failed: they repeat across KV cache groups)."""
+        geometry, state_geometry = self._geometry, self._state_geometry
+        lease = 0
+        restored = False
+        if geometry is not None and state_geometry is not None:
+            states = [(len(load.keys) - 1, state_key(load.keys[-1]))]
+            try:
+                result = self.client.lookup(load.keys, states)
+                lease = result.lease
+                restored = self._restore_hybrid(load, result.pages, lease)
+            except _POOL_ERRORS as error:
+                self._pool_failed("load", error)
+            finally:
+                if lease:
+                    self._release([lease])
+        self._loaded.add(load.request_id)
+        if restored:
+            self.counters["load_chunks"] += len(load.keys)
+            self.counters["load_states"] += 1
+            return
+        self.counters["load_failures"] += 1
+        self._failed_loads.add(load.request_id)
+        log.warning(
+            "kvshare: request %s: the %d chunks and their state were not restored; "
+            "recomputing the request",
+            load.request_id,
+            len(load.keys),
+        )
+
+    def _restore_hybrid(self, load: LoadSpec, pages: tuple[PageRef, ...], lease: int) -> bool:
+        """Verify every page first, then write: a failed load leaves the blocks unwritten."""
+        geometry, state_geometry = self._geometry, self._state_geometry
+        assert geometry is not None and state_geometry is not None
+        if len(pages) != len(load.keys) + 1 or _NULL_BLOCK in load.state_blocks:
+            return False  # evicted since the scheduler's lookup; no block for the state
+        arena = self.client.arena.as_tensor()
+        payloads = []
+        for j, page in enumerate(pages):
+            expected = state_geometry if j == len(load.keys) else geometry
+            payload = verify_page(arena, page, expected.payload_bytes)
+            if payload is None:
+                self._corrupt(lease, page.key, load.request_id, j)
+                return False
+            payloads.append(payload)
+        bpp = self.blocks_per_chunk
+        for j, payload in enumerate(payloads[:-1]):
+            if (j + 1) * bpp <= load.first_block:  # all the engine's own blocks
+                continue
+            first = max(0, load.first_block - j * bpp)
+            geometry.scatter(payload, _chunk_blocks(load.block_ids, j, bpp), first)
+        if not self.skip_state_load:
+            state_geometry.scatter(payloads[-1], [[b] for b in load.state_blocks], 0)
+        return True
 
     def _corrupt(self, lease: int, key: bytes, request_id: str, chunk: int) -> None:
         log.error(
@@ -390,6 +577,18 @@ class KVShareConnector(KVConnectorBase_V1):
         meta, self._loaded = KVShareWorkerMetadata(self._loaded), set()
         return meta
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Hybrid loads finish within the step that runs them (copies are synchronous);
+        vLLM only waits for them across a step. A failed one is also finished."""
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        loaded = (
+            {load.request_id for load in meta.loads}
+            if self.groups.hybrid and isinstance(meta, KVShareMetadata)
+            else set()
+        )
+        failed, self._failed_loads = self._failed_loads, set()
+        return KVConnectorTransferResults(finished_recving=loaded, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
@@ -409,36 +608,69 @@ class KVShareConnector(KVConnectorBase_V1):
             return
         for store in meta.stores:
             self._store(store, self._geometry)
+            if store.state_chunk is not None and self._state_geometry is not None:
+                self._store_state(store, self._state_geometry)
 
     def _store(self, store: StoreSpec, geometry: PageGeometry) -> None:
-        bpp = self.chunk_tokens // self.block_size
+        bpp = self.blocks_per_chunk
         keys = [store.keys[j] for j in store.chunks]
+        chunk_of = {store.keys[j]: j for j in store.chunks}
+        self._write_pages(
+            store.request_id,
+            keys,
+            geometry,
+            lambda key: _chunk_blocks(store.block_ids, chunk_of[key], bpp),
+            lambda key: store.keys[chunk_of[key] - 1] if chunk_of[key] else store.seed,
+        )
+
+    def _store_state(self, store: StoreSpec, geometry: PageGeometry) -> None:
+        """The state after chunk `state_chunk`, keyed by that chunk's key; its parent is
+        the chunk, so the page's header names what it belongs to."""
+        assert store.state_chunk is not None
+        chunk_key = store.keys[store.state_chunk]
+        stored = self._write_pages(
+            store.request_id,
+            [state_key(chunk_key)],
+            geometry,
+            lambda key: [[b] for b in store.state_blocks],
+            lambda key: chunk_key,
+        )
+        self.counters["stored_states"] += stored
+
+    def _write_pages(
+        self,
+        request_id: str,
+        keys: list[bytes],
+        geometry: PageGeometry,
+        blocks_of: Any,
+        parent_of: Any,
+    ) -> int:
+        """Reserve, copy, write header and checksum, commit; returns how many committed."""
         try:
             reservation = self.client.reserve(keys, geometry.payload_bytes)
         except _POOL_ERRORS as error:
             self._pool_failed("reserve", error)
-            return
+            return 0
         if reservation.dropped:
             self.counters["store_skipped"] += reservation.dropped
             log.warning(
-                "kvshare: pool full: %d of %d chunks of request %s not stored",
+                "kvshare: pool full: %d of %d pages of request %s not stored",
                 reservation.dropped,
                 len(keys),
-                store.request_id,
+                request_id,
             )
-        chunk_of = {store.keys[j]: j for j in store.chunks}
         reserved = [page.key for page in reservation.pages]
         try:
             arena = self.client.arena.as_tensor()
             checksums = []
             for page in reservation.pages:
-                j = chunk_of[page.key]
                 start = page.offset + HEADER_BYTES
                 payload = arena[start : start + geometry.payload_bytes]
-                geometry.gather(store.block_ids[j * bpp : (j + 1) * bpp], payload)
+                geometry.gather(blocks_of(page.key), payload)
                 checksum = page_checksum(payload, page.key)
-                parent = store.keys[j - 1] if j else store.seed
-                header = page_header(page.key, parent, geometry.payload_bytes, checksum)
+                header = page_header(
+                    page.key, parent_of(page.key), geometry.payload_bytes, checksum
+                )
                 arena[page.offset : page.offset + HEADER_BYTES].copy_(
                     torch.frombuffer(bytearray(header), dtype=torch.uint8)
                 )
@@ -447,9 +679,11 @@ class KVShareConnector(KVConnectorBase_V1):
                 self.client.commit(reserved, checksums, [p.offset for p in reservation.pages])
             self.counters["stored"] += len(reserved)
             self._pool_ok()
+            return len(reserved)
         except _POOL_ERRORS as error:
             self._pool_failed("store", error)
             self._abort(reserved)
+            return 0
 
     def _abort(self, keys: list[bytes]) -> None:
         if not keys:
@@ -461,6 +695,11 @@ class KVShareConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self.client.close()
+
+
+def _chunk_blocks(block_ids: tuple[list[int], ...], chunk: int, bpp: int) -> list[list[int]]:
+    """The blocks of chunk `chunk` in each group's row."""
+    return [row[chunk * bpp : (chunk + 1) * bpp] for row in block_ids]
 
 
 def vllm_namespace(
@@ -498,13 +737,43 @@ def vllm_namespace(
     )
 
 
-def _usable_reason(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
-    """Why the connector cannot serve this engine ("" when it can)."""
-    if len(kv_cache_config.kv_cache_groups) != 1:
-        return "models with several KV cache groups (hybrid, sliding window) are not supported yet"
+def cache_groups(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> tuple[CacheGroups, str]:
+    """The engine's KV cache groups by role, and why the connector cannot serve this
+    engine ("" when it can)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    kv: list[int] = []
+    state: list[int] = []
+    reason = ""
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            state.append(index)
+            if spec.mamba_cache_mode != "align" or spec.num_speculative_blocks:
+                reason = (
+                    "hybrid models need vLLM's prefix caching of recurrent states "
+                    f"(mamba_cache_mode 'align', no speculative blocks; got "
+                    f"{spec.mamba_cache_mode!r}, {spec.num_speculative_blocks})"
+                )
+        elif (
+            type(spec) is FullAttentionSpec
+            and spec.sliding_window is None
+            and spec.attention_chunk_size is None
+        ):
+            kv.append(index)
+        else:
+            reason = (
+                f"KV cache group {index} is {type(spec).__name__}, which the connector does "
+                "not copy yet (run vLLM with --disable-hybrid-kv-cache-manager to get a "
+                "single group)"
+            )
+    if not kv and not reason:
+        reason = "no full-attention KV cache group"
     if vllm_config.parallel_config.tensor_parallel_size != 1:
-        return "tensor parallel size > 1 is not supported yet"
-    return ""
+        reason = "tensor parallel size > 1 is not supported yet"
+    return CacheGroups(tuple(kv), tuple(state)), reason
 
 
 def _digest(text: str) -> str:

@@ -1,7 +1,11 @@
 """Pool pages of a vLLM KV cache: whole blocks, copied byte for byte (no vLLM import here).
 
-A page holds one chunk (`blocks_per_page` blocks) of every attention layer, in the order of
-vLLM's KV cache groups: `[layer][block of the chunk][the block's bytes as vLLM lays them out]`.
+A KV page holds one chunk (`blocks_per_page` blocks) of every attention layer, in the order
+of vLLM's KV cache groups: `[layer][block of the chunk][the block's bytes as vLLM lays them out]`.
+A state page (hybrid models) holds one block of every recurrent-state (Mamba/GDN) layer: in
+vLLM's prefix-caching "align" mode the state block at position p of a request's row is the
+state after exactly (p + 1) x block_size tokens. Each layer reads the block ids of its own KV
+cache group (ids are only meaningful within a group).
 The bytes of a block are whatever the attention backend keeps there (vLLM CPU transposes K
 inside each block), so a page is only meaningful to an engine of the same layout: the layout
 (backend, block shape, dtype, layer names) is digested into the pool namespace, and only
@@ -28,23 +32,25 @@ PAGE_LAYOUT_VERSION = 1
 
 @dataclass(frozen=True)
 class CacheLayer:
-    """One layer's KV tensor: blocks are indexed along `block_dim`."""
+    """One layer's cache tensor: blocks are indexed along `block_dim`; `group` is the index,
+    among the block-id lists a page is copied with, of the list this layer's blocks are in."""
 
     name: str
     tensor: torch.Tensor
     block_dim: int
+    group: int = 0
 
     @property
     def block_bytes(self) -> int:
         return self.tensor.select(self.block_dim, 0).numel() * self.tensor.element_size()
 
 
-def cache_layer(name: str, tensor: torch.Tensor, num_blocks: int) -> CacheLayer:
+def cache_layer(name: str, tensor: torch.Tensor, num_blocks: int, group: int = 0) -> CacheLayer:
     """The layer's block dimension: the first of size `num_blocks` (0 for vLLM CPU's
     [blocks, heads, block_size, 2 * head_size]; 1 for a [2, blocks, ...] K/V split)."""
     for dim, size in enumerate(tensor.shape):
         if size == num_blocks:
-            return CacheLayer(name, tensor, dim)
+            return CacheLayer(name, tensor, dim, group)
     raise ValueError(
         f"KV cache of layer {name} has shape {tuple(tensor.shape)}: no dimension of "
         f"{num_blocks} blocks"
@@ -66,22 +72,25 @@ class PageGeometry:
     def payload_bytes(self) -> int:
         return self.blocks_per_page * sum(layer.block_bytes for layer in self.layers)
 
-    def gather(self, blocks: Sequence[int], out: torch.Tensor) -> None:
-        """Copy the blocks of one chunk, every layer, into `out` (uint8 [payload_bytes])."""
-        index = _index(blocks, self.blocks_per_page)
+    def gather(self, blocks: Sequence[Sequence[int]], out: torch.Tensor) -> None:
+        """Copy the blocks of one page, every layer, into `out` (uint8 [payload_bytes]);
+        `blocks[g]` are the page's block ids in the layers of group g."""
+        indexes = [_index(group, self.blocks_per_page) for group in blocks]
         offset = 0
         for layer in self.layers:
+            index = indexes[layer.group]
             part = layer.tensor.index_select(layer.block_dim, index.to(layer.tensor.device))
             nbytes = part.numel() * part.element_size()
             out[offset : offset + nbytes].copy_(part.reshape(-1).view(torch.uint8))
             offset += nbytes
 
-    def scatter(self, payload: torch.Tensor, blocks: Sequence[int], first: int) -> None:
-        """Write the blocks `blocks[first:]` of one chunk from `payload` (a verified copy);
+    def scatter(self, payload: torch.Tensor, blocks: Sequence[Sequence[int]], first: int) -> None:
+        """Write the blocks `blocks[g][first:]` of one page from `payload` (a verified copy);
         blocks before `first` belong to the engine's own prefix and are left alone."""
-        index = _index(blocks, self.blocks_per_page)
+        indexes = [_index(group, self.blocks_per_page) for group in blocks]
         offset = 0
         for layer in self.layers:
+            index = indexes[layer.group]
             shape = list(layer.tensor.shape)
             shape[layer.block_dim] = self.blocks_per_page
             nbytes = self.blocks_per_page * layer.block_bytes
@@ -97,7 +106,7 @@ class PageGeometry:
 
 def _index(blocks: Sequence[int], blocks_per_page: int) -> torch.Tensor:
     if len(blocks) != blocks_per_page:
-        raise ValueError(f"a chunk has {blocks_per_page} blocks, got {len(blocks)}")
+        raise ValueError(f"a page has {blocks_per_page} blocks per layer, got {len(blocks)}")
     return torch.tensor(list(blocks), dtype=torch.long)
 
 

@@ -639,6 +639,11 @@ class Cluster:
             # Loopback for vLLM's internal queues; no hub; POST /reset_prefix_cache served
             # (the router's prefix-cache reset of vLLM replicas).
             env |= {"VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+            if self.config.api_key is not None:
+                # vLLM's own --api-key, through its environment (not the command line): it
+                # then guards its /v1 with the key the router checks, and the router
+                # forwards the client's Authorization header.
+                env["VLLM_API_KEY"] = self.config.api_key
         if not self.config.on_gpu:  # replicas share the cores instead of each taking all
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.config.replicas))
         return env

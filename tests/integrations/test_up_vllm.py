@@ -78,3 +78,14 @@ def test_vllm_replicas_without_the_pool_get_no_connector() -> None:
 def test_an_unknown_engine_is_refused() -> None:
     with pytest.raises(ValueError, match="engine must be kvshare or vllm"):
         UpConfig(engine="sglang")
+
+
+def test_the_clusters_api_key_guards_the_vllm_replicas_through_their_environment() -> None:
+    config = UpConfig.from_args(
+        ["--engine", "vllm", "--model", "/m", "--api-key", "s3cret-key", "--port", "0"]
+    )
+    cluster = Cluster(config)
+    assert cluster._replica_env()["VLLM_API_KEY"] == "s3cret-key"
+    assert not any("s3cret-key" in arg for arg in cluster._replica_argv(0))
+    unkeyed = Cluster(UpConfig.from_args(["--engine", "vllm", "--model", "/m", "--port", "0"]))
+    assert "VLLM_API_KEY" not in unkeyed._replica_env()

@@ -36,12 +36,27 @@ def test_a_page_carries_whole_blocks_and_skips_the_engines_own() -> None:
     source, target = caches(0), [torch.zeros_like(t) for t in caches(0)]
     geometry = geometry_of(source)
     payload = torch.empty(geometry.payload_bytes, dtype=torch.uint8)
-    geometry.gather([3, 7], payload)
-    geometry_of(target).scatter(payload, [1, 2], first=1)
+    geometry.gather([[3, 7]], payload)
+    geometry_of(target).scatter(payload, [[1, 2]], first=1)
     assert torch.equal(target[0][2], source[0][7]) and torch.equal(target[1][:, 2], source[1][:, 7])
     # Block 1 is before `first`: the engine's prefix-cache block, never written.
     assert not target[0][1].any() and not target[1][:, 1].any()
     assert not target[0][3:].any()
+
+
+def test_each_layer_copies_the_blocks_of_its_own_kv_cache_group() -> None:
+    """Block ids name a block only within a group: layer l0 is in group 0, l1 in group 1."""
+    source, target = caches(1), [torch.zeros_like(t) for t in caches(1)]
+
+    def grouped(tensors: list[torch.Tensor]) -> PageGeometry:
+        layers = tuple(cache_layer(f"l{i}", t, NUM_BLOCKS, group=i) for i, t in enumerate(tensors))
+        return PageGeometry(layers, blocks_per_page=2)
+
+    payload = torch.empty(grouped(source).payload_bytes, dtype=torch.uint8)
+    grouped(source).gather([[3, 7], [5, 6]], payload)
+    grouped(target).scatter(payload, [[1, 2], [1, 2]], first=0)
+    assert torch.equal(target[0][1:3], source[0][[3, 7]])
+    assert torch.equal(target[1][:, 1:3], source[1][:, [5, 6]])
 
 
 def test_a_cache_without_a_block_dimension_is_refused() -> None:

@@ -1,5 +1,7 @@
-"""Two vLLM CPU replica processes with the kvshare connector and one pool, started once
-for the module (an engine start costs 25-70 s on 2 cores). Skipped without vLLM."""
+"""vLLM CPU replica processes with the kvshare connector on one pool, started once for the
+package (an engine start costs 25-70 s on 2 cores): two of a tiny Llama, and two of a tiny
+hybrid Qwen3-Next (one of them the test-only broken variant that restores KV without the
+recurrent state). All four start together. Skipped without vLLM."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm builds its venv)")
 
-from tests.integrations.vllm.tiny_models import write_tiny_llama
+from tests.integrations.vllm.tiny_models import write_tiny_llama, write_tiny_qwen3_next
 from tests.kvpool.pool_fixture import MIB, PoolFactory, child_env
 
 HERE = Path(__file__).resolve().parent
@@ -26,14 +28,25 @@ ANSWER_TIMEOUT_S = 120.0
 class Replica:
     """A replica.py process: `ask` sends one request and waits for its answer line."""
 
-    def __init__(self, name: str, model_dir: Path, pool: str, log_path: Path) -> None:
+    def __init__(
+        self, name: str, model_dir: Path, pool: str, log_path: Path, options: dict | None = None
+    ) -> None:
         self.name = name
         self.log_path = log_path
         env = dict(child_env(), VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1")
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if options and options.get("kv_cache_from_config"):
+            env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the config's 256 MiB, not 1 GiB
+        else:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
         self.process = subprocess.Popen(
-            [sys.executable, str(HERE / "replica.py"), str(model_dir), pool],
+            [
+                sys.executable,
+                str(HERE / "replica.py"),
+                str(model_dir),
+                pool,
+                json.dumps(options or {}),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -59,13 +72,24 @@ class Replica:
         self.process.stdin.flush()
         return self._read_line(ANSWER_TIMEOUT_S)
 
+    def reset_prefix_cache(self) -> None:
+        """Drop the engine's own prefix cache: the next hit can only come from the pool."""
+        self.process.stdin.write(json.dumps({"reset_prefix_cache": True}) + "\n")
+        self.process.stdin.flush()
+        assert self._read_line(ANSWER_TIMEOUT_S) == {"reset": True}
+
     def log(self) -> str:
         self._log.flush()
         return self.log_path.read_text(errors="replace")
 
+    def end_input(self) -> None:
+        """No more requests: the process shuts its engine down and exits."""
+        if self.process.poll() is None and not self.process.stdin.closed:
+            self.process.stdin.close()
+
     def close(self) -> None:
         if self.process.poll() is None:
-            self.process.stdin.close()
+            self.end_input()
             try:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
@@ -74,17 +98,36 @@ class Replica:
         self._log.close()
 
 
+# vLLM CPU's Gated DeltaNet kernel takes bfloat16 activations only
+# (vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py, cpu_gdn_attention_core).
+HYBRID_DTYPE = "bfloat16"
+
+
 class VLLMCluster:
+    """Llama replicas A and B on `pool`; hybrid replicas H and X on `hybrid_pool` (its own,
+    so that the Llama tests' clears and daemon stop leave it alone). X restores KV without
+    the state (test_only_skip_state_load)."""
+
     def __init__(self, folder: Path) -> None:
         self.pools = PoolFactory()
         self.pool = self.pools.start(self.pools.config(size_bytes=64 * MIB, slab_bytes=MIB))
         self.address = "unix:" + self.pool.config.socket_path
-        model_dir = write_tiny_llama(folder / "tiny-llama")
-        self.a = Replica("A", model_dir, self.address, folder / "a.log")
-        self.b = Replica("B", model_dir, self.address, folder / "b.log")
+        self.hybrid_pool = self.pools.start(self.pools.config(size_bytes=64 * MIB, slab_bytes=MIB))
+        self.hybrid_address = "unix:" + self.hybrid_pool.config.socket_path
+        llama = write_tiny_llama(folder / "tiny-llama")
+        qwen3_next = write_tiny_qwen3_next(folder / "tiny-qwen3-next")
+        hybrid = {"dtype": HYBRID_DTYPE, "kv_cache_from_config": True}
+        broken = {**hybrid, "extra": {"test_only_skip_state_load": True}}
+        self.a = Replica("A", llama, self.address, folder / "a.log")
+        self.b = Replica("B", llama, self.address, folder / "b.log")
+        self.h = Replica("H", qwen3_next, self.hybrid_address, folder / "h.log", hybrid)
+        self.x = Replica("X", qwen3_next, self.hybrid_address, folder / "x.log", broken)
+        self.replicas = (self.a, self.b, self.h, self.x)
 
     def close(self) -> None:
-        for replica in (self.a, self.b):
+        for replica in self.replicas:  # all stop at once, then each is waited for
+            replica.end_input()
+        for replica in self.replicas:
             replica.close()
         self.pools.close()
 
@@ -94,8 +137,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMCluster]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cluster = VLLMCluster(tmp_path_factory.mktemp("vllm"))
     try:
-        cluster.a.wait_ready()
-        cluster.b.wait_ready()
+        for replica in cluster.replicas:
+            replica.wait_ready()
         yield cluster
     finally:
         cluster.close()

@@ -1,8 +1,10 @@
-"""One vLLM replica process for the tests: `python replica.py MODEL_DIR POOL|none`.
+"""One vLLM replica process for the tests: `python replica.py MODEL_DIR POOL|none [OPTIONS]`.
 
-Reads one JSON request per line on stdin ({"tokens": [...], "max_tokens": n, "salt": s}),
-answers one JSON line on stdout ({"tokens": [...], "cached": n, "logprobs": [...]}); the
-engine's log goes to stderr. Runs vLLM in this process (no engine-core child).
+OPTIONS is JSON: {"dtype": ..., "extra": {...}} (the connector's extra config, merged over
+the defaults). Reads one JSON request per line on stdin ({"tokens": [...], "max_tokens": n,
+"salt": s}, or {"reset_prefix_cache": true}), answers one JSON line on stdout ({"tokens":
+[...], "cached": n, "logprobs": [...]}, or {"reset": bool}); the engine's log goes to
+stderr. Runs vLLM in this process (no engine-core child).
 """
 
 from __future__ import annotations
@@ -12,13 +14,13 @@ import os
 import sys
 
 
-def build(model_dir: str, pool: str):
+def build(model_dir: str, pool: str, options: dict):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     transfer = None
     if pool != "none":
-        extra = {"kv_pool": pool, "chunk_tokens": 256}
+        extra = {"kv_pool": pool, "chunk_tokens": 256, **options.get("extra", {})}
         transfer = KVTransferConfig(
             kv_connector="KVShareConnector",
             kv_connector_module_path="kvshare.integrations.vllm",
@@ -31,7 +33,7 @@ def build(model_dir: str, pool: str):
         skip_tokenizer_init=True,
         max_model_len=2048,
         max_num_seqs=2,
-        dtype="float32",
+        dtype=options.get("dtype", "float32"),
         enforce_eager=True,
         kv_transfer_config=transfer,
         seed=0,
@@ -48,10 +50,13 @@ def main() -> None:
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     model_dir, pool = sys.argv[1], sys.argv[2]
-    llm = build(model_dir, pool)
+    llm = build(model_dir, pool, json.loads(sys.argv[3]) if len(sys.argv) > 3 else {})
     print(json.dumps({"ready": True}), file=answers, flush=True)
     for line in sys.stdin:
         request = json.loads(line)
+        if request.get("reset_prefix_cache"):
+            print(json.dumps({"reset": llm.reset_prefix_cache()}), file=answers, flush=True)
+            continue
         prompt = TokensPrompt(prompt_token_ids=request["tokens"])
         if request.get("salt"):
             prompt["cache_salt"] = request["salt"]

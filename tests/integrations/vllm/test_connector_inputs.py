@@ -1,5 +1,6 @@
-"""KVShareConnector objects on their own (no engine start): bad pool addresses and pools
-shared with engines of another page layout."""
+"""KVShareConnector objects on their own (no engine start): bad pool addresses, pools
+shared with engines of another page layout, and a hybrid model's failed load reported per
+request when block ids repeat across KV cache groups."""
 
 from __future__ import annotations
 
@@ -11,9 +12,17 @@ import pytest
 import torch
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+)
 
-from kvshare.integrations.vllm import KVShareConnector, KVShareMetadata, StoreSpec
+from kvshare.integrations.vllm import KVShareConnector, KVShareMetadata, LoadSpec, StoreSpec
+from kvshare.kvpool.client import PoolClient
+from kvshare.kvpool.connector import state_key
+from kvshare.kvpool.page import HEADER_BYTES
 from tests.integrations.vllm.tiny_models import write_tiny_llama
 from tests.kvpool.pool_fixture import MIB, PoolFactory
 
@@ -47,7 +56,11 @@ def kv_cache_config(dtype: torch.dtype) -> KVCacheConfig:
 
 
 def connector(
-    model_dir: Path, pool: str, role: KVConnectorRole, dtype: torch.dtype = torch.float32
+    model_dir: Path,
+    pool: str,
+    role: KVConnectorRole,
+    dtype: torch.dtype = torch.float32,
+    cache_config: KVCacheConfig | None = None,
 ) -> KVShareConnector:
     transfer = KVTransferConfig(
         kv_connector="KVShareConnector",
@@ -62,7 +75,7 @@ def connector(
         cache_config=CacheConfig(block_size=BLOCK),
         kv_transfer_config=transfer,
     )
-    return KVShareConnector(config, role, kv_cache_config(dtype))
+    return KVShareConnector(config, role, cache_config or kv_cache_config(dtype))
 
 
 def prompt(seed: int) -> list[int]:
@@ -93,7 +106,7 @@ def store(worker: KVShareConnector, tokens: list[int]) -> None:
     tracked = worker._track(Request("stored", tokens))
     blocks = list(range(len(tokens) // BLOCK))
     worker.bind_connector_metadata(
-        KVShareMetadata(stores=[StoreSpec("stored", [0, 1], tracked.keys, blocks, tracked.seed)])
+        KVShareMetadata(stores=[StoreSpec("stored", [0, 1], tracked.keys, (blocks,), tracked.seed)])
     )
     worker.wait_for_save()
     worker.clear_connector_metadata()
@@ -117,5 +130,103 @@ def test_pages_of_another_layout_in_the_shared_pool_are_never_matched(model_dir:
             scheduler.request_finished(Request("same", tokens), [])
             scheduler.request_finished(Request("other", tokens), [])
             scheduler.shutdown()
+    finally:
+        pools.close()
+
+
+STATE_LAYER, ATTENTION_LAYER = "model.layers.0.linear_attn", "model.layers.1.self_attn.attn"
+HYBRID_BLOCKS = 16
+STATE_BYTES = 3 * 64 * 4 + 2 * 8 * 8 * 4
+
+
+def hybrid_cache_config() -> KVCacheConfig:
+    """Group 0: a Gated-DeltaNet-like state layer (align mode); group 1: full attention.
+    Both draw block ids from one range, so an id names a block only within its group."""
+    state = MambaSpec(
+        block_size=BLOCK,
+        shapes=((3, 64), (2, 8, 8)),
+        dtypes=(torch.float32, torch.float32),
+        mamba_cache_mode="align",
+    )
+    attention = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32
+    )
+    return KVCacheConfig(
+        num_blocks=HYBRID_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec([STATE_LAYER], state),
+            KVCacheGroupSpec([ATTENTION_LAYER], attention),
+        ],
+    )
+
+
+def hybrid_caches() -> dict[str, torch.Tensor]:
+    return {
+        STATE_LAYER: torch.randint(-128, 127, (HYBRID_BLOCKS, STATE_BYTES), dtype=torch.int8),
+        ATTENTION_LAYER: torch.randn(HYBRID_BLOCKS, 2, BLOCK, 128),
+    }
+
+
+def test_a_failed_hybrid_load_fails_only_its_request_though_block_ids_repeat_across_groups(
+    model_dir: Path,
+) -> None:
+    pools = PoolFactory()
+    try:
+        address = pools.start(pools.config(size_bytes=16 * MIB)).address
+        worker = connector(
+            model_dir, address, KVConnectorRole.WORKER, cache_config=hybrid_cache_config()
+        )
+        source = hybrid_caches()
+        worker.register_kv_caches(source)
+        good, bad = (
+            worker._track(Request("good", prompt(1))),
+            worker._track(Request("bad", prompt(2))),
+        )
+        # Each prompt: chunks 0-1 (blocks 1-4 / 5-8) and the state after chunk 1 (block 3 / 4).
+        worker.bind_connector_metadata(
+            KVShareMetadata(
+                stores=[
+                    StoreSpec("good", [0, 1], good.keys, ([1, 2, 3, 4],), good.seed, 1, (3,)),
+                    StoreSpec("bad", [0, 1], bad.keys, ([5, 6, 7, 8],), bad.seed, 1, (4,)),
+                ]
+            )
+        )
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        assert worker.counters["stored"] == 6 and worker.counters["stored_states"] == 2
+        client = PoolClient(address)
+        result = client.lookup(bad.keys[:2], [(1, state_key(bad.keys[1]))])
+        state_page = result.pages[-1]
+        client.arena.as_tensor()[state_page.offset + HEADER_BYTES + 5] ^= 0x01
+        client.release(result.lease)
+        client.close()
+
+        restored = hybrid_caches()
+        worker.register_kv_caches(restored)
+        # The good request's KV blocks 1-4 carry the same ids as the bad one's state block
+        # (2) in the other group: a block-id report could not say which request failed.
+        worker.bind_connector_metadata(
+            KVShareMetadata(
+                loads=[
+                    LoadSpec("good", good.keys[:2], ([1, 2, 3, 4],), 0, (9,)),
+                    LoadSpec("bad", bad.keys[:2], ([10, 11, 12, 13],), 0, (2,)),
+                ]
+            )
+        )
+        before = restored[STATE_LAYER][2].clone()
+        worker.start_load_kv(None)
+        results = worker.get_transfer_results(set())
+        worker.clear_connector_metadata()
+        assert results.finished_recving == {"good", "bad"}
+        assert results.failed_recving == {"bad"}
+        assert worker.get_block_ids_with_load_errors() == set()
+        attention = ATTENTION_LAYER
+        assert torch.equal(restored[attention][1:5], source[attention][1:5])
+        assert torch.equal(restored[STATE_LAYER][9], source[STATE_LAYER][3])
+        # Nothing of the failed load was written (its pages are verified before any copy).
+        assert torch.equal(restored[STATE_LAYER][2], before)
+        assert not torch.equal(restored[attention][10], source[attention][5])
+        worker.shutdown()
     finally:
         pools.close()
