@@ -16,6 +16,8 @@ Reported per phase, the minimum over the repeats of the host seconds spent insid
 - the request's JSON at the router (parse, routing keys) and at the replica (parse,
   checks, token ids): the functions `kvshare router` and `kvshare serve` run, called
   directly on the body an OpenAI client sends (token ids: shape models have no tokenizer);
+- the host's time before the load's first copy: the HTTP phases plus the engine's, from
+  add_request's entry to the load's transfer (where its first copy is issued);
 - the engine, from add_request to the first token: hashing, admission (prefix cache,
   chunk keys, the daemon's lookup, the load plan, issuing the copies), the step that
   computes the new tokens (metadata, forward, logits), the restore's verification,
@@ -75,6 +77,7 @@ class PhaseTimer:
         self.seconds: defaultdict[str, float] = defaultdict(float)
         self.calls: Counter[str] = Counter()
         self.order: list[str] = []
+        self.entered: dict[str, float] = {}  # perf_counter at each phase's first entry
 
     def wrap(self, label: str, owner: object, name: str) -> None:
         original = getattr(owner, name)
@@ -84,6 +87,7 @@ class PhaseTimer:
             if not self.active:
                 return original(*args, **kwargs)
             start = time.perf_counter()
+            self.entered.setdefault(label, start)
             try:
                 return original(*args, **kwargs)
             finally:
@@ -97,6 +101,11 @@ class PhaseTimer:
     def reset(self) -> None:
         self.seconds.clear()
         self.calls.clear()
+        self.entered.clear()
+
+    def until(self, label: str) -> float:
+        """Seconds from add_request's entry to `label`'s first entry."""
+        return self.entered[label] - self.entered["add_request"]
 
 
 def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
@@ -316,7 +325,7 @@ def main() -> int:
         assert engine.connector is not None
         engine.connector.wait_idle()
         print(f"cold prefill of {args.tokens} tokens: {cold['ttft_s']:.2f} s", flush=True)
-        runs, phases = [], defaultdict(list)
+        runs, phases, before_copies = [], defaultdict(list), []
         profile = cProfile.Profile() if args.cprofile else None
         for r in range(args.repeats):
             engine.reset_prefix_cache()
@@ -329,6 +338,7 @@ def main() -> int:
                 profile.disable()
             engine.connector.wait_idle()
             runs.append(run)
+            before_copies.append(timer.until("step/schedule/pool_load/transfer_load"))
             for label in timer.order:
                 phases[label].append(timer.seconds.get(label, 0.0))
             print(f"hit {r}: {run}", flush=True)
@@ -353,7 +363,13 @@ def main() -> int:
             "engine_phases_s": {label: min(values) for label, values in phases.items()},
             "engine_phase_calls": dict(timer.calls),
             "http_phases_s": http_phases(engine, follow_up, args.model, args.repeats),
+            # add_request's entry to the load's transfer (its first copy is issued there)
+            "engine_before_copies_s": min(before_copies),
         }
+        http = result["http_phases_s"]
+        result["host_before_copies_s"] = result["engine_before_copies_s"] + sum(
+            seconds for label, seconds in http.items() if label != "body_bytes"
+        )
         engine.connector.close()
     print(
         f"\nhit at {args.tokens} + {args.new_tokens} tokens, {result['device']}: "
@@ -367,6 +383,12 @@ def main() -> int:
         depth = label.count("/")
         name = "  " * depth + label.rsplit("/", 1)[-1]
         print(f"{name:<48} {seconds * 1e3:>9.2f} {timer.calls.get(label, 0):>6}")
+    print(
+        f"{'engine: add_request -> transfer.load':<48} "
+        f"{result['engine_before_copies_s'] * 1e3:>9.2f}\n"
+        f"{'host before the first copy (http + engine)':<48} "
+        f"{result['host_before_copies_s'] * 1e3:>9.2f}"
+    )
     if profile is not None:
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(args.cprofile)
