@@ -18,7 +18,8 @@ Reported per phase, the minimum over the repeats of the host seconds spent insid
   directly on the body an OpenAI client sends (token ids: shape models have no tokenizer);
 - the host's time before the load's first copy: the HTTP phases plus the engine's, from
   add_request's entry to the load's transfer (where its first copy is issued);
-- the engine, from add_request to the first token: hashing, admission (prefix cache,
+- the engine, from add_request (given the prompt as the replica hands it over) to the
+  first token: hashing, admission (prefix cache,
   chunk keys, the daemon's lookup, the load plan, issuing the copies), the step that
   computes the new tokens (metadata, forward, logits), the restore's verification,
   sampling, registration and the store check.
@@ -57,7 +58,7 @@ import kvshare.kvpool.connector as connector_module
 from kvshare.bench.engine_perf import random_prompt
 from kvshare.engine.attention import AttentionBackend, StepMeta
 from kvshare.engine.config import EngineConfig
-from kvshare.engine.llm_engine import LLMEngine
+from kvshare.engine.llm_engine import LLMEngine, PromptIds
 from kvshare.engine.sampling_params import SamplingParams
 from kvshare.engine.sequence import Sequence
 from kvshare.kvpool.connector import PoolConnector
@@ -203,7 +204,7 @@ def sync(engine: LLMEngine) -> None:
 def run_request(
     engine: LLMEngine,
     request_id: str,
-    prompt: list[int],
+    prompt: PromptIds,
     max_tokens: int,
     timer: PhaseTimer | None = None,
 ) -> dict:
@@ -243,20 +244,35 @@ def best_of(repeats: int, fn: Callable[[], object]) -> float:
     return min(times)
 
 
-def http_phases(engine: LLMEngine, prompt: list[int], name: str, repeats: int) -> dict:
-    """What `kvshare router` and `kvshare serve` do with the request's body before the
-    engine sees it (token-id prompt, as an OpenAI client sends it for a shape model)."""
-    body = json.dumps(
+def request_body(prompt: list[int], name: str) -> bytes:
+    """The body an OpenAI client sends for a shape model: a token-id prompt."""
+    return json.dumps(
         {"model": name, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
     ).encode()
-    keys = RoutingKeys(engine.tokenizer, engine.config.block_size)
-    info = ModelInfo(
+
+
+def model_info(engine: LLMEngine, name: str) -> ModelInfo:
+    return ModelInfo(
         name,
         engine.tokenizer,
         engine.max_model_len,
         engine.loaded.config.vocab_size,
         engine.config.resolved_dtype,
     )
+
+
+def served_prompt(engine: LLMEngine, prompt: list[int], name: str) -> PromptIds:
+    """The prompt as `kvshare serve` hands it to add_request (parsed from the body)."""
+    body = parse_json_object(request_body(prompt, name))
+    return parse_generate(body, False, model_info(engine, name)).prompt_token_ids
+
+
+def http_phases(engine: LLMEngine, prompt: list[int], name: str, repeats: int) -> dict:
+    """What `kvshare router` and `kvshare serve` do with the request's body before the
+    engine sees it (token-id prompt, as an OpenAI client sends it for a shape model)."""
+    body = request_body(prompt, name)
+    keys = RoutingKeys(engine.tokenizer, engine.config.block_size)
+    info = model_info(engine, name)
     parsed = parse_json_object(body)
     return {
         "body_bytes": len(body),
@@ -314,6 +330,7 @@ def main() -> int:
         vocab = engine.loaded.config.vocab_size
         prompt = random_prompt(args.tokens, vocab, 1)
         follow_up = prompt + random_prompt(args.new_tokens, vocab, 2)
+        served = served_prompt(engine, follow_up, args.model)
         timer = PhaseTimer(args.sync_phases)
         instrument(engine, timer)
         run_request(engine, "warm-up", random_prompt(512, vocab, 3), 1)
@@ -333,7 +350,7 @@ def main() -> int:
             timer.active = True
             if profile is not None and r == args.repeats - 1:
                 profile.enable()
-            run = run_request(engine, f"hit-{r}", follow_up, args.output_tokens, timer)
+            run = run_request(engine, f"hit-{r}", served, args.output_tokens, timer)
             if profile is not None:
                 profile.disable()
             engine.connector.wait_idle()
@@ -351,7 +368,7 @@ def main() -> int:
                 activities.append(ProfilerActivity.CUDA)
             engine.reset_prefix_cache()
             with torch_profile(activities=activities) as trace:
-                run_request(engine, "hit-trace", follow_up, args.output_tokens)
+                run_request(engine, "hit-trace", served, args.output_tokens)
             engine.connector.wait_idle()
             trace.export_chrome_trace(str(args.trace))
         result = {
