@@ -16,7 +16,10 @@ Reported per phase, the minimum over the repeats of the host seconds spent insid
 - the request's JSON at the router (parse, routing keys) and at the replica (parse,
   checks, token ids): the functions `kvshare router` and `kvshare serve` run, called
   directly on the body an OpenAI client sends (token ids: shape models have no tokenizer);
-- the engine, from add_request to the first token: hashing, admission (prefix cache,
+- the host's time before the load's first copy: the HTTP phases plus the engine's, from
+  add_request's entry to the load's transfer (where its first copy is issued);
+- the engine, from add_request (given the prompt as the replica hands it over) to the
+  first token: hashing, admission (prefix cache,
   chunk keys, the daemon's lookup, the load plan, issuing the copies), the step that
   computes the new tokens (metadata, forward, logits), the restore's verification,
   sampling, registration and the store check.
@@ -55,7 +58,7 @@ import kvshare.kvpool.connector as connector_module
 from kvshare.bench.engine_perf import random_prompt
 from kvshare.engine.attention import AttentionBackend, StepMeta
 from kvshare.engine.config import EngineConfig
-from kvshare.engine.llm_engine import LLMEngine
+from kvshare.engine.llm_engine import LLMEngine, PromptIds
 from kvshare.engine.sampling_params import SamplingParams
 from kvshare.engine.sequence import Sequence
 from kvshare.kvpool.connector import PoolConnector
@@ -75,6 +78,7 @@ class PhaseTimer:
         self.seconds: defaultdict[str, float] = defaultdict(float)
         self.calls: Counter[str] = Counter()
         self.order: list[str] = []
+        self.entered: dict[str, float] = {}  # perf_counter at each phase's first entry
 
     def wrap(self, label: str, owner: object, name: str) -> None:
         original = getattr(owner, name)
@@ -84,6 +88,7 @@ class PhaseTimer:
             if not self.active:
                 return original(*args, **kwargs)
             start = time.perf_counter()
+            self.entered.setdefault(label, start)
             try:
                 return original(*args, **kwargs)
             finally:
@@ -97,6 +102,11 @@ class PhaseTimer:
     def reset(self) -> None:
         self.seconds.clear()
         self.calls.clear()
+        self.entered.clear()
+
+    def until(self, label: str) -> float:
+        """Seconds from add_request's entry to `label`'s first entry."""
+        return self.entered[label] - self.entered["add_request"]
 
 
 def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
@@ -194,7 +204,7 @@ def sync(engine: LLMEngine) -> None:
 def run_request(
     engine: LLMEngine,
     request_id: str,
-    prompt: list[int],
+    prompt: PromptIds,
     max_tokens: int,
     timer: PhaseTimer | None = None,
 ) -> dict:
@@ -234,20 +244,35 @@ def best_of(repeats: int, fn: Callable[[], object]) -> float:
     return min(times)
 
 
-def http_phases(engine: LLMEngine, prompt: list[int], name: str, repeats: int) -> dict:
-    """What `kvshare router` and `kvshare serve` do with the request's body before the
-    engine sees it (token-id prompt, as an OpenAI client sends it for a shape model)."""
-    body = json.dumps(
+def request_body(prompt: list[int], name: str) -> bytes:
+    """The body an OpenAI client sends for a shape model: a token-id prompt."""
+    return json.dumps(
         {"model": name, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
     ).encode()
-    keys = RoutingKeys(engine.tokenizer, engine.config.block_size)
-    info = ModelInfo(
+
+
+def model_info(engine: LLMEngine, name: str) -> ModelInfo:
+    return ModelInfo(
         name,
         engine.tokenizer,
         engine.max_model_len,
         engine.loaded.config.vocab_size,
         engine.config.resolved_dtype,
     )
+
+
+def served_prompt(engine: LLMEngine, prompt: list[int], name: str) -> PromptIds:
+    """The prompt as `kvshare serve` hands it to add_request (parsed from the body)."""
+    body = parse_json_object(request_body(prompt, name))
+    return parse_generate(body, False, model_info(engine, name)).prompt_token_ids
+
+
+def http_phases(engine: LLMEngine, prompt: list[int], name: str, repeats: int) -> dict:
+    """What `kvshare router` and `kvshare serve` do with the request's body before the
+    engine sees it (token-id prompt, as an OpenAI client sends it for a shape model)."""
+    body = request_body(prompt, name)
+    keys = RoutingKeys(engine.tokenizer, engine.config.block_size)
+    info = model_info(engine, name)
     parsed = parse_json_object(body)
     return {
         "body_bytes": len(body),
@@ -305,6 +330,7 @@ def main() -> int:
         vocab = engine.loaded.config.vocab_size
         prompt = random_prompt(args.tokens, vocab, 1)
         follow_up = prompt + random_prompt(args.new_tokens, vocab, 2)
+        served = served_prompt(engine, follow_up, args.model)
         timer = PhaseTimer(args.sync_phases)
         instrument(engine, timer)
         run_request(engine, "warm-up", random_prompt(512, vocab, 3), 1)
@@ -316,7 +342,7 @@ def main() -> int:
         assert engine.connector is not None
         engine.connector.wait_idle()
         print(f"cold prefill of {args.tokens} tokens: {cold['ttft_s']:.2f} s", flush=True)
-        runs, phases = [], defaultdict(list)
+        runs, phases, before_copies = [], defaultdict(list), []
         profile = cProfile.Profile() if args.cprofile else None
         for r in range(args.repeats):
             engine.reset_prefix_cache()
@@ -324,11 +350,12 @@ def main() -> int:
             timer.active = True
             if profile is not None and r == args.repeats - 1:
                 profile.enable()
-            run = run_request(engine, f"hit-{r}", follow_up, args.output_tokens, timer)
+            run = run_request(engine, f"hit-{r}", served, args.output_tokens, timer)
             if profile is not None:
                 profile.disable()
             engine.connector.wait_idle()
             runs.append(run)
+            before_copies.append(timer.until("step/schedule/pool_load/transfer_load"))
             for label in timer.order:
                 phases[label].append(timer.seconds.get(label, 0.0))
             print(f"hit {r}: {run}", flush=True)
@@ -341,7 +368,7 @@ def main() -> int:
                 activities.append(ProfilerActivity.CUDA)
             engine.reset_prefix_cache()
             with torch_profile(activities=activities) as trace:
-                run_request(engine, "hit-trace", follow_up, args.output_tokens)
+                run_request(engine, "hit-trace", served, args.output_tokens)
             engine.connector.wait_idle()
             trace.export_chrome_trace(str(args.trace))
         result = {
@@ -353,7 +380,13 @@ def main() -> int:
             "engine_phases_s": {label: min(values) for label, values in phases.items()},
             "engine_phase_calls": dict(timer.calls),
             "http_phases_s": http_phases(engine, follow_up, args.model, args.repeats),
+            # add_request's entry to the load's transfer (its first copy is issued there)
+            "engine_before_copies_s": min(before_copies),
         }
+        http = result["http_phases_s"]
+        result["host_before_copies_s"] = result["engine_before_copies_s"] + sum(
+            seconds for label, seconds in http.items() if label != "body_bytes"
+        )
         engine.connector.close()
     print(
         f"\nhit at {args.tokens} + {args.new_tokens} tokens, {result['device']}: "
@@ -367,6 +400,12 @@ def main() -> int:
         depth = label.count("/")
         name = "  " * depth + label.rsplit("/", 1)[-1]
         print(f"{name:<48} {seconds * 1e3:>9.2f} {timer.calls.get(label, 0):>6}")
+    print(
+        f"{'engine: add_request -> transfer.load':<48} "
+        f"{result['engine_before_copies_s'] * 1e3:>9.2f}\n"
+        f"{'host before the first copy (http + engine)':<48} "
+        f"{result['host_before_copies_s'] * 1e3:>9.2f}"
+    )
     if profile is not None:
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(args.cprofile)

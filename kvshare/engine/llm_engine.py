@@ -78,14 +78,26 @@ class _Request:
     error: str | None = None
 
 
-def _in_vocab(token_ids: list[int] | tuple[int, ...], vocab_size: int) -> np.ndarray | None:
+# A prompt as add_request takes it: ids, or an integer array of them (the replica server's
+# int32 array, checked and converted once per request).
+PromptIds = list[int] | tuple[int, ...] | np.ndarray
+
+
+def _in_vocab(token_ids: PromptIds, vocab_size: int) -> np.ndarray | None:
     """The token ids as int32 when every one is in [0, vocab_size), else None (one pass in
     C: min() and max() over a 100k-token list take milliseconds each)."""
-    try:
-        ids = np.fromiter(token_ids, dtype=np.int32, count=len(token_ids))
-    except OverflowError:
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
+            return None
+        ids = token_ids
+    else:
+        try:
+            ids = np.fromiter(token_ids, dtype=np.int64, count=len(token_ids))
+        except OverflowError:
+            return None
+    if ids.min() < 0 or ids.max() >= vocab_size:
         return None
-    return ids if ids.min() >= 0 and ids.max() < vocab_size else None
+    return ids.astype(np.int32)
 
 
 class LLMEngine:
@@ -140,7 +152,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: list[int] | tuple[int, ...],
+        prompt_token_ids: PromptIds,
         params: SamplingParams,
         cache_salt: str | None = None,
     ) -> None:
@@ -153,13 +165,14 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         cache_salt = check_cache_salt(cache_salt)
-        if not prompt_token_ids:
+        if not len(prompt_token_ids):
             raise ValueError("the prompt is empty")
         vocab = self.loaded.config.vocab_size
         prompt = _in_vocab(prompt_token_ids, vocab)
         if prompt is None:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        seq = Sequence(request_id, list(prompt_token_ids), params, cache_salt, prompt_array=prompt)
+        token_ids = prompt.tolist()
+        seq = Sequence(request_id, token_ids, params, cache_salt, prompt_array=prompt)
         self.scheduler.add(seq)
         generator = None
         if params.seed is not None:
@@ -168,9 +181,7 @@ class LLMEngine:
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else self._eos
         )
-        self.requests[request_id] = _Request(
-            seq, tuple(prompt_token_ids), detok, generator, stop_ids
-        )
+        self.requests[request_id] = _Request(seq, tuple(token_ids), detok, generator, stop_ids)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False when it is unknown or already done."""

@@ -16,7 +16,7 @@ keeps:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvshare.kvpool.client import PageRef
 from kvshare.kvpool.layout import PageLayout
@@ -53,26 +53,38 @@ def plan_load(
     chunk, bpp = layout.chunk_tokens, layout.blocks_per_page
     resume = len(pages) * chunk
     copies, copied, segments, held, sliding_held = [], [], [], [], []
+    # The loop runs per page of a restore before its first copy (512 pages at 131k
+    # tokens): one PageCopy per page, the layout's sizes read once.
+    whole = layout.num_segments == 1
+    global_bytes, payload_bytes, block_size = (
+        layout.global_bytes,
+        layout.payload_bytes,
+        layout.block_size,
+    )
+    num_segments = {n: len(layout.segments(n)) for n in (global_bytes, payload_bytes)}
     for j in range(local_tokens // chunk, len(pages)):
         page = pages[j]
         blocks = tuple(block_table[j * bpp : (j + 1) * bpp])
-        first = max(0, (local_tokens - j * chunk) // layout.block_size)
-        sliding = tuple(sliding_table[j * bpp : (j + 1) * bpp])
-        present = [i for i in range(first, len(sliding)) if sliding[i] is not None]
-        copy = PageCopy(page.offset + HEADER_BYTES, layout.global_bytes, blocks, page.key, first)
-        if layout.num_segments == 1:
-            copy = replace(copy, nbytes=layout.payload_bytes)
-        elif present:
-            if present != list(range(present[0], bpp)):
-                raise ValueError(f"chunk {j}: sliding blocks {sliding} are not a suffix")
-            # Entries before sliding_first are never copied: any block id stands in.
-            ids = tuple(blocks[i] if b is None else b for i, b in enumerate(sliding))
-            copy = replace(copy, nbytes=layout.payload_bytes, sliding_blocks=ids)
-            copy = replace(copy, sliding_first=present[0])
-            sliding_held += [ids[i] for i in present]
+        first = max(0, (local_tokens - j * chunk) // block_size)
+        nbytes, ids, sliding_first = global_bytes, (), 0
+        if whole:
+            nbytes = payload_bytes
+        else:
+            sliding = tuple(sliding_table[j * bpp : (j + 1) * bpp])
+            present = [i for i in range(first, len(sliding)) if sliding[i] is not None]
+            if present:
+                if present != list(range(present[0], bpp)):
+                    raise ValueError(f"chunk {j}: sliding blocks {sliding} are not a suffix")
+                # Entries before sliding_first are never copied: any block id stands in.
+                ids = tuple(blocks[i] if b is None else b for i, b in enumerate(sliding))
+                nbytes, sliding_first = payload_bytes, present[0]
+                sliding_held += [ids[i] for i in present]
+        copy = PageCopy(
+            page.offset + HEADER_BYTES, nbytes, blocks, page.key, first, ids, sliding_first
+        )
         copies.append(copy)
         copied.append(page)
-        segments.append(len(layout.segments(copy.nbytes)))
+        segments.append(num_segments[nbytes])
         held += blocks[first:]
     return LoadPlan(
         tuple(copies),

@@ -145,6 +145,64 @@ def page_groups(copies: Sequence[PageCopy], staging_bytes: int, max_pages: int =
     return groups
 
 
+@dataclass(frozen=True)
+class SpanGroup:
+    """Copies `pages` (indices of a load's copies) of `nbytes` each, whose arena bytes
+    start `stride` apart from `offset` on: one host->device copy of `span` bytes brings
+    them all, and page i's bytes are then at (i - pages.start) * stride in that copy."""
+
+    pages: range
+    offset: int
+    nbytes: int
+    stride: int
+
+    @property
+    def span(self) -> int:
+        return (len(self.pages) - 1) * self.stride + self.nbytes
+
+
+def span_groups(
+    copies: Sequence[PageCopy], staging_bytes: int, max_gap: int, max_pages: int = 8
+) -> list[SpanGroup]:
+    """The copies of a load in order, as runs that one copy each can bring: copies of one
+    size, `stride` apart in the arena where stride - nbytes (the bytes between two copies,
+    copied for nothing) is at most max_gap, whose span fits `staging_bytes` (a copy too
+    large for it is a group of its own), at most max_pages. A copy whose neighbours are
+    not so placed is a group of one."""
+    groups: list[SpanGroup] = []
+    start = 0
+    while start < len(copies):
+        first = copies[start]
+        stop, stride = start + 1, first.nbytes
+        if stop < len(copies):
+            stride = copies[stop].offset - first.offset
+        if not 0 <= stride - first.nbytes <= max_gap:
+            stride = first.nbytes
+        while (
+            stop < len(copies)
+            and stop - start < max_pages
+            and copies[stop].nbytes == first.nbytes
+            and copies[stop].offset == first.offset + (stop - start) * stride
+            and (stop - start) * stride + first.nbytes <= staging_bytes
+        ):
+            stop += 1
+        groups.append(SpanGroup(range(start, stop), first.offset, first.nbytes, stride))
+        start = stop
+    return groups
+
+
+def fill_span(buffer: torch.Tensor, arena: torch.Tensor, group: SpanGroup) -> torch.Tensor:
+    """Copy a group's span of the arena into the front of `buffer` (uint8; asynchronous
+    on a CUDA buffer); returns the group's page rows, a [pages, nbytes] view of `buffer`."""
+    buffer[: group.span].copy_(arena[group.offset : group.offset + group.span], non_blocking=True)
+    return staged_rows(buffer, group)
+
+
+def staged_rows(buffer: torch.Tensor, group: SpanGroup) -> torch.Tensor:
+    """The page rows of a group whose span sits at the front of `buffer`."""
+    return buffer.as_strided((len(group.pages), group.nbytes), (group.stride, 1))
+
+
 def copied_segments(layout: PageLayout, copies: Sequence[PageCopy]) -> int:
     """Checksummed segments per page of a job: those of its largest copy."""
     return max(len(layout.segments(c.nbytes)) for c in copies)

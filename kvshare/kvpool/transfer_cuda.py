@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,10 +25,36 @@ import torch
 from kvshare.engine.memory import STAGING_BUFFERS, staging_buffer_bytes
 from kvshare.kvpool.faults import FaultInjection, breaks, injected_delay
 from kvshare.kvpool.layout import PageLayout, checksum_constants
-from kvshare.kvpool.transfer import PageCopy, Transfer, TransferJob, copied_segments, page_groups
+from kvshare.kvpool.page import HEADER_BYTES, PAGE_ALIGN
+from kvshare.kvpool.transfer import (
+    PageCopy,
+    SpanGroup,
+    Transfer,
+    TransferJob,
+    copied_segments,
+    fill_span,
+    page_groups,
+    span_groups,
+    staged_rows,
+)
 
 if TYPE_CHECKING:
     from kvshare.kvpool.block_copy import BlockCopy
+
+
+# A load's pages in adjacent arena slots share one host->device copy when at most a page
+# header and its padding lie between them (copied for nothing: 8 KiB per 16 MiB page).
+MAX_SPAN_GAP = HEADER_BYTES + PAGE_ALIGN
+
+
+@dataclass(frozen=True)
+class _LoadTables:
+    """What a load's scatter reads on the device, uploaded once per load."""
+
+    pairs: Callable[[range], torch.Tensor]
+    sliding_pairs: Callable[[range], torch.Tensor] | None
+    constants: torch.Tensor
+    sums: torch.Tensor
 
 
 class _CudaJob(TransferJob):
@@ -92,26 +119,30 @@ class CudaTransfer(Transfer):
     def _pipeline(
         self,
         direction: str,
-        copies: Sequence[PageCopy],
+        groups: Sequence[SpanGroup],
         first: torch.cuda.Stream,
-        fill: Callable[[torch.Tensor, range], None],
+        fill: Callable[[torch.Tensor, SpanGroup], torch.Tensor],
         second: torch.cuda.Stream,
         drain: Callable[[torch.Tensor, range], None],
+        after_first_fill: Callable[[], None] | None = None,
     ) -> None:
-        """Each page group through the direction's two staging buffers: fill(rows, group) on
-        `first` once `second` is done with the buffer, then drain(rows, group) on `second`
-        once `first` filled it. Rows are the buffer as one row of bytes per page."""
-        for k, group in enumerate(page_groups(copies, self.staging_bytes)):
+        """Each page group through the direction's two staging buffers: rows = fill(buffer,
+        group) on `first` once `second` is done with the buffer, then drain(rows,
+        group.pages) on `second` once `first` filled it. Rows are the group's pages, one
+        row of bytes each, in the buffer. after_first_fill() runs once the first fill is
+        issued (work the first drain needs that must not delay the first copy) and before
+        `second` waits for it."""
+        for k, group in enumerate(groups):
             b = k % 2
-            nbytes = copies[group.start].nbytes
-            rows = self.staging[direction][b][: len(group) * nbytes].view(len(group), nbytes)
             first.wait_event(self.free[direction][b])
             with torch.cuda.stream(first):
-                fill(rows, group)
+                rows = fill(self.staging[direction][b], group)
                 self.filled[direction][b].record(first)
+            if k == 0 and after_first_fill is not None:
+                after_first_fill()
             second.wait_event(self.filled[direction][b])
             with torch.cuda.stream(second):
-                drain(rows, group)
+                drain(rows, group.pages)
                 self.free[direction][b].record(second)
 
     def _upload(self, table: np.ndarray, stream: torch.cuda.Stream) -> torch.Tensor:
@@ -182,31 +213,43 @@ class CudaTransfer(Transfer):
         stream.wait_event(issued)
 
     def load(self, copies: Sequence[PageCopy]) -> TransferJob:
+        """Pages of adjacent arena slots come in one copy per group (span_groups), and the
+        first copy is issued before the tables the scatter needs are built: until the
+        first copy starts, the host's time is the hit's time to first token."""
         assert self.arena is not None
+        arena = self.arena
         copy_s, scatter_s = self.streams["load_copy"], self.streams["load_scatter"]
         self._after_compute(scatter_s)
-        pairs = self._pairs(copies, scatter_s)
-        sliding_pairs = self._sliding_pairs(copies, scatter_s)
-        constants = self._constants([c.key for c in copies], scatter_s)
-        with torch.cuda.stream(scatter_s):
-            sums = torch.zeros((len(copies), 2, 2), dtype=torch.int64, device=self.device)
         if self.delay_cycles:
             with torch.cuda.stream(copy_s):
                 torch.cuda._sleep(self.delay_cycles)
+        tables: list[_LoadTables] = []
 
-        def fill(rows: torch.Tensor, group: range) -> None:
-            for row, i in zip(rows, group):
-                c = copies[i]
-                row.copy_(self.arena[c.offset : c.offset + c.nbytes], non_blocking=True)
+        def upload_tables() -> None:
+            pairs = self._pairs(copies, scatter_s)
+            sliding_pairs = self._sliding_pairs(copies, scatter_s)
+            constants = self._constants([c.key for c in copies], scatter_s)
+            with torch.cuda.stream(scatter_s):
+                sums = torch.zeros((len(copies), 2, 2), dtype=torch.int64, device=self.device)
+            tables.append(_LoadTables(pairs, sliding_pairs, constants, sums))
+
+        def fill(buffer: torch.Tensor, group: SpanGroup) -> torch.Tensor:
+            return fill_span(buffer, arena, group)
 
         def drain(rows: torch.Tensor, group: range) -> None:
+            t = tables[0]
             self._checksum_group(
-                rows, constants[group.start : group.stop], sums[group.start : group.stop]
+                rows, t.constants[group.start : group.stop], t.sums[group.start : group.stop]
             )
-            self._copy_blocks(rows, group, pairs, sliding_pairs, to_cache=True)
+            self._copy_blocks(rows, group, t.pairs, t.sliding_pairs, to_cache=True)
 
-        self._pipeline("load", copies, copy_s, fill, scatter_s, drain)
-        return self._finish(copies, sums, scatter_s, always_done=breaks(self.faults, "load"))
+        groups = span_groups(copies, self.staging_bytes, MAX_SPAN_GAP)
+        self._pipeline("load", groups, copy_s, fill, scatter_s, drain, upload_tables)
+        if not tables:  # no copies
+            upload_tables()
+        return self._finish(
+            copies, tables[0].sums, scatter_s, always_done=breaks(self.faults, "load")
+        )
 
     def store(
         self, copies: Sequence[PageCopy], ready: threading.Event | None = None
@@ -223,18 +266,26 @@ class CudaTransfer(Transfer):
         with torch.cuda.stream(gather_s):
             sums = torch.zeros((len(copies), 2, 2), dtype=torch.int64, device=self.device)
 
-        def fill(rows: torch.Tensor, group: range) -> None:
-            self._copy_blocks(rows, group, pairs, sliding_pairs, to_cache=False)
+        def fill(buffer: torch.Tensor, group: SpanGroup) -> torch.Tensor:
+            rows = staged_rows(buffer, group)
+            pages = group.pages
+            self._copy_blocks(rows, pages, pairs, sliding_pairs, to_cache=False)
             self._checksum_group(
-                rows, constants[group.start : group.stop], sums[group.start : group.stop]
+                rows, constants[pages.start : pages.stop], sums[pages.start : pages.stop]
             )
+            return rows
 
         def drain(rows: torch.Tensor, group: range) -> None:
             for row, i in zip(rows, group):
                 c = copies[i]
                 self.arena[c.offset : c.offset + c.nbytes].copy_(row, non_blocking=True)
 
-        self._pipeline("store", copies, gather_s, fill, copy_s, drain)
+        # Stores copy page by page: a span would write over the headers between pages.
+        groups = [
+            SpanGroup(g, copies[g.start].offset, copies[g.start].nbytes, copies[g.start].nbytes)
+            for g in page_groups(copies, self.staging_bytes)
+        ]
+        self._pipeline("store", groups, gather_s, fill, copy_s, drain)
         copy_s.wait_stream(gather_s)
         return self._finish(copies, sums, copy_s, always_done=False)
 

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from kvshare.engine.llm_engine import LLMEngine, RequestOutput
+from kvshare.engine.llm_engine import LLMEngine, PromptIds, RequestOutput
 from kvshare.engine.sampling_params import SamplingParams
 
 _log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def snapshot_of(engine: LLMEngine) -> EngineSnapshot:
 @dataclass(frozen=True)
 class _Add:
     request_id: str
-    prompt_token_ids: list[int] | tuple[int, ...]
+    prompt_token_ids: PromptIds
     params: SamplingParams
     cache_salt: str | None = None
 
@@ -153,7 +153,7 @@ class EngineThread:
 
     def submit_group(
         self,
-        requests: list[tuple[str, tuple[int, ...], SamplingParams]],
+        requests: list[tuple[str, PromptIds, SamplingParams]],
         cache_salt: str | None = None,
     ) -> RequestStream:
         """Several requests whose outputs share one stream (the choices of one API request);

@@ -10,6 +10,7 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 from kvshare.serve.errors import APIError, bad_request
@@ -23,6 +24,14 @@ PARSE_ON_LOOP_BYTES = 64 << 10
 # A \uXXXX escape of a UTF-16 surrogate: the only way a JSON text decoded from UTF-8 can
 # give Python a lone surrogate, which no tokenizer or encoder accepts.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+# Bodies from this size on read a top-level "prompt" of plain token ids straight into an
+# array: json.loads makes one Python int per id (10 ms for 131k ids on an H200's host,
+# twice per request: router and replica), numpy parses the same text 5-10x faster.
+TOKEN_ARRAY_BYTES = 64 << 10
+TOKEN_ARRAY_KEY = "prompt"
+_ID_LIMIT = 10**9  # ids of more digits take the general parser (and its errors)
+_DIGIT_POWERS = tuple(10**k for k in range(1, 9))  # an id below 10**9 has at most 9 digits
+_NOT_SPACE = re.compile(r"[^ \t\n\r]")
 
 
 @web.middleware
@@ -66,14 +75,94 @@ def _has_lone_surrogate(body: object) -> bool:
     return False
 
 
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
+def token_array(data: bytes, start: int) -> tuple[np.ndarray, int] | None:
+    """The JSON array at data[start] ("[") as int64 and the index after its "]", when it
+    is a non-empty flat list of integers in [0, 10**9) written as JSON writes them; None
+    for anything else, which the general parser then reads (with its errors).
+
+    Exact, not a guess: the array holds only digits, commas and JSON whitespace (so its
+    first "]" ends it), numpy reads every id, there is one comma fewer than ids, and the
+    digits numpy read are all the digits there are (no leading zeros, no empty items)."""
+    stop = data.find(b"]", start)
+    if stop < 0:
+        return None
+    inner = data[start + 1 : stop]
+    punctuation = inner.translate(None, b"0123456789")
+    if punctuation.translate(None, b", \t\n\r") or len(punctuation) == len(inner):
+        return None
+    try:
+        ids = np.fromstring(inner, dtype=np.int64, sep=",")  # raises on a malformed list
+    except ValueError:
+        return None
+    if len(ids) != punctuation.count(b",") + 1 or ids.max() >= _ID_LIMIT:
+        return None
+    digits = len(ids) + sum(int(np.count_nonzero(ids >= power)) for power in _DIGIT_POWERS)
+    if digits != len(inner) - len(punctuation):
+        return None
+    return ids, stop + 1
+
+
+def _skip_space(text: str, i: int) -> int:
+    match = _NOT_SPACE.search(text, i)
+    return len(text) if match is None else match.start()
+
+
+def _object_with_token_array(text: str, data: bytes | None) -> dict[str, Any] | None:
+    """json.loads(text) for a JSON object, with its top-level `prompt` of token ids read
+    by token_array from `data` (text's bytes when they index like text: ASCII; None: no
+    fast read) as an int64 array instead of a list; None when the text is anything else
+    or anything is off (the general parser then reads it and names the error). Keys and
+    every other value go through json's own scanner, duplicate keys included."""
+    i = _skip_space(text, 0)
+    if not text.startswith("{", i):
+        return None
+    body: dict[str, Any] = {}
+    i = _skip_space(text, i + 1)
+    if text.startswith("}", i):
+        return body if _skip_space(text, i + 1) == len(text) else None
+    while True:
+        if not text.startswith('"', i):
+            return None
+        key, i = json.decoder.scanstring(text, i + 1)
+        i = _skip_space(text, i)
+        if not text.startswith(":", i):
+            return None
+        i = _skip_space(text, i + 1)
+        fast = None
+        if data is not None and key == TOKEN_ARRAY_KEY and text.startswith("[", i):
+            fast = token_array(data, i)
+        if fast is None:
+            value, i = _DECODER.scan_once(text, i)
+        else:
+            value, i = fast
+        body[key] = value
+        i = _skip_space(text, i)
+        if text.startswith("}", i):
+            return body if _skip_space(text, i + 1) == len(text) else None
+        if not text.startswith(",", i):
+            return None
+        i = _skip_space(text, i + 1)
+
+
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """A request body as a JSON object; APIError 400 for invalid UTF-8, malformed JSON (NaN
     included), nesting too deep for the parser, a lone UTF-16 surrogate in a string, or a
-    non-object."""
+    non-object. In a body of TOKEN_ARRAY_BYTES or more, a top-level `prompt` that is a list
+    of token ids comes back as an int64 numpy array (see token_array)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise bad_request(f"request body is not valid UTF-8: {exc}") from None
+    if len(raw) >= TOKEN_ARRAY_BYTES:
+        try:
+            fast = _object_with_token_array(text, raw if len(raw) == len(text) else None)
+        except (ValueError, RecursionError, StopIteration):
+            fast = None
+        if fast is not None:
+            return _checked(fast, text)
     try:
         body = json.loads(text, parse_constant=_reject_constant)
     except ValueError as exc:
@@ -82,6 +171,10 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise bad_request("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request(f"request body must be a JSON object, not {type(body).__name__}")
+    return _checked(body, text)
+
+
+def _checked(body: dict[str, Any], text: str) -> dict[str, Any]:
     if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(body):
         raise bad_request(
             "request body holds a string with a lone UTF-16 surrogate (e.g. "

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from kvshare.models.tokenizer import Tokenizer
+
+# Token ids as a request carries them: a list, or the int64 array kvshare.serve.http reads
+# a long list of ids into.
+TokenIds = list[int] | np.ndarray
 
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -29,8 +35,15 @@ def _is_token_list(value: object) -> bool:
     return isinstance(value, list) and set(map(type, value)) <= {int}
 
 
-def completion_prompt(prompt: object) -> str | list[int]:
-    """A /v1/completions `prompt`: a string, a token-id list, or a list holding one of those."""
+def _is_token_array(value: object) -> bool:
+    return isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype == np.int64
+
+
+def completion_prompt(prompt: object) -> str | TokenIds:
+    """A /v1/completions `prompt`: a string, a token-id list (or array), or a list holding
+    one of those."""
+    if _is_token_array(prompt) and len(prompt):  # type: ignore[arg-type]
+        return prompt  # type: ignore[return-value]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str) or (_is_token_list(prompt) and prompt):
@@ -47,9 +60,9 @@ def completion_prompt(prompt: object) -> str | list[int]:
     )
 
 
-def completion_prompt_ids(tokenizer: Tokenizer | None, prompt: object) -> list[int]:
+def completion_prompt_ids(tokenizer: Tokenizer | None, prompt: object) -> TokenIds:
     text_or_ids = completion_prompt(prompt)
-    if isinstance(text_or_ids, list):
+    if not isinstance(text_or_ids, str):
         return text_or_ids
     if tokenizer is None:
         raise PromptError(
@@ -99,7 +112,7 @@ def chat_prompt_ids(tokenizer: Tokenizer | None, messages: object) -> list[int]:
         raise PromptError(str(exc), "messages") from None
 
 
-def request_prompt_ids(tokenizer: Tokenizer | None, path: str, body: dict[str, Any]) -> list[int]:
+def request_prompt_ids(tokenizer: Tokenizer | None, path: str, body: dict[str, Any]) -> TokenIds:
     """Prompt ids of a parsed /v1/completions or /v1/chat/completions body."""
     if path.endswith("/chat/completions"):
         return chat_prompt_ids(tokenizer, body.get("messages"))

@@ -1,0 +1,145 @@
+"""A long prompt of token ids is read from the request body straight into an array, and
+that read is exact: it gives what json.loads gives (as an array), and every text it is
+not sure of goes to json.loads, with json.loads' errors."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvshare.serve.errors import APIError
+from kvshare.serve.http import TOKEN_ARRAY_BYTES, parse_json_object, token_array
+from kvshare.serve.protocol import ModelInfo, parse_generate
+from kvshare.serve.routing_keys import RoutingKeys
+
+# Pads a body past TOKEN_ARRAY_BYTES, where the array read is used.
+PAD = "x" * TOKEN_ARRAY_BYTES
+
+
+def plain(body: dict[str, Any]) -> dict[str, Any]:
+    """The body with an array prompt as the list json.loads gives."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, np.ndarray):
+        assert prompt.dtype == np.int64
+        return {**body, "prompt": prompt.tolist()}
+    return body
+
+
+SPACE = st.sampled_from(["", " ", "\n", "\t ", "\r\n  "])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 10**9 - 1), min_size=1, max_size=40),
+    spaces=st.lists(SPACE, min_size=3, max_size=3),
+    first=st.booleans(),
+)
+def test_a_list_of_ids_reads_as_json_loads_reads_it(
+    ids: list[int], spaces: list[str], first: bool
+) -> None:
+    a, b, c = spaces
+    array = "[" + a + (b + "," + c).join(map(str, ids)) + b + "]"
+    members = [f'"prompt"{a}:{c}{array}', '"model": "m"', f'"pad": "{PAD}"']
+    text = "{" + a + (",".join(members if first else members[::-1])) + c + "}"
+    parsed = parse_json_object(text.encode())
+    assert isinstance(parsed["prompt"], np.ndarray)
+    assert plain(parsed) == json.loads(text)
+    found = token_array(array.encode(), 0)
+    assert found is not None and found[0].tolist() == ids and found[1] == len(array)
+
+
+# Arrays token_array must leave to json.loads: invalid JSON, or values that are not
+# plain ids (the general path gives the list, or its error).
+NOT_READ = [
+    "[]",
+    "[ ]",
+    "[01, 2]",  # leading zero: invalid JSON
+    "[1, 00]",
+    "[1,,2]",
+    "[1, 2,]",
+    "[,1]",
+    "[1 2]",
+    "[-1, 2]",
+    "[1.0, 2]",
+    "[1e3, 2]",
+    "[1000000000, 2]",  # 10 digits
+    "[99999999999999999999999, 1]",
+    "[1, [2]]",
+    '[1, "2"]',
+    "[1, true]",
+    "[1, null]",
+    "[1,\v2]",  # not JSON whitespace
+    "[1, 2",
+]
+
+
+@pytest.mark.parametrize("array", NOT_READ)
+def test_anything_else_is_left_to_json_loads(array: str) -> None:
+    assert token_array(array.encode(), 0) is None
+    text = '{"model": "m", "pad": "' + PAD + '", "prompt": ' + array + "}"
+    try:
+        expected = json.loads(text)
+    except ValueError:
+        with pytest.raises(APIError, match="not valid JSON"):
+            parse_json_object(text.encode())
+        return
+    parsed = parse_json_object(text.encode())
+    assert not isinstance(parsed["prompt"], np.ndarray) and parsed == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"prompt": [1, 2], "prompt": "x", "pad": "P"}',  # duplicate keys: the last wins
+        '{"prompt": "x", "pad": "P", "prompt": [3, 4]}',
+        '{"pad": "P", "a": {"prompt": [1, 2]}, "prompt": [5]}',  # only the top level's
+        '{"pad": "P ] \\"prompt\\": [7]", "prompt": [8]}',
+        '  {"pad": "P", "prompt": [9]}  \n',
+        '{"pad": "P", "prompt": [1], "é": "non-ASCII body"}',
+    ],
+)
+def test_objects_read_as_json_loads_reads_them(text: str) -> None:
+    text = text.replace('"P', '"' + PAD)
+    assert plain(parse_json_object(text.encode())) == json.loads(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"pad": "P", "prompt": [1]} x',  # extra data
+        '{"pad": "P", "prompt": [1],}',
+        '{"pad": "P" "prompt": [1]}',
+        '{"pad": "P", "prompt" [1]}',
+        '{"pad": "P", "prompt": [1], "t": NaN}',
+        '["P", [1, 2]]',
+    ],
+)
+def test_malformed_bodies_keep_their_400(text: str) -> None:
+    with pytest.raises(APIError) as caught:
+        parse_json_object(text.replace('"P', '"' + PAD).encode())
+    assert caught.value.status == 400
+
+
+def test_the_replica_and_the_router_read_the_array_as_the_list() -> None:
+    """Same prompt ids, vocabulary check and routing keys from an array as from a list."""
+    ids = np.random.default_rng(0).integers(0, 999, 40_000).tolist()
+    ids[123] = 999
+    raw = json.dumps({"model": "m", "prompt": ids, "max_tokens": 2}).encode()
+    assert len(raw) >= TOKEN_ARRAY_BYTES
+    fast = parse_json_object(raw)
+    slow = json.loads(raw)
+    assert isinstance(fast["prompt"], np.ndarray) and isinstance(slow["prompt"], list)
+    model = ModelInfo("m", None, 50_000, 1000, "float32")
+    a, b = parse_generate(fast, False, model), parse_generate(slow, False, model)
+    assert a.prompt_token_ids.dtype == np.int32 and a.prompt_token_ids.tolist() == ids
+    assert np.array_equal(a.prompt_token_ids, b.prompt_token_ids)
+    keys = RoutingKeys(None, 16)
+    assert keys.prefix_of("/v1/completions", fast) == keys.prefix_of("/v1/completions", slow)
+    small = ModelInfo("m", None, 50_000, 999, "float32")  # id 999 is out of its vocabulary
+    with pytest.raises(APIError, match=r"must be in \[0, 999\)"):
+        parse_generate(fast, False, small)
