@@ -116,11 +116,6 @@ def _harness(config: BytesCheckConfig, role: str) -> ConnectorHarness:
     )
 
 
-def _sleep_current_stream(side: ConnectorHarness, seconds: float) -> None:
-    if side.device.type == "cuda":
-        torch.cuda._sleep(int(seconds * 1.5e9))
-
-
 def run_store(config: BytesCheckConfig, trial: int, side: ConnectorHarness) -> dict:
     blocks = side.cache.blocks.allocate(
         side.cache.blocks.blocks_needed(config.num_chunks * config.chunk_tokens)
@@ -131,8 +126,7 @@ def run_store(config: BytesCheckConfig, trial: int, side: ConnectorHarness) -> d
     pattern = side.pattern(trial, len(blocks))
     ready = None
     if side.device.type == "cuda":
-        _sleep_current_stream(side, config.delay)
-        side.write(blocks, pattern)
+        side.write(blocks, pattern, config.delay)
     else:
         ready = threading.Event()
 

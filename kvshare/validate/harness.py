@@ -75,9 +75,12 @@ class ConnectorHarness:
         idx = torch.tensor(blocks, device=self.device)
         return torch.cat([kv.index_select(2, idx) for kv in self._caches()])
 
-    def write(self, blocks: list[int], values: torch.Tensor) -> None:
-        """Write `values` (as `read` returns them) into every slot of `blocks`."""
+    def write(self, blocks: list[int], values: torch.Tensor, delay: float = 0.0) -> None:
+        """Write `values` (as `read` returns them) into every slot of `blocks`; with
+        `delay` on CUDA, behind that much GPU sleep on the current stream (see `fill`)."""
         idx = torch.tensor(blocks, device=self.device)
+        if delay and self.device.type == "cuda":
+            torch.cuda._sleep(int(delay * 1.5e9))
         split = self.cache.layout.num_global_slots
         for kv, part in zip(self._caches(), (values[:split], values[split:])):
             kv.index_copy_(2, idx, part)
