@@ -285,7 +285,11 @@ def test_stats_accounting_adds_up() -> None:
 
 
 def test_a_million_pages_evict_at_over_100k_per_second() -> None:
-    """docs/architecture.md F13: every per-key operation is O(1), so eviction stays fast at 1M pages."""
+    """docs/architecture.md F13: every per-key operation is O(1), so eviction stays fast at 1M pages.
+
+    Timed in this thread's CPU time, not wall time: other processes on a loaded machine stretch
+    the wall clock (a 2-core box at load 8 measured 45k/s wall, 180k/s CPU), while an O(n)
+    eviction at a million pages is thousands of times slower in either."""
     pages, batch = 1_000_000, 1000
     index = PoolIndex(ArenaGeometry(pages * SLOT, 1000 * SLOT))  # virtual: never mapped
     all_keys = [n.to_bytes(16, "little") for n in range(pages + 200_000)]
@@ -295,16 +299,16 @@ def test_a_million_pages_evict_at_over_100k_per_second() -> None:
         index.reserve(A, chunk, PAYLOAD)
         index.commit(A, chunk, checksums)
     assert index.stats()["committed"] == pages
-    begin = time.perf_counter()
+    begin = time.thread_time()
     for start in range(pages, pages + 200_000, batch):
         chunk = all_keys[start : start + batch]
         index.reserve(A, chunk, PAYLOAD)
         index.commit(A, chunk, checksums)
-    elapsed = time.perf_counter() - begin
+    elapsed = time.thread_time() - begin
     stats = index.stats()
     assert stats["evictions"] == 200_000 and stats["committed"] == pages
     rate = 200_000 / elapsed
-    print(f"index: {rate:,.0f} evictions/s (reserve + evict + commit) at {pages:,} pages")
+    print(f"index: {rate:,.0f} evictions/s of CPU (reserve + evict + commit) at {pages:,} pages")
     assert rate > 100_000
 
 

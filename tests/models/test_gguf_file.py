@@ -4,6 +4,7 @@ attention scores), plus refusals on synthetic files and the packaged-model looku
 
 from __future__ import annotations
 
+import functools
 import importlib.machinery
 import importlib.util
 from collections.abc import Mapping
@@ -65,7 +66,13 @@ def hf_loaded(smollm2_path: Path) -> tuple[Any, dict[str, np.ndarray]]:
     config = AutoConfig.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    loaded = load_gguf_checkpoint(str(smollm2_path), return_tensors=True, model_to_load=skeleton)
+    # transformers builds gguf's name map afresh for each of the skeleton's ~400 modules (7 s
+    # of this fixture on two cores); the map is a pure function of (architecture, layers).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        loaded = load_gguf_checkpoint(
+            str(smollm2_path), return_tensors=True, model_to_load=skeleton
+        )
     return config, {name: tensor.numpy() for name, tensor in loaded["tensors"].items()}
 
 
