@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -87,3 +88,57 @@ def gpu_memory_by_process() -> dict[str, int]:
     )
     rows = (line.split(",") for line in done.stdout.splitlines() if line.strip())
     return {pid.strip(): int(mib) for pid, mib in rows}
+
+
+def cross_replica_bench(
+    port: int, length: int, per_block: int, out: Path, name: str, timeout: float, *extra: str
+) -> subprocess.CompletedProcess:
+    """The blocked cross-replica bench A=0 -> B=1 on one shared context per block, its report
+    in out/NAME.json and out/NAME.md (`extra`: more bench flags)."""
+    return subprocess.run(
+        kvshare(
+            "bench",
+            "cross-replica",
+            "--target",
+            f"http://127.0.0.1:{port}",
+            "--lengths",
+            str(length),
+            "--requests-per-block",
+            str(per_block),
+            "--replica-a",
+            "0",
+            "--replica-b",
+            "1",
+            "--shared-context",
+            "--question-tokens",
+            "32",
+            "--output-tokens",
+            "8",
+            "--settle-timeout",
+            "60",
+            "--json",
+            str(out / f"{name}.json"),
+            "--markdown",
+            str(out / f"{name}.md"),
+            *extra,
+        ),
+        env=env(),
+        cwd=REPO,
+        timeout=max(1.0, timeout),
+    )
+
+
+def hit_medians(report_path: Path) -> dict:
+    """ON/OFF medians, block medians and the bytes the follow-ups loaded per hit, from a
+    cross-replica bench report (only follow-ups load)."""
+    report = json.loads(report_path.read_text())
+    (comparison,) = report["comparisons"]
+    on_blocks = [b["summary"] for b in report["blocks"] if b["condition"] == "ON"]
+    hits = [r for r in report["requests"] if r["condition"] == "ON" and r["role"] == "measure"]
+    return {
+        "off_s": comparison["off"]["value"],
+        "on_s": comparison["on"]["value"],
+        "on_interval_s": [comparison["on"]["low"], comparison["on"]["high"]],
+        "block_medians_s": comparison["block_medians"],
+        "bytes_per_hit": sum(b["loaded_bytes"] for b in on_blocks) / max(1, len(hits)),
+    }

@@ -29,7 +29,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpu_cluster import REPO, env, gpu_memory_by_process, kvshare, start_cluster, stop_cluster
+from gpu_cluster import (
+    REPO,
+    cross_replica_bench,
+    env,
+    gpu_memory_by_process,
+    hit_medians,
+    kvshare,
+    start_cluster,
+    stop_cluster,
+)
 
 CALL_LIMIT_S = 570  # the device call's limit is 600 s
 
@@ -189,57 +198,28 @@ def gemma_pair(args: argparse.Namespace) -> int:
     name = f"gemma_pair_{args.length}"
     try:
         memory = {"after start": gpu_memory_by_process()}
-        done = subprocess.run(
-            kvshare(
-                "bench",
-                "cross-replica",
-                "--target",
-                "http://127.0.0.1:8580",
-                "--lengths",
-                str(args.length),
-                "--requests-per-block",
-                str(args.per_block),
-                "--replica-a",
-                "0",
-                "--replica-b",
-                "1",
-                "--shared-context",
-                "--question-tokens",
-                "32",
-                "--output-tokens",
-                "8",
-                "--warmup-tokens",
-                str(args.warmup_tokens),
-                "--settle-timeout",
-                "60",
-                "--json",
-                str(args.out / f"{name}.json"),
-                "--markdown",
-                str(args.out / f"{name}.md"),
-                "--plot",
-                str(args.out / f"{name}.png"),
-            ),
-            env=env(),
-            cwd=REPO,
-            timeout=max(1.0, deadline - time.monotonic()),
+        done = cross_replica_bench(
+            8580,
+            args.length,
+            args.per_block,
+            args.out,
+            name,
+            deadline - time.monotonic(),
+            "--warmup-tokens",
+            str(args.warmup_tokens),
+            "--plot",
+            str(args.out / f"{name}.png"),
         )
         memory["after the bench"] = gpu_memory_by_process()
     finally:
         stop_cluster(up)
-    report = json.loads((args.out / f"{name}.json").read_text())
-    (comparison,) = report["comparisons"]
-    on_blocks = [b["summary"] for b in report["blocks"] if b["condition"] == "ON"]
-    hits = [r for r in report["requests"] if r["condition"] == "ON" and r["role"] == "measure"]
-    loaded = sum(b["loaded_bytes"] for b in on_blocks) / max(1, len(hits))
-    floor = loaded / (ceiling["h2d_GBps"] * 1e9) if ceiling else None
+    medians = hit_medians(args.out / f"{name}.json")
+    h2d = ceiling["h2d_GBps"] * 1e9 if ceiling else None
     summary = {
         "ceiling": ceiling,
         "returncode": done.returncode,
-        "off_s": comparison["off"]["value"],
-        "on_s": comparison["on"]["value"],
-        "block_medians_s": comparison["block_medians"],
-        "bytes_per_hit": loaded,
-        "floor_s": floor,
+        **medians,
+        "floor_s": medians["bytes_per_hit"] / h2d if h2d else None,
         "gpu_memory_mib": memory,
     }
     (args.out / "gemma_pair_summary.json").write_text(json.dumps(summary, indent=1))

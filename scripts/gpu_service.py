@@ -34,7 +34,16 @@ import sys
 import time
 from pathlib import Path
 
-from gpu_cluster import REPO, env, gpu_memory_by_process, kvshare, start_cluster, stop_cluster
+from gpu_cluster import (
+    REPO,
+    cross_replica_bench,
+    env,
+    gpu_memory_by_process,
+    hit_medians,
+    kvshare,
+    start_cluster,
+    stop_cluster,
+)
 
 
 def validate(out: Path) -> int:
@@ -171,53 +180,15 @@ def hit_run(out: Path, port: int, dtype: str, length: int, per_block: int, deadl
     )
     try:
         memory = {"after start": gpu_memory_by_process()}
-        done = subprocess.run(
-            kvshare(
-                "bench",
-                "cross-replica",
-                "--target",
-                f"http://127.0.0.1:{port}",
-                "--lengths",
-                str(length),
-                "--requests-per-block",
-                str(per_block),
-                "--replica-a",
-                "0",
-                "--replica-b",
-                "1",
-                "--shared-context",
-                "--question-tokens",
-                "32",
-                "--output-tokens",
-                "8",
-                "--settle-timeout",
-                "60",
-                "--json",
-                str(out / f"{name}.json"),
-                "--markdown",
-                str(out / f"{name}.md"),
-            ),
-            env=env(),
-            cwd=REPO,
-            timeout=max(1.0, deadline - time.monotonic()),
-        )
+        done = cross_replica_bench(port, length, per_block, out, name, deadline - time.monotonic())
         memory["after the bench"] = gpu_memory_by_process()  # the allocators keep their peak
     finally:
         stop_cluster(up)
-    report = json.loads((out / f"{name}.json").read_text())
-    (comparison,) = report["comparisons"]
-    on_blocks = [b["summary"] for b in report["blocks"] if b["condition"] == "ON"]
-    hits = [r for r in report["requests"] if r["condition"] == "ON" and r["role"] == "measure"]
-    loaded = sum(b["loaded_bytes"] for b in on_blocks) / len(hits)  # only follow-ups load
     return {
         "dtype": dtype,
         "tokens": length,
         "returncode": done.returncode,
-        "off_s": comparison["off"]["value"],
-        "on_s": comparison["on"]["value"],
-        "on_interval_s": [comparison["on"]["low"], comparison["on"]["high"]],
-        "block_medians_s": comparison["block_medians"],
-        "bytes_per_hit": loaded,
+        **hit_medians(out / f"{name}.json"),
         "gpu_memory_mib": memory,
     }
 

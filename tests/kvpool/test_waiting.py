@@ -121,11 +121,17 @@ def drive(engine: LLMEngine, request_id: str, seconds: float) -> RequestOutput:
     raise AssertionError(f"{request_id} did not finish within {seconds} s")
 
 
-def test_a_waiter_loads_the_chunks_another_replica_was_computing(pool: PoolProcess) -> None:
+@pytest.mark.parametrize("model", [MODEL, "shape:tiny-qwen3.5"])
+def test_a_waiter_loads_the_chunks_another_replica_was_computing(
+    pool: PoolProcess, model: str
+) -> None:
     """Replica W computes the document 64 tokens a step; replica R, asked meanwhile, waits
-    for W's chunks instead of computing them, then restores them from the pool."""
+    for W's chunks instead of computing them, then restores them from the pool. The hybrid
+    model resumes only at a state snapshot: W's lookup also claims the state page of the
+    snapshot it will take at the document's end, and R waits for that too."""
     wait = WaitOptions(max_wait_s=30.0, stall_s=30.0)
-    writer, reader = replica(pool, wait, batch_tokens=CHUNK), replica(pool, wait)
+    writer = replica(pool, wait, batch_tokens=CHUNK, model=model)
+    reader = replica(pool, wait, model=model)
     writer.add_request("w", PROMPT, GREEDY)
     writer.step()  # admitted: its lookup claimed every chunk, and it computed the first
     reader.add_request("r", [*DOCUMENT, 7, 8, 9], GREEDY)
@@ -139,28 +145,6 @@ def test_a_waiter_loads_the_chunks_another_replica_was_computing(pool: PoolProce
     assert reader.scheduler.counters["pool_waits"] == 1
     stats = connector_of(reader).stats()
     assert stats["wait_requests"] == 1 and stats.get("wait_gave_up", 0) == 0
-
-
-def test_a_hybrid_waiter_resumes_at_the_snapshot_the_writer_announced(pool: PoolProcess) -> None:
-    """Hybrid model: a prefix resumes only at a state snapshot. The writer's lookup claims
-    its chunks and the state page of the snapshot it will take at the document's end; the
-    reader waits for both instead of computing the document, then restores all of it."""
-    wait = WaitOptions(max_wait_s=30.0, stall_s=30.0)
-    hybrid = "shape:tiny-qwen3.5"
-    writer = replica(pool, wait, batch_tokens=CHUNK, model=hybrid)
-    reader = replica(pool, wait, model=hybrid)
-    writer.add_request("w", PROMPT, GREEDY)
-    writer.step()
-    reader.add_request("r", [*DOCUMENT, 7, 8, 9], GREEDY)
-    done: dict[str, RequestOutput] = {}
-    deadline = time.monotonic() + 60
-    while len(done) < 2 and time.monotonic() < deadline:
-        for engine in (writer, reader):
-            done |= {o.request_id: o for o in engine.step() if o.finished}
-    assert done["w"].computed_tokens == len(PROMPT)
-    assert (done["r"].pool_hit_tokens, done["r"].computed_tokens) == (len(DOCUMENT), 3)
-    assert reader.scheduler.counters["pool_waits"] == 1
-    assert connector_of(reader).stats().get("wait_gave_up", 0) == 0
 
 
 def test_a_waiter_is_released_when_the_writer_process_is_killed(pool: PoolProcess) -> None:
