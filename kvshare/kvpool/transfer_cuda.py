@@ -346,6 +346,11 @@ class CudaTransfer(Transfer):
         with torch.cuda.stream(stream):
             host.copy_(sums, non_blocking=True)
             event.record(stream)
+        # A store's sums live on its gather stream and are read here on its copy stream:
+        # without this the caching allocator hands their memory to the next allocation on
+        # the gather stream (the next store's sums, zeroed at once) before this copy ran,
+        # and the commit records a checksum its page does not have.
+        sums.record_stream(stream)
         return _CudaJob(num_pages, num_segments, event, host, always_done)
 
     def consume(self, job: TransferJob) -> None:

@@ -123,3 +123,39 @@ def test_cuda_state_load_lands_after_the_compute_streams_earlier_writes(broken: 
     transfer.consume(transfer.load_raw(0, row, bytes(16)))
     torch.cuda.synchronize()
     assert torch.equal(row.cpu(), arena) is not broken
+
+
+@pytest.mark.cuda
+def test_cuda_back_to_back_stores_each_commit_the_checksums_of_their_bytes() -> None:
+    """A loaded replica stores every step, store after store. Each store's sums are made on
+    its gather stream and copied to the host on its copy stream, behind its page's
+    device->host copy (37 MiB pages here): the next store must not take their memory
+    before that copy ran. Every store's checksum equals the checksum of the bytes it wrote."""
+    from kvshare.kvpool.transfer_cuda import CudaTransfer
+
+    device = torch.device("cuda")
+    pages, chunk = 12, 256
+    cache = KVCacheLayout.allocate(
+        shape_preset("qwen3-8b"), pages * chunk // 16 + 1, 16, torch.bfloat16, device
+    )
+    cache.kv.copy_(torch.randn(cache.kv.shape, device=device, dtype=torch.bfloat16))
+    layout = PageLayout.of(cache, chunk)
+    size = layout.payload_bytes
+    transfer = CudaTransfer(cache.kv, layout)
+    transfer.set_arena(torch.zeros(pages * size, dtype=torch.uint8).pin_memory())
+    per_page = chunk // 16
+    keys = [bytes([i]) * 16 for i in range(pages)]
+    torch.cuda.synchronize()
+    jobs = [
+        transfer.store(
+            [PageCopy(i * size, size, tuple(range(i * per_page, (i + 1) * per_page)), keys[i])]
+        )
+        for i in range(pages)
+    ]
+    transfer.synchronize()
+    assert transfer.arena is not None
+    for i, job in enumerate(jobs):
+        words = payload_words(transfer.arena[i * size : (i + 1) * size])
+        assert (
+            job.checksums()[0][0] == payload_checksum(words, checksum_constants(keys[i])).tobytes()
+        )
