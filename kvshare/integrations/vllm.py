@@ -212,13 +212,18 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
             "stored_states": 0,
             "store_skipped": 0,
         }
+        # The namespace names what a page's bytes depend on: replicas that log different
+        # namespaces never share pages, whatever pool they use (the reason for no hits).
         log.info(
-            "kvshare connector (%s) on %s: chunk %d tokens, block %d%s",
+            "kvshare connector (%s) on %s: chunk %d tokens, block %d%s, namespace %s (%s, KV %s)",
             role.name.lower(),
             self.address,
             self.chunk_tokens,
             self.block_size,
             ", hybrid (KV + state pages)" if self.groups.hybrid else "",
+            self.namespace.digest().hex()[:16],
+            self.namespace.architecture,
+            self.namespace.kv_dtype,
         )
 
     # -- pool trouble -----------------------------------------------------------------

@@ -1,7 +1,8 @@
 """vLLM CPU replica processes with the kvshare connector on one pool, started once for the
 package (an engine start costs 25-70 s on 2 cores): two of a tiny Llama, and two of a tiny
 hybrid Qwen3-Next (one of them the test-only broken variant that restores KV without the
-recurrent state). All four start together. Skipped without vLLM."""
+recurrent state), each with the connector, and one of each model without it. All start
+together. Skipped without vLLM."""
 
 from __future__ import annotations
 
@@ -106,7 +107,8 @@ HYBRID_DTYPE = "bfloat16"
 class VLLMCluster:
     """Llama replicas A and B on `pool`; hybrid replicas H and X on `hybrid_pool` (its own,
     so that the Llama tests' clears and daemon stop leave it alone). X restores KV without
-    the state (test_only_skip_state_load)."""
+    the state (test_only_skip_state_load). N (Llama) and G (hybrid) run without the
+    connector: plain vLLM, the reference a user compares a restored answer with."""
 
     def __init__(self, folder: Path) -> None:
         self.pools = PoolFactory()
@@ -122,7 +124,9 @@ class VLLMCluster:
         self.b = Replica("B", llama, self.address, folder / "b.log")
         self.h = Replica("H", qwen3_next, self.hybrid_address, folder / "h.log", hybrid)
         self.x = Replica("X", qwen3_next, self.hybrid_address, folder / "x.log", broken)
-        self.replicas = (self.a, self.b, self.h, self.x)
+        self.n = Replica("N", llama, "none", folder / "n.log")
+        self.g = Replica("G", qwen3_next, "none", folder / "g.log", hybrid)
+        self.replicas = (self.a, self.b, self.h, self.x, self.n, self.g)
 
     def close(self) -> None:
         for replica in self.replicas:  # all stop at once, then each is waited for

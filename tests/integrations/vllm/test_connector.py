@@ -2,7 +2,8 @@
 
 Order matters inside this module (one cluster for all): the daemon-down case runs last.
 A's answer to a prompt it computed itself (a pool miss: nothing restored) is the
-reference B's restored answer must equal.
+reference B's restored answer must equal, and so is the answer of N, vLLM without the
+connector.
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ def test_b_restores_a_prefix_that_a_computed_and_answers_like_a(
     assert reference["cached"] == 0
     restored = cluster.b.ask(tokens)
     assert restored["cached"] >= 4 * CHUNK
-    assert restored["tokens"] == reference["tokens"]
-    assert restored["logprobs"] == pytest.approx(reference["logprobs"], abs=1e-4)
+    plain = cluster.n.ask(tokens)  # vLLM without the connector
+    for expected in (reference, plain):
+        assert restored["tokens"] == expected["tokens"]
+        assert restored["logprobs"] == pytest.approx(expected["logprobs"], abs=1e-4)
     # Every lease of the restore (the scheduler's and the worker's) was released.
     assert pinned_pages(pool_client) == 0
 

@@ -5,6 +5,8 @@ request when block ids repeat across KV cache groups."""
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +25,13 @@ from kvshare.integrations.vllm import KVShareConnector, KVShareMetadata, LoadSpe
 from kvshare.kvpool.client import PoolClient
 from kvshare.kvpool.connector import state_key
 from kvshare.kvpool.page import HEADER_BYTES
+from kvshare.kvpool.protocol import (
+    LENGTH,
+    PROTOCOL_VERSION,
+    decode_body,
+    encode_frame,
+    frame_length,
+)
 from tests.integrations.vllm.tiny_models import write_tiny_llama
 from tests.kvpool.pool_fixture import MIB, PoolFactory
 
@@ -99,6 +108,62 @@ def test_a_pool_address_with_no_daemon_is_one_log_line_and_every_lookup_misses(
     assert "recomputing without the pool" in lines[0]
 
 
+class IncompatibleDaemon:
+    """A unix socket that answers every frame like a pool daemon of another protocol
+    version and page layout would answer a hello."""
+
+    def __init__(self, path: Path) -> None:
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(str(path))
+        self.server.listen()
+        self.hellos = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            with conn:
+                header = conn.recv(LENGTH.size, socket.MSG_WAITALL)
+                if len(header) < LENGTH.size:
+                    continue
+                request = decode_body(conn.recv(frame_length(header), socket.MSG_WAITALL))
+                self.hellos += request.get("op") == "hello"
+                hello = {
+                    "id": request["id"],
+                    "ok": True,
+                    "version": PROTOCOL_VERSION + 1,
+                    "header_bytes": HEADER_BYTES * 2,
+                }
+                conn.sendall(encode_frame(hello))
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_a_daemon_of_another_version_is_one_log_line_and_every_lookup_misses(
+    model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    daemon = IncompatibleDaemon(tmp_path / "other.sock")
+    address = f"unix:{tmp_path}/other.sock"
+    try:
+        scheduler = connector(model_dir, address, KVConnectorRole.SCHEDULER)
+        with caplog.at_level(logging.WARNING, logger="vllm.kvshare"):
+            for i in range(3):
+                request = Request(f"r{i}", prompt(i))
+                assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    finally:
+        daemon.close()
+    assert daemon.hellos >= 1  # the connector did reach it, and refused what it heard
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.kvshare"]
+    assert len(lines) == 1, lines
+    assert f"kvshare pool at {address}" in lines[0]
+    assert "incompatible daemon hello" in lines[0] and "recomputing without the pool" in lines[0]
+
+
 def store(worker: KVShareConnector, tokens: list[int]) -> None:
     """What the worker does after the forward pass that computed `tokens`: store its chunks."""
     caches = {name: torch.randn(NUM_BLOCKS, 2, BLOCK, 128) for name in LAYERS}
@@ -113,7 +178,9 @@ def store(worker: KVShareConnector, tokens: list[int]) -> None:
     assert worker.counters["stored"] == 2
 
 
-def test_pages_of_another_layout_in_the_shared_pool_are_never_matched(model_dir: Path) -> None:
+def test_pages_of_another_layout_in_the_shared_pool_are_never_matched(
+    model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     pools = PoolFactory()
     try:
         address = pools.start(pools.config(size_bytes=16 * MIB)).address
@@ -123,8 +190,14 @@ def test_pages_of_another_layout_in_the_shared_pool_are_never_matched(model_dir:
         assert same.get_num_new_matched_tokens(Request("same", tokens), 0)[0] == 2 * CHUNK
         # Another engine on the same pool whose KV pages hold other bytes (bf16 here; another
         # block layout or vLLM version likewise): its keys differ, so it never reads these.
-        other = connector(model_dir, address, KVConnectorRole.SCHEDULER, torch.bfloat16)
+        with caplog.at_level(logging.INFO, logger="vllm.kvshare"):
+            other = connector(model_dir, address, KVConnectorRole.SCHEDULER, torch.bfloat16)
         assert other.namespace != same.namespace
+        # Its start line names its namespace, the one an operator compares across replicas.
+        messages = [r.getMessage() for r in caplog.records]
+        (started,) = [m for m in messages if "connector (scheduler)" in m]
+        assert f"namespace {other.namespace.digest().hex()[:16]}" in started
+        assert same.namespace.digest().hex()[:16] not in started
         assert other.get_num_new_matched_tokens(Request("other", tokens), 0) == (0, False)
         for scheduler in (same, other):
             scheduler.request_finished(Request("same", tokens), [])
