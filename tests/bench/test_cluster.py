@@ -26,17 +26,19 @@ def test_up_args_parse_like_kvshare_up_with_free_ports_by_default() -> None:
 
 @pytest.mark.slow
 def test_a_real_cluster_loads_the_context_from_the_pool(tmp_path: Path) -> None:
-    """`kvshare up` defaults (2 CPU replicas of SmolLM2-135M): the follow-up on replica 1 finds
-    the 512-token context replica 0 stored, only with the pool on, and its TTFT drops."""
+    """`--up ARGS` starts a real `kvshare up` (2 CPU replicas of a tiny random Llama: no
+    tokenizer, so prompts are token ids, and a start in seconds): the follow-up on replica 1
+    finds the 2,048-token context replica 0 stored, only with the pool on, and its TTFT
+    drops (a 2k prefill on one core against a copy of 8 pages)."""
     out = tmp_path / "r.json"
     assert (
         main(
             [
                 "bench",
                 "cross-replica",
-                "--up=",
+                "--up=--model shape:tiny-llama --pool-size 64MiB",
                 "--lengths",
-                "512",
+                "2048",
                 "--requests-per-block",
                 "1",
                 "--design",
@@ -52,7 +54,7 @@ def test_a_real_cluster_loads_the_context_from_the_pool(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     follow = {r["condition"]: r for r in data["requests"] if r["role"] == "measure"}
     assert follow["OFF"]["usage"]["kv"]["pool_hit_tokens"] == 0
-    assert follow["ON"]["usage"]["kv"]["pool_hit_tokens"] == 512  # two whole 256-token chunks
-    assert all(r["usage"]["prompt_tokens"] == 512 + 2 + 32 for r in follow.values())  # exact
+    assert follow["ON"]["usage"]["kv"]["pool_hit_tokens"] == 2048  # eight 256-token chunks
+    assert all(r["usage"]["prompt_tokens"] == 2048 + 32 for r in follow.values())  # exact
     assert follow["ON"]["ttft_s"] < follow["OFF"]["ttft_s"] / 2
     assert follow["ON"]["served_by"] == "1"

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,17 @@ def pool() -> Iterator[PoolProcess]:
     factory.close()
 
 
-def run_engine(
+@dataclass
+class EngineRun:
+    """An engine_worker process started by `start_engine`; its output goes to files (a pipe
+    nobody reads while it runs could fill and stall it)."""
+
+    process: subprocess.Popen
+    stdout: Path
+    stderr: Path
+
+
+def start_engine(
     tmp_path: Path,
     model: str,
     prompts: list[list[int]],
@@ -43,8 +54,11 @@ def run_engine(
     chunk_tokens: int = 256,
     hash_seed: str = "0",
     *extra: str,
-) -> dict:
-    prompt_file = tmp_path / f"prompts-{uuid.uuid4().hex}.json"
+) -> EngineRun:
+    """Start a fresh engine process on `prompts`; `finish_engine` collects its report. A
+    reference run without a pool can go on while other processes store and restore."""
+    name = uuid.uuid4().hex
+    prompt_file = tmp_path / f"prompts-{name}.json"
     prompt_file.write_text(json.dumps(prompts))
     args = [
         sys.executable,
@@ -61,9 +75,35 @@ def run_engine(
         args += ["--pool", pool]
     args += list(extra)
     env = {**os.environ, "PYTHONHASHSEED": hash_seed, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    stdout, stderr = tmp_path / f"out-{name}.txt", tmp_path / f"err-{name}.txt"
+    with stdout.open("w") as out, stderr.open("w") as err:
+        process = subprocess.Popen(args, cwd=REPO, stdout=out, stderr=err, text=True, env=env)
+    return EngineRun(process, stdout, stderr)
+
+
+def finish_engine(run: EngineRun) -> dict:
+    try:
+        returncode = run.process.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        run.process.kill()
+        run.process.wait()
+        raise
+    assert returncode == 0, run.stderr.read_text()[-3000:]
+    return json.loads(run.stdout.read_text().strip().splitlines()[-1])
+
+
+def run_engine(
+    tmp_path: Path,
+    model: str,
+    prompts: list[list[int]],
+    pool: str | None,
+    chunk_tokens: int = 256,
+    hash_seed: str = "0",
+    *extra: str,
+) -> dict:
+    return finish_engine(
+        start_engine(tmp_path, model, prompts, pool, chunk_tokens, hash_seed, *extra)
+    )
 
 
 def random_tokens(seed: int, n: int, vocab: int) -> list[int]:
@@ -92,9 +132,10 @@ def test_fresh_process_restores_every_full_chunk(
     prefix = random_tokens(context, context, vocab)
     follow_up = prefix + random_tokens(context + 1, 37, vocab)
     # Different hash seeds: keys must not depend on Python's hash() (docs/architecture.md F4).
+    reference = start_engine(tmp_path, model, [follow_up], None, chunk)
     run_engine(tmp_path, model, [prefix], pool.address, chunk, hash_seed="1")
     with_pool = run_engine(tmp_path, model, [follow_up], pool.address, chunk, hash_seed="2")
-    without = run_engine(tmp_path, model, [follow_up], None, chunk)
+    without = finish_engine(reference)
     out = with_pool["outputs"][0]
     assert out["pool_hit"] == (context // chunk) * chunk
     assert out["gpu_hit"] == 0
@@ -139,9 +180,10 @@ def test_smollm2_2k_prompt_restored_in_fresh_process(pool: PoolProcess, tmp_path
 def test_concurrent_requests_sharing_a_restored_prefix(pool: PoolProcess, tmp_path: Path) -> None:
     prefix = random_tokens(11, 600, 512)
     prompts = [prefix + random_tokens(12 + i, 20 + 7 * i, 512) for i in range(3)]
+    reference = start_engine(tmp_path, "shape:tiny-gemma3", prompts, None)
     run_engine(tmp_path, "shape:tiny-gemma3", [prefix], pool.address)
     with_pool = run_engine(tmp_path, "shape:tiny-gemma3", prompts, pool.address)
-    without = run_engine(tmp_path, "shape:tiny-gemma3", prompts, None)
+    without = finish_engine(reference)
     hits = [o["pool_hit"] + o["gpu_hit"] for o in with_pool["outputs"]]
     # 512 restored (two 256-token chunks); a request that waited for another's prefill
     # gets that one's 37 computed blocks (592 tokens) from the GPU cache instead.
@@ -157,12 +199,13 @@ def test_hybrid_restore_without_its_state_is_caught(pool: PoolProcess, tmp_path:
     one does not."""
     prefix = random_tokens(21, 700, 512)
     follow_up = prefix + random_tokens(22, 30, 512)
+    reference = start_engine(tmp_path, "shape:tiny-qwen3.5", [follow_up], None)
     run_engine(tmp_path, "shape:tiny-qwen3.5", [prefix], pool.address)
-    correct = run_engine(tmp_path, "shape:tiny-qwen3.5", [follow_up], pool.address)
+    correct = start_engine(tmp_path, "shape:tiny-qwen3.5", [follow_up], pool.address)
     broken = run_engine(
         tmp_path, "shape:tiny-qwen3.5", [follow_up], pool.address, 256, "0", "--skip-state-restore"
     )
-    without = run_engine(tmp_path, "shape:tiny-qwen3.5", [follow_up], None)
+    correct, without = finish_engine(correct), finish_engine(reference)
     assert correct["outputs"][0]["pool_hit"] == broken["outputs"][0]["pool_hit"] == 512
     reference = without["outputs"][0]["logprobs"]
     assert correct["outputs"][0]["token_ids"] == without["outputs"][0]["token_ids"]

@@ -15,7 +15,7 @@ from kvshare.engine.connector import KVCacheLayout
 from kvshare.kvpool.launch import PoolProcess
 from kvshare.kvpool.layout import PageLayout
 from tests.kvpool.pool_fixture import PoolFactory
-from tests.kvpool.test_cross_process import random_tokens, run_engine
+from tests.kvpool.test_cross_process import finish_engine, random_tokens, run_engine, start_engine
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
@@ -119,9 +119,10 @@ def test_a_fresh_process_restores_fp8_kv_as_its_recompute(
     prefix = random_tokens(context, context, 512)
     follow_up = prefix + random_tokens(context + 1, 29, 512)
     fp8 = ("--kv-cache-dtype", "fp8")
+    reference = start_engine(tmp_path, model, [follow_up], None, chunk, "0", *fp8)
     run_engine(tmp_path, model, [prefix], big_pool.address, chunk, "1", *fp8)
     restored = run_engine(tmp_path, model, [follow_up], big_pool.address, chunk, "2", *fp8)
-    without = run_engine(tmp_path, model, [follow_up], None, chunk, "0", *fp8)
+    without = finish_engine(reference)
     out, reference = restored["outputs"][0], without["outputs"][0]
     assert out["pool_hit"] == (context // chunk) * chunk
     assert out["token_ids"] == reference["token_ids"]
