@@ -3,13 +3,17 @@ and two gemma3-27b replicas sharing one H200 at 130,816 tokens.
 
 python3 scripts/gpu_concurrency.py shared-prefix --out $OUT [--policies round-robin,cache-aware]
 python3 scripts/gpu_concurrency.py gemma-pair --out $OUT [--length 130816] [--per-block 1]
+python3 scripts/gpu_concurrency.py verdicts --out DIR A/shared_prefix_round-robin.json \
+    B/shared_prefix_cache-aware.json
 
 `shared-prefix` starts, per policy, `kvshare up` with two shape:qwen3.5-27b replicas on the one
 GPU (0.48 of it each, 8 sequences, 8,192-token steps, a 40 GiB pool) and runs `kvshare bench
 concurrency` on it: 8 documents x 16,384 tokens, 32 users, concurrency 8 and 32, OFF-ON-ON-OFF
 per point, a warm-up request per replica first. It then checks the issue's bars: computed
 <= 1.05x ideal with the pool ON for every policy and concurrency, and per concurrency the
-best ON median TTFT <= 0.8x the lower of (cache-aware OFF, round-robin ON).
+best ON median TTFT <= 0.8x the lower of (cache-aware OFF, round-robin ON). One policy per
+device call fits its limit (`--policies cache-aware`); `verdicts` checks the bars across
+the calls' JSON files afterwards.
 
 `gemma-pair` starts two shape:gemma3-27b replicas on the one GPU (0.49 each; only their
 sliding-window layers' windows are cached) and runs the blocked cross-replica bench A=0 ->
@@ -149,9 +153,25 @@ def shared_prefix(args: argparse.Namespace) -> int:
         except (subprocess.TimeoutExpired, RuntimeError, TimeoutError, FileNotFoundError) as exc:
             print(f"{policy}: {exc!r}", flush=True)
             results.append({"policy": policy, "error": repr(exc)})
+    summarize(results, args.out / "shared_prefix_summary.json")
+    return int(any("error" in r or r["returncode"] for r in results))
+
+
+def merged_verdicts(args: argparse.Namespace) -> int:
+    """The bars across policies swept in separate device calls (one policy per call fits
+    the call's limit): reads each call's `shared_prefix_<policy>.json`."""
+    results = []
+    for path in args.reports:
+        policy = path.stem.removeprefix("shared_prefix_")
+        results.append({"policy": policy, "rows": json.loads(path.read_text())["rows"]})
+    summarize(results, args.out / "shared_prefix_summary.json")
+    return 0
+
+
+def summarize(results: list[dict], path: Path) -> None:
+    """Write the results and the bars' checks to `path`; print the table and the verdicts."""
     checks = verdicts(results)
-    summary = {"results": results, "checks": checks}
-    (args.out / "shared_prefix_summary.json").write_text(json.dumps(summary, indent=1))
+    path.write_text(json.dumps({"results": results, "checks": checks}, indent=1))
     print("| policy | conc | cond | p50 TTFT s | p99 TTFT s | req/s | computed/ideal | pool hits |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for res in results:
@@ -169,8 +189,6 @@ def shared_prefix(args: argparse.Namespace) -> int:
             f"(<= 1.05: {c['computed_ok']}); best {c['best_policy']} ON p50 "
             f"{c['best_on_p50_s']:.2f} s vs bar {c['bar_s']} (ok: {c['ttft_ok']})"
         )
-    failed = any("error" in r or r["returncode"] for r in results)
-    return int(failed)
 
 
 def gemma_pair(args: argparse.Namespace) -> int:
@@ -244,7 +262,10 @@ def pcie_ceiling(device: str) -> dict | None:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=("shared-prefix", "gemma-pair"))
+    parser.add_argument("what", choices=("shared-prefix", "gemma-pair", "verdicts"))
+    parser.add_argument(
+        "reports", nargs="*", type=Path, help="verdicts: shared_prefix_<policy>.json files"
+    )
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--model", help="default: shape:qwen3.5-27b / shape:gemma3-27b")
@@ -259,8 +280,10 @@ def main() -> int:
     parser.add_argument("--length", type=int, default=130816)
     parser.add_argument("--per-block", type=int, default=1)
     parser.add_argument("--budget-s", type=float, default=CALL_LIMIT_S)
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.what == "verdicts":
+        return merged_verdicts(args)
     if args.what == "shared-prefix":
         args.model = args.model or "shape:qwen3.5-27b"
         return shared_prefix(args)
