@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -92,18 +93,9 @@ def finish_engine(run: EngineRun) -> dict:
     return json.loads(run.stdout.read_text().strip().splitlines()[-1])
 
 
-def run_engine(
-    tmp_path: Path,
-    model: str,
-    prompts: list[list[int]],
-    pool: str | None,
-    chunk_tokens: int = 256,
-    hash_seed: str = "0",
-    *extra: str,
-) -> dict:
-    return finish_engine(
-        start_engine(tmp_path, model, prompts, pool, chunk_tokens, hash_seed, *extra)
-    )
+def run_engine(*args: Any) -> dict:
+    """`start_engine(*args)`, waited for: the engine's report."""
+    return finish_engine(start_engine(*args))
 
 
 def random_tokens(seed: int, n: int, vocab: int) -> list[int]:
@@ -133,8 +125,8 @@ def test_fresh_process_restores_every_full_chunk(
     follow_up = prefix + random_tokens(context + 1, 37, vocab)
     # Different hash seeds: keys must not depend on Python's hash() (docs/architecture.md F4).
     reference = start_engine(tmp_path, model, [follow_up], None, chunk)
-    run_engine(tmp_path, model, [prefix], pool.address, chunk, hash_seed="1")
-    with_pool = run_engine(tmp_path, model, [follow_up], pool.address, chunk, hash_seed="2")
+    run_engine(tmp_path, model, [prefix], pool.address, chunk, "1")
+    with_pool = run_engine(tmp_path, model, [follow_up], pool.address, chunk, "2")
     without = finish_engine(reference)
     out = with_pool["outputs"][0]
     assert out["pool_hit"] == (context // chunk) * chunk
