@@ -255,10 +255,13 @@ FAULT_OWNERS = ("kvshare.kvpool.faults", "kvshare.validate", "kvshare.serve.cli"
 
 def switch_mentions(source: str) -> list[str]:
     """Names, arguments, keywords and attributes named like a switch, except an attribute
-    read off an object whose name ends in `faults`."""
+    read off an object whose name ends in `faults`; and strings naming a test-only option
+    (a config key read outside the fault object)."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Attribute):
+        if isinstance(node, ast.Constant) and str(node.value).startswith("test_only"):
+            found.append(f"{node.lineno}: {node.value!r}")
+        elif isinstance(node, ast.Attribute):
             owner = node.value
             owner_name = (
                 owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
@@ -290,3 +293,6 @@ def test_a_switch_outside_the_injected_object_is_seen() -> None:
         "2: .skip_state_restore",
     ]
     assert switch_mentions("def f(self):\n    return self.faults.break_order\n") == []
+    assert switch_mentions("skip = extra.get('test_only_skip_state_load')\n") == [
+        "1: 'test_only_skip_state_load'"
+    ]

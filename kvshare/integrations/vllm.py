@@ -68,6 +68,7 @@ from kvshare.integrations.vllm_pages import (
 )
 from kvshare.kvpool.client import PageRef, PoolClient, PoolError, PoolUnavailable
 from kvshare.kvpool.connector import state_key
+from kvshare.kvpool.faults import faults_from_config
 from kvshare.kvpool.keys import Namespace, chain_seed, chunk_keys
 from kvshare.kvpool.page import HEADER_BYTES
 from kvshare.kvpool.paths import default_pool_address
@@ -83,6 +84,8 @@ if TYPE_CHECKING:
 # Under vLLM's logger, so these lines appear in its log with its format.
 log = logging.getLogger("vllm.kvshare")
 _POOL_ERRORS = (PoolUnavailable, PoolError)
+# Restore a hybrid prefix's KV but not its recurrent state.
+_HONOURED_FAULTS = frozenset({"skip_state_restore"})
 # vLLM's placeholder block id (BlockPool.null_block): a position of a row with no block.
 _NULL_BLOCK = 0
 
@@ -182,11 +185,10 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
                 f"block size ({self.block_size})"
             )
         self.blocks_per_chunk = self.chunk_tokens // self.block_size
-        # Test only: restore a hybrid prefix's KV but not its state (wrong output); the
-        # tests show that this is caught. Never on unless passed explicitly.
-        self.skip_state_load = extra.get("test_only_skip_state_load") is True
-        if self.skip_state_load:
-            log.warning("kvshare: test_only_skip_state_load: restored prefixes are WRONG")
+        # Test only (None in production): the broken variants the tests show are caught.
+        self.faults = faults_from_config(extra.get("faults"), _HONOURED_FAULTS)
+        if self.faults is not None:
+            log.warning("kvshare: fault injection %s: restored prefixes are WRONG", self.faults)
         self.address = str(extra.get("kv_pool") or default_pool_address())
         self.namespace = vllm_namespace(vllm_config, kv_cache_config, self.chunk_tokens)
         if self.usable:
@@ -559,7 +561,7 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             first = max(0, load.first_block - j * bpp)
             geometry.scatter(payload, _chunk_blocks(load.block_ids, j, bpp), first)
-        if not self.skip_state_load:
+        if self.faults is None or not self.faults.skip_state_restore:
             state_geometry.scatter(payloads[-1], [[b] for b in load.state_blocks], 0)
         return True
 

@@ -3,13 +3,15 @@
 Production code never builds a `FaultInjection`: the pool's connector and transfers take
 one as an optional constructor argument whose default, None, means no fault. Only
 `kvshare.validate`, the tests, and the hidden `--unsafe-*` flags of `kvshare serve` (the way
-`kvshare validate regression` breaks a served replica) build one.
+`kvshare validate regression` breaks a served replica) build one; the vLLM connector, which
+vLLM constructs, takes one from its config's `faults` entry (`faults_from_config`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
 BreakOrder = Literal["", "store", "load", "load_target"]
 BREAK_ORDERS = ("store", "load", "load_target")  # the broken variants, for test-only flags
@@ -57,3 +59,23 @@ def breaks(faults: FaultInjection | None, order: BreakOrder) -> bool:
 def injected_delay(faults: FaultInjection | None) -> float:
     """Seconds every load copy waits first (0: none)."""
     return 0.0 if faults is None else faults.load_delay
+
+
+def faults_from_config(
+    config: Mapping[str, Any] | None, honoured: frozenset[str]
+) -> FaultInjection | None:
+    """The faults a JSON config entry asks for (None: none). A component built by another
+    engine (no constructor of ours to pass an object to) names the switches it implements
+    in `honoured`; asking for any other is a ValueError, never a silent no-op, so a broken
+    variant cannot pass its test by not being broken."""
+    if not config:
+        return None
+    known = {f.name for f in fields(FaultInjection)}
+    unknown = sorted(set(config) - known)
+    unsupported = sorted(set(config) & known - honoured)
+    if unknown or unsupported:
+        raise ValueError(
+            f"faults: unknown {unknown}, not implemented here {unsupported}; "
+            f"this component honours {sorted(honoured)}"
+        )
+    return injected(FaultInjection(**config))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvshare.cli import build_parser
-from kvshare.kvpool.faults import FaultInjection, breaks, injected_delay
+from kvshare.kvpool.faults import FaultInjection, breaks, faults_from_config, injected_delay
 from kvshare.serve.cli import injected_faults
 
 
@@ -38,3 +38,18 @@ def test_kvshare_serve_injects_faults_only_when_an_unsafe_flag_asks() -> None:
     assert injected_faults(args) == FaultInjection(
         break_order="load", load_delay=0.5, skip_checksums=True
     )
+
+
+def test_a_config_entry_asks_only_for_faults_its_component_implements() -> None:
+    honoured = frozenset({"skip_state_restore"})
+    assert faults_from_config(None, honoured) is None
+    assert faults_from_config({}, honoured) is None
+    assert faults_from_config({"skip_state_restore": False}, honoured) is None
+    assert faults_from_config({"skip_state_restore": True}, honoured) == FaultInjection(
+        skip_state_restore=True
+    )
+    # A switch the component does not implement would leave the variant unbroken.
+    with pytest.raises(ValueError, match=r"not implemented here \['skip_checksums'\]"):
+        faults_from_config({"skip_checksums": True}, honoured)
+    with pytest.raises(ValueError, match=r"unknown \['skip_state_load'\]"):
+        faults_from_config({"skip_state_load": True}, honoured)

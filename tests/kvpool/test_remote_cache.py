@@ -194,7 +194,9 @@ def test_a_lookup_fetches_verifies_and_commits_the_remote_continuation(
             )
         stats = pool.remote_stats()
         assert (stats["fetch_hit_pages"], stats["fetch_corrupt_pages"]) == (2, 1)
-        assert remote_name(keys[3]) not in tier.objects  # removed: a good copy can come
+        # Removed (in the background: the lookup's answer does not wait for it), so a good
+        # copy can come.
+        wait_until(lambda: remote_name(keys[3]) not in tier.objects)
         assert client.lookup(keys, page=SHAPE).remote_pages == 0  # local from now on
     finally:
         client.close()

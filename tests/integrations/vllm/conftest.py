@@ -107,7 +107,7 @@ HYBRID_DTYPE = "bfloat16"
 class VLLMCluster:
     """Llama replicas A and B on `pool`; hybrid replicas H and X on `hybrid_pool` (its own,
     so that the Llama tests' clears and daemon stop leave it alone). X restores KV without
-    the state (test_only_skip_state_load). N (Llama) and G (hybrid) run without the
+    the state (the connector's `faults`: skip_state_restore). N (Llama) and G (hybrid) run without the
     connector: plain vLLM, the reference a user compares a restored answer with."""
 
     def __init__(self, folder: Path) -> None:
@@ -119,7 +119,7 @@ class VLLMCluster:
         llama = write_tiny_llama(folder / "tiny-llama")
         qwen3_next = write_tiny_qwen3_next(folder / "tiny-qwen3-next")
         hybrid = {"dtype": HYBRID_DTYPE, "kv_cache_from_config": True}
-        broken = {**hybrid, "extra": {"test_only_skip_state_load": True}}
+        broken = {**hybrid, "extra": {"faults": {"skip_state_restore": True}}}
         self.a = Replica("A", llama, self.address, folder / "a.log")
         self.b = Replica("B", llama, self.address, folder / "b.log")
         self.h = Replica("H", qwen3_next, self.hybrid_address, folder / "h.log", hybrid)
