@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,7 +80,10 @@ def stop_cluster(up: subprocess.Popen) -> None:
 
 
 def gpu_memory_by_process() -> dict[str, int]:
-    """MiB of GPU memory per process id, as nvidia-smi reports it."""
+    """MiB of GPU memory per process id, as nvidia-smi reports it ({} without nvidia-smi:
+    the CPU dry runs of the scripts)."""
+    if shutil.which("nvidia-smi") is None:
+        return {}
     done = subprocess.run(
         ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
         capture_output=True,

@@ -227,7 +227,7 @@ def gemma_pair(args: argparse.Namespace) -> int:
             name,
             deadline - time.monotonic(),
             "--warmup-tokens",
-            str(args.warmup_tokens),
+            str(min(args.warmup_tokens, args.length)),  # a warm-up fits the context
             "--plot",
             str(args.out / f"{name}.png"),
         )
