@@ -191,13 +191,13 @@ def test_hybrid_restore_without_its_state_is_caught(pool: PoolProcess, tmp_path:
     one does not."""
     prefix = random_tokens(21, 700, 512)
     follow_up = prefix + random_tokens(22, 30, 512)
-    reference = start_engine(tmp_path, "shape:tiny-qwen3.5", [follow_up], None)
+    plain = start_engine(tmp_path, "shape:tiny-qwen3.5", [follow_up], None)
     run_engine(tmp_path, "shape:tiny-qwen3.5", [prefix], pool.address)
     correct = start_engine(tmp_path, "shape:tiny-qwen3.5", [follow_up], pool.address)
     broken = run_engine(
         tmp_path, "shape:tiny-qwen3.5", [follow_up], pool.address, 256, "0", "--skip-state-restore"
     )
-    correct, without = finish_engine(correct), finish_engine(reference)
+    correct, without = finish_engine(correct), finish_engine(plain)
     assert correct["outputs"][0]["pool_hit"] == broken["outputs"][0]["pool_hit"] == 512
     reference = without["outputs"][0]["logprobs"]
     assert correct["outputs"][0]["token_ids"] == without["outputs"][0]["token_ids"]

@@ -107,8 +107,9 @@ HYBRID_DTYPE = "bfloat16"
 class VLLMCluster:
     """Llama replicas A and B on `pool`; hybrid replicas H and X on `hybrid_pool` (its own,
     so that the Llama tests' clears and daemon stop leave it alone). X restores KV without
-    the state (the connector's `faults`: skip_state_restore). N (Llama) and G (hybrid) run without the
-    connector: plain vLLM, the reference a user compares a restored answer with."""
+    the state (the connector's `faults`: skip_state_restore). N (Llama) and G (hybrid) run
+    without the connector: plain vLLM, the reference a user compares a restored answer
+    with."""
 
     def __init__(self, folder: Path) -> None:
         self.pools = PoolFactory()
