@@ -56,6 +56,7 @@ from kvshare.kvpool.transfer_cuda import CudaTransfer
 from kvshare.kvpool.verify import checksums_match, header_matches
 from kvshare.kvpool.waiting import PrefillSpeed, WaitOptions, wait_budget, worth_waiting
 from kvshare.models.loader import LoadedModel
+from kvshare.sizes import format_size
 from kvshare.spec import DEFAULT_CHUNK_TOKENS
 
 _log = logging.getLogger(__name__)
@@ -241,6 +242,23 @@ class PoolConnector(KVConnector):
             if self.registration is not None:
                 self.registration.register(arena)
             self._generation = self.client.generation
+            self._check_slabs(arena.geometry.slab_count, arena.geometry.slab_bytes)
+
+    def _check_slabs(self, slab_count: int, slab_bytes: int) -> None:
+        """A slab holds pages of one size. A hybrid model stores two sizes (KV chunks and
+        recurrent states) and a restore needs both; in a pool of one slab each store evicts
+        the other size's pages, so nothing would ever be restored, silently."""
+        if self.cache is None or self.cache.states is None or slab_count >= 2:
+            return
+        _log.warning(
+            "the pool at %s has %d slab of %s, and this hybrid model stores pages of two "
+            "sizes (KV chunks and recurrent states) that then evict each other: no restore "
+            "will find both. Give the pool at least two slabs (kvshare up: --pool-size of 2 "
+            "GiB or more; kvshare pool: a --slab-size of half the --size or less)",
+            self.client.socket_path,
+            slab_count,
+            format_size(slab_bytes),
+        )
 
     def _on_remap(self, arena: object) -> None:
         """The daemon restarted: finish copies over the old arena before letting it go."""
