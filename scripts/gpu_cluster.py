@@ -95,10 +95,18 @@ def gpu_memory_by_process() -> dict[str, int]:
 
 
 def cross_replica_bench(
-    port: int, length: int, per_block: int, out: Path, name: str, timeout: float, *extra: str
+    port: int,
+    length: int,
+    per_block: int,
+    out: Path,
+    name: str,
+    timeout: float,
+    *extra: str,
+    replica_b: int = 1,
 ) -> subprocess.CompletedProcess:
-    """The blocked cross-replica bench A=0 -> B=1 on one shared context per block, its report
-    in out/NAME.json and out/NAME.md (`extra`: more bench flags)."""
+    """The blocked cross-replica bench A=0 -> B=`replica_b` on one shared context per block
+    (B=0: one replica, its GPU cache reset between prefill and follow-up), its report in
+    out/NAME.json and out/NAME.md (`extra`: more bench flags)."""
     return subprocess.run(
         kvshare(
             "bench",
@@ -112,7 +120,7 @@ def cross_replica_bench(
             "--replica-a",
             "0",
             "--replica-b",
-            "1",
+            str(replica_b),
             "--shared-context",
             "--question-tokens",
             "32",

@@ -112,37 +112,16 @@ def bench27b(out: Path, lengths: str, per_block: int, pool_size: str) -> int:
         ):  # one run per length: a late timeout keeps earlier results
             name = f"bench27b_{length}"
             try:
-                done = subprocess.run(
-                    kvshare(
-                        "bench",
-                        "cross-replica",
-                        "--target",
-                        "http://127.0.0.1:8180",
-                        "--lengths",
-                        length,
-                        "--requests-per-block",
-                        str(per_block),
-                        "--replica-a",
-                        "0",
-                        "--replica-b",
-                        "0",
-                        "--shared-context",
-                        "--question-tokens",
-                        "32",
-                        "--output-tokens",
-                        "8",
-                        "--settle-timeout",
-                        "30",
-                        "--json",
-                        str(out / f"{name}.json"),
-                        "--markdown",
-                        str(out / f"{name}.md"),
-                        "--plot",
-                        str(out / f"{name}.png"),
-                    ),
-                    env=env(),
-                    cwd=REPO,
-                    timeout=max(1.0, deadline - time.monotonic()),
+                done = cross_replica_bench(
+                    8180,
+                    int(length),
+                    per_block,
+                    out,
+                    name,
+                    deadline - time.monotonic(),
+                    "--plot",
+                    str(out / f"{name}.png"),
+                    replica_b=0,
                 )
                 failed += done.returncode != 0
             except subprocess.TimeoutExpired:
