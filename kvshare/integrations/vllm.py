@@ -45,8 +45,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -66,7 +67,7 @@ from kvshare.integrations.vllm_pages import (
     page_header,
     verify_page,
 )
-from kvshare.kvpool.client import PageRef, PoolClient, PoolError, PoolUnavailable
+from kvshare.kvpool.client import LookupResult, PageRef, PoolClient, PoolError, PoolUnavailable
 from kvshare.kvpool.connector import state_key
 from kvshare.kvpool.faults import faults_from_config
 from kvshare.kvpool.keys import Namespace, chain_seed, chunk_keys
@@ -86,6 +87,7 @@ log = logging.getLogger("vllm.kvshare")
 _POOL_ERRORS = (PoolUnavailable, PoolError)
 # Restore a hybrid prefix's KV but not its recurrent state.
 _HONOURED_FAULTS = frozenset({"skip_state_restore"})
+_T = TypeVar("_T")
 # vLLM's placeholder block id (BlockPool.null_block): a position of a row with no block.
 _NULL_BLOCK = 0
 
@@ -469,32 +471,15 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _load(self, load: LoadSpec) -> None:
         geometry = self._geometry
-        bpp = self.blocks_per_chunk
-        good = 0
-        lease = 0
+        restored = None
         if geometry is not None:
-            try:
-                result = self.client.lookup(load.keys)
-                lease = result.lease
-                arena = self.client.arena.as_tensor()
-                for j, page in enumerate(result.pages):
-                    if (j + 1) * bpp <= load.first_block:  # all the engine's own blocks
-                        good += 1
-                        continue
-                    payload = verify_page(arena, page, geometry.payload_bytes)
-                    if payload is None:
-                        self._corrupt(lease, page.key, load.request_id, j)
-                        break
-                    first = max(0, load.first_block - j * bpp)
-                    geometry.scatter(payload, _chunk_blocks(load.block_ids, j, bpp), first)
-                    good += 1
-            except _POOL_ERRORS as error:
-                self._pool_failed("load", error)
-            finally:
-                if lease:
-                    self._release([lease])
+            restored = self._under_lease(
+                load.keys, None, lambda r: self._restore(load, r, geometry)
+            )
+        good = restored or 0  # a failed pool: nothing restored
         self._loaded.add(load.request_id)
         self.counters["load_chunks"] += good
+        bpp = self.blocks_per_chunk
         (blocks,) = load.block_ids  # one KV cache group: its ids identify blocks
         failed = blocks[max(load.first_block, good * bpp) :]
         if failed:
@@ -512,20 +497,12 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         """Every KV chunk and the state after the last, or nothing: the request is then
         reported in `failed_recving` and vLLM recomputes it (block ids would not say which
         request failed: they repeat across KV cache groups)."""
-        geometry, state_geometry = self._geometry, self._state_geometry
-        lease = 0
         restored = False
-        if geometry is not None and state_geometry is not None:
+        if self._geometry is not None and self._state_geometry is not None:
             states = [(len(load.keys) - 1, state_key(load.keys[-1]))]
-            try:
-                result = self.client.lookup(load.keys, states)
-                lease = result.lease
-                restored = self._restore_hybrid(load, result.pages, lease)
-            except _POOL_ERRORS as error:
-                self._pool_failed("load", error)
-            finally:
-                if lease:
-                    self._release([lease])
+            restored = self._under_lease(
+                load.keys, states, lambda r: self._restore_hybrid(load, r.pages, r.lease)
+            )
         self._loaded.add(load.request_id)
         if restored:
             self.counters["load_chunks"] += len(load.keys)
@@ -539,6 +516,45 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
             load.request_id,
             len(load.keys),
         )
+
+    def _under_lease(
+        self,
+        keys: list[bytes],
+        states: list[tuple[int, bytes]] | None,
+        use: Callable[[LookupResult], _T],
+    ) -> _T | None:
+        """`use` of the pages the worker pinned under its own lease, released after it;
+        None when the pool failed (logged)."""
+        lease = 0
+        try:
+            result = self.client.lookup(keys, states)
+            lease = result.lease
+            return use(result)
+        except _POOL_ERRORS as error:
+            self._pool_failed("load", error)
+            return None
+        finally:
+            if lease:
+                self._release([lease])
+
+    def _restore(self, load: LoadSpec, result: LookupResult, geometry: PageGeometry) -> int:
+        """Write the verified pages of a load in order, up to the first that fails; returns
+        how many chunks are in place (the engine's own count as in place)."""
+        bpp = self.blocks_per_chunk
+        arena = self.client.arena.as_tensor()
+        good = 0
+        for j, page in enumerate(result.pages):
+            if (j + 1) * bpp <= load.first_block:  # all the engine's own blocks
+                good += 1
+                continue
+            payload = verify_page(arena, page, geometry.payload_bytes)
+            if payload is None:
+                self._corrupt(result.lease, page.key, load.request_id, j)
+                break
+            first = max(0, load.first_block - j * bpp)
+            geometry.scatter(payload, _chunk_blocks(load.block_ids, j, bpp), first)
+            good += 1
+        return good
 
     def _restore_hybrid(self, load: LoadSpec, pages: tuple[PageRef, ...], lease: int) -> bool:
         """Verify every page first, then write: a failed load leaves the blocks unwritten."""
