@@ -9,6 +9,7 @@ connector.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import pytest
 
@@ -50,12 +51,17 @@ def chain_of(pages: dict[bytes, tuple[int, PageHeader]], new: set[bytes]) -> lis
     return chain
 
 
-@pytest.fixture
-def pool_client(cluster: VLLMCluster):
-    client = PoolClient(cluster.address)
+def connected_client(address: str) -> Iterator[PoolClient]:
+    """A fixture's client of the pool at `address`, closed after the test."""
+    client = PoolClient(address)
     client.connect()
     yield client
     client.close()
+
+
+@pytest.fixture
+def pool_client(cluster: VLLMCluster) -> Iterator[PoolClient]:
+    yield from connected_client(cluster.address)
 
 
 def pinned_pages(client: PoolClient) -> int:

@@ -13,28 +13,44 @@ takes no other dtype.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from kvshare.kvpool.client import PoolClient
 from kvshare.kvpool.connector import state_key
 from kvshare.kvpool.page import HEADER_BYTES
 from tests.integrations.vllm.conftest import VLLMCluster
-from tests.integrations.vllm.test_connector import CHUNK, chain_of, pages_in_arena, prompt
+from tests.integrations.vllm.test_connector import (
+    CHUNK,
+    chain_of,
+    connected_client,
+    pages_in_arena,
+    prompt,
+)
 
 RESTORED = 4 * CHUNK  # 1,024 of the 1,100 prompt tokens: 4 chunks + the state after them
 TOLERANCE = 1e-5  # logprobs of a restored answer against the computed one
 
 
 @pytest.fixture
-def hybrid_client(cluster: VLLMCluster):
-    client = PoolClient(cluster.hybrid_address)
-    client.connect()
-    yield client
-    client.close()
+def hybrid_client(cluster: VLLMCluster) -> Iterator[PoolClient]:
+    yield from connected_client(cluster.hybrid_address)
 
 
 def max_difference(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def assert_answers_like_computed(
+    cluster: VLLMCluster, tokens: list[int], restored: dict, reference: dict
+) -> None:
+    """`restored` equals `reference` (a replica's own pool miss) and G's answer (vLLM
+    without the connector): same tokens, logprobs within TOLERANCE."""
+    plain = cluster.g.ask(tokens)
+    for expected in (reference, plain):
+        assert restored["tokens"] == expected["tokens"]
+        assert max_difference(restored["logprobs"], expected["logprobs"]) <= TOLERANCE
 
 
 def stored_prefix(client: PoolClient, before: set[bytes]) -> tuple[list[bytes], bytes]:
@@ -62,10 +78,7 @@ def test_a_restored_hybrid_prefix_answers_like_the_computed_one(
     cluster.h.reset_prefix_cache()
     restored = cluster.h.ask(tokens)
     assert restored["cached"] == RESTORED
-    plain = cluster.g.ask(tokens)  # vLLM without the connector
-    for expected in (reference, plain):
-        assert restored["tokens"] == expected["tokens"]
-        assert max_difference(restored["logprobs"], expected["logprobs"]) <= TOLERANCE
+    assert_answers_like_computed(cluster, tokens, restored, reference)
     assert sum(c["pinned"] for c in hybrid_client.stats()["classes"]) == 0
 
 
@@ -77,10 +90,7 @@ def test_another_replica_restores_the_prefix_and_the_state_it_stored(
     assert reference["cached"] == 0
     restored = cluster.h.ask(tokens)
     assert restored["cached"] == RESTORED
-    plain = cluster.g.ask(tokens)
-    for expected in (reference, plain):
-        assert restored["tokens"] == expected["tokens"]
-        assert max_difference(restored["logprobs"], expected["logprobs"]) <= TOLERANCE
+    assert_answers_like_computed(cluster, tokens, restored, reference)
 
 
 def test_restoring_the_kv_without_the_state_is_caught(cluster: VLLMCluster) -> None:
