@@ -83,9 +83,11 @@ class _Request:
 PromptIds = list[int] | tuple[int, ...] | np.ndarray
 
 
-def _in_vocab(token_ids: PromptIds, vocab_size: int) -> np.ndarray | None:
+def prompt_array(token_ids: PromptIds, vocab_size: int) -> np.ndarray | None:
     """The token ids as int32 when every one is in [0, vocab_size), else None (one pass in
-    C: min() and max() over a 100k-token list take milliseconds each)."""
+    C: min() and max() over a 100k-token list take milliseconds each). The replica server
+    checks a request's prompt with it, and the engine again (its callers are not all
+    servers)."""
     if isinstance(token_ids, np.ndarray):
         if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
             return None
@@ -168,7 +170,7 @@ class LLMEngine:
         if not len(prompt_token_ids):
             raise ValueError("the prompt is empty")
         vocab = self.loaded.config.vocab_size
-        prompt = _in_vocab(prompt_token_ids, vocab)
+        prompt = prompt_array(prompt_token_ids, vocab)
         if prompt is None:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         token_ids = prompt.tolist()

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from kvshare.engine.block_manager import check_cache_salt
-from kvshare.engine.llm_engine import RequestOutput, TopLogprobs
+from kvshare.engine.llm_engine import RequestOutput, TopLogprobs, prompt_array
 from kvshare.engine.sampling_params import (
     MAX_TOP_LOGPROBS,
     MIN_TEMPERATURE,
@@ -31,7 +31,7 @@ from kvshare.engine.sampling_params import (
 )
 from kvshare.models.tokenizer import Tokenizer
 from kvshare.serve.errors import APIError, bad_request
-from kvshare.serve.prompts import PromptError, TokenIds, request_prompt_ids
+from kvshare.serve.prompts import PromptError, request_prompt_ids
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
@@ -150,28 +150,13 @@ def check_model(body: dict[str, Any], model: ModelInfo) -> None:
         )
 
 
-def _prompt_array(ids: TokenIds, vocab_size: int) -> np.ndarray | None:
-    """The ids as int32 when every one is in [0, vocab_size), else None; one pass in C
-    (min() and max() over a 100k-token list take milliseconds each)."""
-    if isinstance(ids, np.ndarray):
-        array = ids
-    else:
-        try:
-            array = np.fromiter(ids, dtype=np.int64, count=len(ids))
-        except OverflowError:
-            return None
-    if array.min() < 0 or array.max() >= vocab_size:
-        return None
-    return array.astype(np.int32)
-
-
 def _prompt_ids(body: dict[str, Any], chat: bool, model: ModelInfo) -> np.ndarray:
     path = "/v1/chat/completions" if chat else "/v1/completions"
     try:
         ids = request_prompt_ids(model.tokenizer, path, body)
     except PromptError as exc:
         raise bad_request(str(exc), exc.param) from None
-    array = _prompt_array(ids, model.vocab_size)
+    array = prompt_array(ids, model.vocab_size)
     if array is None:
         raise bad_request(f"prompt token ids must be in [0, {model.vocab_size})", "prompt")
     param = "messages" if chat else "prompt"
