@@ -73,7 +73,8 @@ def sweep_policy(args: argparse.Namespace, policy: str, port: int, deadline: flo
     up = start_cluster(args.out, port, args.device, *qwen_pair(args, policy, max_len))
     name = f"shared_prefix_{policy}"
     try:
-        done = subprocess.run(
+        returncode = bench_until(
+            deadline,
             kvshare(
                 "bench",
                 "concurrency",
@@ -104,14 +105,23 @@ def sweep_policy(args: argparse.Namespace, policy: str, port: int, deadline: flo
                 "--plot",
                 str(args.out / f"{name}.png"),
             ),
-            env=env(),
-            cwd=REPO,
-            timeout=max(1.0, deadline - time.monotonic()),
         )
     finally:
         stop_cluster(up)
+    # The bench rewrites its JSON after each concurrency: a timed-out sweep keeps its points.
     report = json.loads((args.out / f"{name}.json").read_text())
-    return {"policy": policy, "returncode": done.returncode, "rows": report["rows"]}
+    return {"policy": policy, "returncode": returncode, "rows": report["rows"]}
+
+
+def bench_until(deadline: float, command: list[str]) -> int | str:
+    """The bench's return code, or "timeout" when it was stopped at the deadline."""
+    try:
+        done = subprocess.run(
+            command, env=env(), cwd=REPO, timeout=max(1.0, deadline - time.monotonic())
+        )
+    except subprocess.TimeoutExpired:
+        return "timeout"
+    return done.returncode
 
 
 def verdicts(results: list[dict]) -> list[dict[str, Any]]:

@@ -320,7 +320,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     )
     from kvshare.bench.shared_prefix import SharedPrefix
     from kvshare.bench.stats import BootstrapSpec
-    from kvshare.bench.sweep import run_sweep
+    from kvshare.bench.sweep import run_sweep, write_sweep_json
     from kvshare.preflight import check_up
 
     console = Console()
@@ -376,7 +376,15 @@ def run_sweep_command(args: argparse.Namespace) -> int:
             args.question_tokens,
             args.output_tokens,
         )
-        sweep = run_sweep(workload, args.concurrency, pool_sizes, open_cluster, run_point)
+        # The JSON is rewritten after each point: a sweep stopped midway keeps its points.
+        sweep = run_sweep(
+            workload,
+            args.concurrency,
+            pool_sizes,
+            open_cluster,
+            run_point,
+            (lambda partial: write_sweep_json(args.json, partial, spec)) if args.json else None,
+        )
         report_sweep(sweep, spec, command, Outputs(args.json, args.markdown, args.plot), console)
     except (*BENCH_ERRORS, RuntimeError) as error:  # RuntimeError: a cluster did not start
         console.print(

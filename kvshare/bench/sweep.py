@@ -124,17 +124,21 @@ def run_sweep(
     pool_sizes: Sequence[int | None],
     open_cluster: Callable[[int | None], AbstractContextManager[str]],
     run_point: Callable[[SharedPrefix, str, bool], BenchRun],
+    on_point: Callable[[Sweep], None] | None = None,
 ) -> Sweep:
     """`open_cluster(pool size)` yields a router URL; `run_point(workload, url, warm_up)` runs
-    one point there, warming the replicas up only at a cluster's first point."""
+    one point there, warming the replicas up only at a cluster's first point. `on_point`
+    gets the sweep so far after each point (so a sweep stopped midway can keep its points)."""
     points = sweep_points(concurrency, pool_sizes)
-    runs = []
+    params = {k: v for k, v in workload.params().items() if k != "concurrency"}
+    params |= {"concurrency": list(concurrency), "pool_sizes": list(pool_sizes)}
+    runs: list[BenchRun] = []
     for pool_size in pool_sizes:
         with open_cluster(pool_size) as url:
             for i, c in enumerate(concurrency):
                 runs.append(run_point(dataclasses.replace(workload, concurrency=c), url, i == 0))
-    params = {k: v for k, v in workload.params().items() if k != "concurrency"}
-    params |= {"concurrency": list(concurrency), "pool_sizes": list(pool_sizes)}
+                if on_point is not None:
+                    on_point(Sweep(params, tuple(points[: len(runs)]), tuple(runs)))
     return Sweep(params, tuple(points), tuple(runs))
 
 

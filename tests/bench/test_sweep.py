@@ -15,7 +15,7 @@ from kvshare.bench.plots import SWEEP_PANELS, sweep_figure
 from kvshare.bench.records import BenchRun
 from kvshare.bench.shared_prefix import SharedPrefix
 from kvshare.bench.stats import BootstrapSpec
-from kvshare.bench.sweep import SweepPoint, run_sweep, sweep_points, sweep_table
+from kvshare.bench.sweep import Sweep, SweepPoint, run_sweep, sweep_points, sweep_table
 from kvshare.bench.synthetic import load_prompt_model
 from kvshare.cli import main
 from tests.bench.fake_server import RunningFake
@@ -43,8 +43,17 @@ def test_each_pool_size_gets_one_cluster_and_one_warm_up(fake: RunningFake) -> N
         return asyncio.run(run_bench(workload, url, options, RecordingObserver(), model))
 
     base = SharedPrefix(documents=2, users=4, concurrency=1, doc_tokens=40, question_tokens=4)
-    sweep = run_sweep(base, (1, 3), (8 * MIB, 32 * MIB), open_cluster, run_point)
+    partials: list[Sweep] = []
+    sweep = run_sweep(
+        base, (1, 3), (8 * MIB, 32 * MIB), open_cluster, run_point, on_point=partials.append
+    )
 
+    # After each point the sweep so far: its points and runs, the final sweep's prefix.
+    assert [len(p.runs) for p in partials] == [1, 2, 3, 4]
+    for partial in partials:
+        n = len(partial.runs)
+        assert partial.points == sweep.points[:n] and partial.runs == sweep.runs[:n]
+        assert partial.params == sweep.params
     assert opened == [8 * MIB, 32 * MIB]
     assert calls == [(1, fake.url, True), (3, fake.url, False)] * 2
     assert [len(run.warmup) for run in sweep.runs] == [2, 0, 2, 0]
