@@ -279,7 +279,11 @@ def main() -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--model", help="default: shape:qwen3.5-27b / shape:gemma3-27b")
-    parser.add_argument("--pool-size", default="40GiB")
+    parser.add_argument(
+        "--pool-size",
+        help="default: 40GiB for shared-prefix; 72GiB for gemma-pair (130,816 tokens of "
+        "gemma3-27b are 511 pages of 124 MiB: 62 GiB)",
+    )
     parser.add_argument("--policies", default="round-robin,cache-aware")
     parser.add_argument("--concurrency", default="8,32")
     parser.add_argument("--design", default="OFF-ON-ON-OFF")
@@ -296,8 +300,10 @@ def main() -> int:
         return merged_verdicts(args)
     if args.what == "shared-prefix":
         args.model = args.model or "shape:qwen3.5-27b"
+        args.pool_size = args.pool_size or "40GiB"
         return shared_prefix(args)
     args.model = args.model or "shape:gemma3-27b"
+    args.pool_size = args.pool_size or "72GiB"
     return gemma_pair(args)
 
 

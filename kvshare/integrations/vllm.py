@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -644,6 +644,7 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
             geometry,
             lambda key: _chunk_blocks(store.block_ids, chunk_of[key], bpp),
             lambda key: store.keys[chunk_of[key] - 1] if chunk_of[key] else store.seed,
+            extends=store.keys[: store.chunks[0]] if store.chunks else (),
         )
 
     def _store_state(self, store: StoreSpec, geometry: PageGeometry) -> None:
@@ -667,10 +668,12 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         geometry: PageGeometry,
         blocks_of: Any,
         parent_of: Any,
+        extends: Sequence[bytes] = (),
     ) -> int:
-        """Reserve, copy, write header and checksum, commit; returns how many committed."""
+        """Reserve, copy, write header and checksum, commit; returns how many committed.
+        `extends`: the chain's keys before `keys`, kept from eviction by this reserve."""
         try:
-            reservation = self.client.reserve(keys, geometry.payload_bytes)
+            reservation = self.client.reserve(keys, geometry.payload_bytes, extends)
         except _POOL_ERRORS as error:
             self._pool_failed("reserve", error)
             return 0

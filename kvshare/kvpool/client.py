@@ -236,10 +236,20 @@ class PoolClient:
                 "invalidated"
             ]
 
-    def reserve(self, keys: Sequence[bytes], payload_bytes: int) -> Reservation:
-        response = self._request(
-            {"op": "reserve", "keys": list(keys), "payload_bytes": payload_bytes}
-        )
+    def reserve(
+        self, keys: Sequence[bytes], payload_bytes: int, extends: Sequence[bytes] = ()
+    ) -> Reservation:
+        """Reserve pages for `keys`. `extends`: the chain's keys before them when this store
+        continues a prefix stored earlier; the daemon keeps that prefix from eviction by
+        this reserve (see PoolIndex.reserve)."""
+        request: dict[str, Any] = {
+            "op": "reserve",
+            "keys": list(keys),
+            "payload_bytes": payload_bytes,
+        }
+        if extends:
+            request["extends"] = list(extends)
+        response = self._request(request)
         pages = tuple(PageRef(key, offset, payload_bytes, b"") for key, offset in response["pages"])
         return Reservation(pages, tuple(response["present"]), response["dropped"])
 

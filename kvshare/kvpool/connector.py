@@ -615,7 +615,9 @@ class PoolConnector(KVConnector):
         if not chunks:
             return
         try:
-            reservation = self.client.reserve([keys[j] for j in chunks], self.layout.payload_bytes)
+            reservation = self.client.reserve(
+                [keys[j] for j in chunks], self.layout.payload_bytes, extends=keys[: chunks[0]]
+            )
             self._adopt_arena()
         except _POOL_ERRORS as exc:
             self._count_error("reserve", exc)

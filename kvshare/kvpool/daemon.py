@@ -336,10 +336,13 @@ class PoolDaemon:
 
     def _reserve(self, conn: int, request: dict[str, Any]) -> dict[str, Any]:
         keys = _keys(request, "keys")
+        extends = _keys(request, "extends") if request.get("extends") is not None else []
         if not self.enabled:
             _int(request, "payload_bytes")
             return {"pages": [], "present": [], "dropped": 0}
-        reserved, present, dropped = self.index.reserve(conn, keys, _int(request, "payload_bytes"))
+        reserved, present, dropped = self.index.reserve(
+            conn, keys, _int(request, "payload_bytes"), extends
+        )
         return {"pages": reserved, "present": present, "dropped": dropped}
 
     def _commit(self, conn: int, request: dict[str, Any]) -> dict[str, Any]:

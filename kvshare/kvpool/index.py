@@ -17,8 +17,10 @@ LRU as most recent when it becomes evictable: at commit, and when its last pin g
 (pins come from leases, and from a reserve that finds the key present, for the
 duration of that reserve). Within one request the keys are touched last to first, so
 a chain's first chunk ends most recent and eviction takes the tails of prefixes
-before their heads (a tail is useless without its head). Every per-key operation is
-O(1) (docs/architecture.md F13).
+before their heads (a tail is useless without its head). A prefix stored over several
+steps names, in each reserve, the chain it extends: those pages are held like present ones
+and touched head last, so a prefix longer than the pool keeps its head and drops its
+tail. Every per-key operation is O(1) (docs/architecture.md F13).
 
 Invalidation. A reader that finds a page corrupt (its checksum or header disagrees)
 tells the index, under the lease it read the page with; the key leaves the index at
@@ -506,12 +508,24 @@ class PoolIndex:
     # -- stores ---------------------------------------------------------------------
 
     def reserve(
-        self, conn: int, keys: Sequence[bytes], payload_bytes: int
+        self,
+        conn: int,
+        keys: Sequence[bytes],
+        payload_bytes: int,
+        extends: Sequence[bytes] = (),
     ) -> tuple[list[tuple[bytes, int]], list[bytes], int]:
         """Reserve a slot for each key not yet in the pool, in order.
 
         Duplicate keys count once. Returns (reserved [(key, offset)], present keys,
         dropped count); len(reserved) + len(present) + dropped == number of distinct keys.
+
+        `extends` are the keys of the chain before `keys`, head first, when a store
+        continues a prefix stored in earlier steps (a chunked prefill stores each step's
+        chunks). Their committed pages are treated like present ones: never evicted by this
+        reserve, and most recent after it, head last. Without that, each step's commit is
+        more recent than the last and a prefix longer than the pool evicts its own head,
+        which leaves nothing restorable; with it, a full pool keeps the head and drops the
+        tail.
         """
         slot_bytes = slot_bytes_for(payload_bytes)
         if slot_bytes > self.geometry.slab_bytes:
@@ -523,6 +537,8 @@ class PoolIndex:
         if conn in self._conn_claims:
             self.unclaim(conn, keys)
         present, missing = self._split_present(keys)
+        asked = set(keys)
+        prefix = [self._pages.get(key) for key in dict.fromkeys(extends) if key not in asked]
         page_class = self._classes.get(slot_bytes)
         if page_class is None:
             page_class = self._classes[slot_bytes] = _PageClass(
@@ -530,7 +546,7 @@ class PoolIndex:
             )
         # The present pages are pinned while this reserve evicts, so it never evicts
         # the prefix it extends; unpinning them afterwards also marks them recent.
-        held = [page for page in present if page.state is _COMMITTED]
+        held = [p for p in (*prefix, *present) if p is not None and p.state is _COMMITTED]
         for page in held:
             self._pin(page)
         pending = self._conn_reservations.setdefault(conn, {})

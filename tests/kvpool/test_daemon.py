@@ -342,6 +342,8 @@ def _raw_socket(path: str) -> socket.socket:
         {"op": "commit", "id": 10, "keys": [bytes(16)], "checksums": "x"},
         {"op": "release", "id": 11, "lease": 12345},
         {"op": "release", "id": 12, "lease": True},
+        {"op": "reserve", "id": 13, "keys": [bytes(16)], "payload_bytes": 8, "extends": [b"s"]},
+        {"op": "reserve", "id": 14, "keys": [bytes(16)], "payload_bytes": 8, "extends": b"k"},
     ],
 )
 def test_a_malformed_request_gets_an_error_and_the_connection_lives(

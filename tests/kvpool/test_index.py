@@ -145,6 +145,31 @@ def test_reserve_never_evicts_the_present_prefix_it_extends() -> None:
     assert live_keys(index) == set(keys(1, 2, 3, 7))
 
 
+@pytest.mark.parametrize("told", [True, False])
+def test_a_chain_stored_step_by_step_keeps_its_head_when_each_reserve_names_it(
+    told: bool,
+) -> None:
+    """A chunked prefill stores its chunks one step at a time; a reserve that names the
+    chain it extends never evicts that chain and leaves its head most recent. Untold, the
+    pool takes the chain's head, the oldest commit, and keeps a tail nobody can restore."""
+    index = make_index(slabs=1)  # 4 slots
+    store(index, keys(1, 2))  # the chain's first step
+    store(index, keys(9))  # another prefix, more recent than the chain
+    for step, new_key in enumerate((3, 4)):
+        chain = keys(1, 2, 3)[: 2 + step]
+        _, _, dropped = index.reserve(A, keys(new_key), PAYLOAD, chain if told else ())
+        assert dropped == 0
+        index.commit(A, keys(new_key), [b"s"])
+    if told:
+        assert live_keys(index) == set(keys(1, 2, 3, 4))  # the other prefix went
+        # The pool is full of the chain: its next chunk is dropped, its head kept.
+        assert index.reserve(A, keys(5), PAYLOAD, keys(1, 2, 3, 4))[2] == 1
+        assert index.committed_run(keys(1, 2, 3, 4)) == 4
+    else:
+        assert live_keys(index) == set(keys(1, 3, 4, 9))  # 2 went: the chain is cut
+        assert index.committed_run(keys(1, 2, 3, 4)) == 1
+
+
 def test_pinned_and_reserved_pages_are_never_evicted_and_a_full_pool_drops() -> None:
     """docs/architecture.md F10, F11: reserve returns fewer pages, never an error, never a reused slot."""
     index = make_index(slabs=1)

@@ -124,16 +124,20 @@ class IndexMachine(RuleBasedStateMachine):
         conn=st.sampled_from(CONNS),
         keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=8),
         payload=st.sampled_from(PAYLOADS),
+        extends=st.lists(st.sampled_from(KEYS), max_size=6),
     )
-    def reserve(self, conn: int, keys: list[bytes], payload: int) -> None:
+    def reserve(self, conn: int, keys: list[bytes], payload: int, extends: list[bytes]) -> None:
         slot = slot_bytes_for(payload)
         distinct = list(dict.fromkeys(keys))
         present = [k for k in distinct if k in self.offset]
         missing = [k for k in distinct if k not in self.offset]
-        held = [k for k in present if k in self.committed]
-        reserved, got_present, dropped = self.index.reserve(conn, keys, payload)
+        # The chain it extends (keys not asked for), head first, then the present keys:
+        # committed ones are held while it evicts and end most recent, head last.
+        prefix = [k for k in dict.fromkeys(extends) if k not in distinct]
+        held = [k for k in prefix + present if k in self.committed]
+        reserved, got_present, dropped = self.index.reserve(conn, keys, payload, extends)
         assert got_present == present
-        self.pin(held)  # the index holds the present prefix while it evicts
+        self.pin(held)
         placed = iter(reserved)
         count = 0
         for key in missing:
