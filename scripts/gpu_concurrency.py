@@ -44,6 +44,8 @@ from gpu_cluster import (
     stop_cluster,
 )
 
+from kvshare.serve.policies import POLICIES
+
 CALL_LIMIT_S = 570  # the device call's limit is 600 s
 
 
@@ -172,8 +174,11 @@ def merged_verdicts(args: argparse.Namespace) -> int:
     the call's limit): reads each call's `shared_prefix_<policy>.json`."""
     results = []
     for path in args.reports:
-        policy = path.stem.removeprefix("shared_prefix_")
-        results.append({"policy": policy, "rows": json.loads(path.read_text())["rows"]})
+        # The file names the policy: shared_prefix_<policy>.json, or a copy that keeps it.
+        named = [p for p in POLICIES if p in path.stem]
+        if len(named) != 1:
+            raise SystemExit(f"{path}: its name must contain one router policy of {POLICIES}")
+        results.append({"policy": named[0], "rows": json.loads(path.read_text())["rows"]})
     summarize(results, args.out / "shared_prefix_summary.json")
     return 0
 
