@@ -107,6 +107,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=64.0,
         help="cache-aware: score cost of one request in flight, in tokens",
     )
+    router.add_argument(
+        "--queued-work-weight",
+        type=float,
+        default=1.0,
+        help="cache-aware: score cost of one prompt token a replica must compute for "
+        "other requests before this one's step (docs/serving.md)",
+    )
     router.add_argument("--health-interval", type=float, default=1.0, help="seconds between checks")
     router.add_argument(
         "--max-body-bytes",
@@ -225,6 +232,7 @@ def run_router(args: argparse.Namespace) -> int:
             PolicyConfig(
                 pool_credit=args.pool_credit,
                 load_penalty_tokens=args.load_penalty_tokens,
+                queued_work_weight=args.queued_work_weight,
                 chunk_tokens=args.chunk_tokens,
             ),
             block_tokens=args.block_tokens,

@@ -16,12 +16,16 @@ before replying leaves no trace.
 - cache-aware: the highest score = tokens of the prompt's prefix in that replica's GPU
   cache or being computed there + `pool_credit` x the further tokens the shared pool holds
   (whole chunks only; 0 for a replica that does not use the pool) - `load_penalty_tokens` x
-  requests in flight. The router feeds it what replicas report of their caches
-  (`observe`), so resets and evictions leave its view. See docs/serving.md.
+  requests in flight - `queued_work_weight` x the prompt tokens the replica still has to
+  compute for other prefixes before this request's step. The router feeds it what
+  replicas report of their caches (`observe`), so resets and evictions leave its view.
+  See docs/serving.md.
 
-The router calls `started(request, replica)` when it sends a request and
-`ended(request, replica)` when that attempt is over (answered, failed or abandoned);
-`observe(replica, update)` with each report a replica gives of its caches.
+The router calls `started(request, replica)` when it sends a request,
+`answered(request, replica)` when the replica's answer begins (its prefill is over), and
+`ended(request, replica)` when that attempt is over (answered, failed or abandoned), with
+the same request object each time; `observe(replica, update)` with each report a replica
+gives of its caches.
 """
 
 from __future__ import annotations
@@ -87,6 +91,9 @@ DEFAULT_POOL_CREDIT = round(pool_credit(MEASURED_MISS_S_PER_TOKEN, MEASURED_POOL
 class PolicyConfig:
     pool_credit: float = DEFAULT_POOL_CREDIT  # a pool hit is worth this much of a GPU hit
     load_penalty_tokens: float = 64.0  # score cost of one request in flight, in prompt tokens
+    # Score cost of one prompt token a replica must compute (for other prefixes) before a
+    # new request's step: 1.0, as a token waited for costs the time of a token computed.
+    queued_work_weight: float = 1.0
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # the pool restores whole chunks only
     replica_index_blocks: int = 1 << 16  # per-replica GPU index bound (LRU)
     pool_index_blocks: int = 1 << 18
@@ -100,6 +107,8 @@ class PolicyConfig:
             raise ValueError(f"pool_credit must be in [0, 1], got {self.pool_credit}")
         if self.load_penalty_tokens < 0:
             raise ValueError(f"load_penalty_tokens must be >= 0, got {self.load_penalty_tokens}")
+        if self.queued_work_weight < 0:
+            raise ValueError(f"queued_work_weight must be >= 0, got {self.queued_work_weight}")
         if (
             min(
                 self.chunk_tokens,
@@ -135,6 +144,10 @@ class Policy(ABC):
 
     def started(self, request: RouteRequest, replica: int) -> None:  # noqa: B027 - a no-op for most policies
         """`request` was sent to `replica`; `ended` follows exactly once."""
+
+    def answered(self, request: RouteRequest, replica: int) -> None:  # noqa: B027 - a no-op for most policies
+        """The replica began its answer to `request` (a streamed one: its first token), so
+        its prefill is over; at most once per `started`, before `ended`."""
 
     def ended(self, request: RouteRequest, replica: int) -> None:  # noqa: B027 - a no-op for most policies
         """The attempt `started` announced is over."""
@@ -311,9 +324,10 @@ class PrefixIndex:
 
 
 class CacheAware(Policy):
-    """Three views per replica: its GPU cache as reported (and, until the next report,
+    """Four views per replica: its GPU cache as reported (and, until the next report,
     predicted from the prompts it answered), the prefixes of the requests it is computing,
-    and whether it uses the pool. One view of the pool: what replicas using it answered,
+    the prompt tokens those requests still have to compute (estimated when sent), and
+    whether it uses the pool. One view of the pool: what replicas using it answered,
     bounded by its reported capacity and forgotten when it is cleared."""
 
     name = "cache-aware"
@@ -329,6 +343,14 @@ class CacheAware(Policy):
         self._uses_pool = [True] * num_replicas
         self._pool = PrefixIndex(config.pool_index_blocks)
         self._turn = 0
+        # Prompt tokens to compute for requests sent and not yet answered, per replica and
+        # by their first block (a document): a request waits for its own document's work
+        # wherever it goes (in the replica, or through the pool), so only the others' counts.
+        self._queued: list[Counter[bytes]] = [Counter() for _ in range(num_replicas)]
+        self._queued_total = [0] * num_replicas
+        # Each started attempt's (first block, tokens), until answered or ended. Keyed by
+        # the request object, which the router passes to started, answered and ended.
+        self._work: dict[tuple[int, int], list[tuple[bytes, int]]] = {}
 
     def gpu_tokens(self, request: RouteRequest, replica: int) -> int:
         gpu, computing = self._gpu[replica], self._computing[replica]
@@ -343,11 +365,21 @@ class CacheAware(Policy):
         tokens = self._pool.match(request.prefix) * request.block_tokens
         return tokens // self._config.chunk_tokens * self._config.chunk_tokens
 
+    def queued_tokens(self, request: RouteRequest, replica: int) -> int:
+        """Prompt tokens `replica` computes for other documents before `request`'s step."""
+        own = self._queued[replica][request.prefix[0]] if request.prefix else 0
+        return self._queued_total[replica] - own
+
     def score(self, request: RouteRequest, replica: ReplicaLoad, pool_tokens: int) -> float:
         gpu = self.gpu_tokens(request, replica.index)
         c = self._config
         pool = pool_tokens if self._uses_pool[replica.index] else 0
-        return gpu + c.pool_credit * max(0, pool - gpu) - c.load_penalty_tokens * replica.in_flight
+        return (
+            gpu
+            + c.pool_credit * max(0, pool - gpu)
+            - c.load_penalty_tokens * replica.in_flight
+            - c.queued_work_weight * self.queued_tokens(request, replica.index)
+        )
 
     def choose(self, request: RouteRequest, candidates: Sequence[ReplicaLoad]) -> int:
         pool = self.pool_tokens(request)
@@ -365,9 +397,35 @@ class CacheAware(Policy):
             self._pool.insert(request.prefix)
 
     def started(self, request: RouteRequest, replica: int) -> None:
+        if request.prefix:
+            pool = self.pool_tokens(request) if self._uses_pool[replica] else 0
+            cached = max(self.gpu_tokens(request, replica), pool)
+            work = max(0, len(request.prefix) * request.block_tokens - cached)
+            self._work.setdefault((id(request), replica), []).append((request.prefix[0], work))
+            self._queued[replica][request.prefix[0]] += work
+            self._queued_total[replica] += work
         self._computing[replica].update(request.prefix)
 
+    def answered(self, request: RouteRequest, replica: int) -> None:
+        self._computed(request, replica)
+
+    def _computed(self, request: RouteRequest, replica: int) -> None:
+        """One started attempt's work is no longer queued (answered, or over)."""
+        key = (id(request), replica)
+        attempts = self._work.get(key)
+        if not attempts:
+            return
+        first, work = attempts.pop()
+        if not attempts:
+            del self._work[key]
+        queued = self._queued[replica]
+        queued[first] -= work
+        if queued[first] <= 0:
+            del queued[first]
+        self._queued_total[replica] -= work
+
     def ended(self, request: RouteRequest, replica: int) -> None:
+        self._computed(request, replica)
         computing = self._computing[replica]
         computing.subtract(request.prefix)
         for h in request.prefix:

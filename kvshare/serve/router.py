@@ -407,6 +407,9 @@ class Router:
                         ) from None
                     self.metrics.retries.inc()
                     continue
+                # A kvshare replica sends its headers with its first output (streamed) or its
+                # whole answer: either way the prefill is over.
+                self.policy.answered(route, replica.index)
                 prefix = await self._finished(hashing, upstream)
                 self.policy.record(self._route(session, prefix), replica.index)
                 policy = "pinned" if pinned is not None else self.policy.name

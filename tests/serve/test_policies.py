@@ -242,6 +242,47 @@ def test_cache_aware_credits_prefixes_still_being_computed() -> None:
     assert policy.gpu_tokens(request, 1) == 0  # never answered: nothing predicted
 
 
+def test_cache_aware_sends_a_hit_away_from_a_replica_busy_computing_another_document() -> None:
+    """On the H200 a question whose 16k document sat on a replica computing another
+    document waited 0.9-1.7 s for that prefill's steps; on an idle replica, restored through
+    the pool, it took 0.15 s. The score counts the prompt tokens a replica must compute for
+    other documents first, from when a request is sent until its answer begins."""
+    policy = CacheAware(2, CONFIG)
+    question = prompt(1024, seed=1)
+    policy.record(question, 0)  # document 1 is on replica 0's GPU and in the pool
+    other = prompt(4096, seed=2)
+    policy.started(other, 0)  # replica 0 computes document 2: 4,096 tokens queued
+    assert policy.queued_tokens(question, 0) == 4096
+    assert policy.queued_tokens(question, 1) == 0
+    assert policy.choose(question, loads(1, 0)) == 1  # 0.8 x 1024 beats 1024 - 64 - 4096
+    # A request of the same document is not queued behind its own document's work.
+    assert policy.queued_tokens(prompt(4096 + 32, seed=2), 0) == 0
+    policy.answered(other, 0)  # its first token: the prefill is over
+    assert policy.queued_tokens(question, 0) == 0
+    assert policy.choose(question, loads(1, 0)) == 0
+    policy.ended(other, 0)  # answered already: nothing more to take back
+    assert policy.queued_tokens(question, 0) == 0
+
+
+def test_cache_aware_queues_only_what_a_replica_must_compute() -> None:
+    policy = CacheAware(2, CONFIG)
+    document = prompt(2048, seed=3)
+    policy.record(document, 0)  # on replica 0's GPU and in the pool
+    follow_up = prompt(2048 + 512, seed=3)  # the document and 512 new tokens
+    policy.started(follow_up, 0)
+    policy.started(follow_up, 1)
+    unrelated = prompt(64, seed=4)
+    # GPU hit on 0: the new 512 tokens; pool hit on 1: whole chunks, 2,048 of them.
+    assert policy.queued_tokens(unrelated, 0) == 512
+    assert policy.queued_tokens(unrelated, 1) == 512
+    policy.ended(follow_up, 1)  # failed before answering: its work goes too
+    assert policy.queued_tokens(unrelated, 1) == 0
+    policy.ended(follow_up, 0)
+    assert policy.queued_tokens(unrelated, 0) == 0
+    with pytest.raises(ValueError, match="queued_work_weight"):
+        PolicyConfig(queued_work_weight=-1.0)
+
+
 def test_the_pool_view_follows_the_pool_size_and_its_clears() -> None:
     policy = CacheAware(2, CONFIG)
     request = prompt(1024)

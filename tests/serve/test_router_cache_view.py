@@ -187,3 +187,28 @@ def test_a_pool_switched_through_the_router_changes_the_credit_before_the_call_r
         finally:
             client.post("/admin/all/kv_pool", json={"enabled": True}).raise_for_status()
         assert policy.score(route(30), Load(0), POOLED_TOKENS) == credit
+
+
+def test_a_requests_queued_work_counts_until_its_answer_begins(
+    replicas: list[tuple[BackgroundServer, LLMEngine]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The router tells the policy when a replica's answer begins (its prefill is over),
+    between the send and the end, so the replica stops counting as busy with its prompt."""
+    urls = [server.url for server, _ in replicas]
+    with routed(urls, policy="cache-aware", health_interval=600.0) as (client, router):
+        policy = router.policy
+        assert isinstance(policy, CacheAware)
+        calls: list[tuple[str, int]] = []
+        for name in ("started", "answered", "ended"):
+            method = getattr(policy, name)
+
+            def recorded(request: RouteRequest, replica: int, name=name, method=method) -> None:
+                # The queued work the replica holds as each call arrives.
+                calls.append((name, policy.queued_tokens(route(99), replica)))
+                method(request, replica)
+
+            monkeypatch.setattr(policy, name, recorded)
+        ask(client, seed=40)
+        # Sent: nothing queued yet; answered: the whole prompt still queued; then none.
+        assert calls == [("started", 0), ("answered", PROMPT_TOKENS), ("ended", 0)]
