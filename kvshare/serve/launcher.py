@@ -202,6 +202,14 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
         "--policy", default="cache-aware", choices=POLICIES, help="the router's replica choice"
     )
     up.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="one more `kvshare router` flag, repeatable; write it with '=': "
+        "--router-arg=--queued-work-weight=0",
+    )
+    up.add_argument(
         "--replica-restarts",
         type=int,
         default=5,
@@ -257,6 +265,7 @@ def up_config(args: argparse.Namespace) -> UpConfig:
         host=args.host,
         port=args.port,
         policy=args.policy,
+        router_args=tuple(args.router_arg),
         api_key=keys.api_key,
         admin_key=keys.admin_key,
         restart=RestartPolicy(max_fast_crashes=args.replica_restarts),

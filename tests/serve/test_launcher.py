@@ -109,6 +109,11 @@ def test_up_config_from_args_matches_the_command() -> None:
         == 0.3
     )
     assert UpConfig(pool_size=256 << 20).slab_bytes == 256 << 20
+    weights = ["--router-arg=--queued-work-weight=0", "--router-arg=--load-penalty-tokens=32"]
+    assert UpConfig.from_args(weights).router_args == (
+        "--queued-work-weight=0",
+        "--load-penalty-tokens=32",
+    )
     for bad in (
         dict(replicas=0),
         dict(policy="random"),
