@@ -1,7 +1,8 @@
 """GPU session for issue 17: the shared-prefix workload under concurrency, per router policy,
 and two gemma3-27b replicas sharing one H200 at 130,816 tokens.
 
-python3 scripts/gpu_concurrency.py shared-prefix --out $OUT [--policies round-robin,cache-aware]
+python3 scripts/gpu_concurrency.py shared-prefix --out $OUT [--policies round-robin,cache-aware] \
+    [--router-arg=--queued-work-weight=0 --tag w0]
 python3 scripts/gpu_concurrency.py gemma-pair --out $OUT [--length 130816] [--per-block 1]
 python3 scripts/gpu_concurrency.py verdicts --out DIR A/shared_prefix_round-robin.json \
     B/shared_prefix_cache-aware.json
@@ -67,13 +68,14 @@ def qwen_pair(args: argparse.Namespace, policy: str, max_len: int) -> tuple[str,
         args.pool_size,
         "--policy",
         policy,
+        *(f"--router-arg={flag}" for flag in args.router_arg),
     )
 
 
 def sweep_policy(args: argparse.Namespace, policy: str, port: int, deadline: float) -> dict:
     max_len = args.doc_tokens + 1024
     up = start_cluster(args.out, port, args.device, *qwen_pair(args, policy, max_len))
-    name = f"shared_prefix_{policy}"
+    name = f"shared_prefix_{policy}" + (f"-{args.tag}" if args.tag else "")
     try:
         returncode = bench_until(
             deadline,
@@ -290,6 +292,14 @@ def main() -> int:
         "gemma3-27b are 511 pages of 124 MiB: 62 GiB)",
     )
     parser.add_argument("--policies", default="round-robin,cache-aware")
+    parser.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        help="shared-prefix: a `kvshare router` flag for the clusters, repeatable "
+        "(--router-arg=--queued-work-weight=0)",
+    )
+    parser.add_argument("--tag", help="shared-prefix: appended to the files' names")
     parser.add_argument("--concurrency", default="8,32")
     parser.add_argument("--design", default="OFF-ON-ON-OFF")
     parser.add_argument("--documents", type=int, default=8)
