@@ -524,7 +524,10 @@ class RemoteCache:
         self.counters["fetch_miss_pages"] += len(tail) - run
         if run == 0:
             return
-        reserved, _, dropped = self.index.reserve(FETCH_CONN, tail[:run], shape.payload_bytes)
+        # The local run is the chain this fetch extends: never evicted for its tail.
+        reserved, _, dropped = self.index.reserve(
+            FETCH_CONN, tail[:run], shape.payload_bytes, keys[:local]
+        )
         self.counters["fetch_dropped_pages"] += dropped
         if not reserved:
             return
