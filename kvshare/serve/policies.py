@@ -343,14 +343,16 @@ class CacheAware(Policy):
         self._uses_pool = [True] * num_replicas
         self._pool = PrefixIndex(config.pool_index_blocks)
         self._turn = 0
-        # Prompt tokens to compute for requests sent and not yet answered, per replica and
-        # by their first block (a document): a request waits for its own document's work
-        # wherever it goes (in the replica, or through the pool), so only the others' counts.
-        self._queued: list[Counter[bytes]] = [Counter() for _ in range(num_replicas)]
+        # Prompt tokens to compute for requests sent and not yet answered, per replica, by
+        # the (index, hash) of the first block each computes. A request whose prefix holds
+        # that block shares everything that work computes up to it (chained hashes) and
+        # waits for it wherever it goes (in the replica, or through the pool): to it, that
+        # work is its own, and only the rest is a queue.
+        self._queued: list[Counter[tuple[int, bytes]]] = [Counter() for _ in range(num_replicas)]
         self._queued_total = [0] * num_replicas
-        # Each started attempt's (first block, tokens), until answered or ended. Keyed by
-        # the request object, which the router passes to started, answered and ended.
-        self._work: dict[tuple[int, int], list[tuple[bytes, int]]] = {}
+        # Each started attempt's (first computed block, tokens), until answered or ended.
+        # Keyed by the request object, which the router passes to started, answered, ended.
+        self._work: dict[tuple[int, int], list[tuple[tuple[int, bytes], int]]] = {}
 
     def gpu_tokens(self, request: RouteRequest, replica: int) -> int:
         gpu, computing = self._gpu[replica], self._computing[replica]
@@ -366,8 +368,13 @@ class CacheAware(Policy):
         return tokens // self._config.chunk_tokens * self._config.chunk_tokens
 
     def queued_tokens(self, request: RouteRequest, replica: int) -> int:
-        """Prompt tokens `replica` computes for other documents before `request`'s step."""
-        own = self._queued[replica][request.prefix[0]] if request.prefix else 0
+        """Prompt tokens `replica` computes for other prefixes before `request`'s step."""
+        prefix = request.prefix
+        own = sum(
+            work
+            for (index, block), work in self._queued[replica].items()
+            if index < len(prefix) and prefix[index] == block
+        )
         return self._queued_total[replica] - own
 
     def score(self, request: RouteRequest, replica: ReplicaLoad, pool_tokens: int) -> float:
@@ -397,12 +404,13 @@ class CacheAware(Policy):
             self._pool.insert(request.prefix)
 
     def started(self, request: RouteRequest, replica: int) -> None:
-        if request.prefix:
-            pool = self.pool_tokens(request) if self._uses_pool[replica] else 0
-            cached = max(self.gpu_tokens(request, replica), pool)
-            work = max(0, len(request.prefix) * request.block_tokens - cached)
-            self._work.setdefault((id(request), replica), []).append((request.prefix[0], work))
-            self._queued[replica][request.prefix[0]] += work
+        pool = self.pool_tokens(request) if self._uses_pool[replica] else 0
+        first = max(self.gpu_tokens(request, replica), pool) // request.block_tokens
+        if first < len(request.prefix):
+            work = (len(request.prefix) - first) * request.block_tokens
+            key = (first, request.prefix[first])
+            self._work.setdefault((id(request), replica), []).append((key, work))
+            self._queued[replica][key] += work
             self._queued_total[replica] += work
         self._computing[replica].update(request.prefix)
 
@@ -415,13 +423,13 @@ class CacheAware(Policy):
         attempts = self._work.get(key)
         if not attempts:
             return
-        first, work = attempts.pop()
+        block, work = attempts.pop()
         if not attempts:
             del self._work[key]
         queued = self._queued[replica]
-        queued[first] -= work
-        if queued[first] <= 0:
-            del queued[first]
+        queued[block] -= work
+        if queued[block] <= 0:
+            del queued[block]
         self._queued_total[replica] -= work
 
     def ended(self, request: RouteRequest, replica: int) -> None:

@@ -283,6 +283,27 @@ def test_cache_aware_queues_only_what_a_replica_must_compute() -> None:
         PolicyConfig(queued_work_weight=-1.0)
 
 
+def test_cache_aware_queue_leaves_out_only_the_work_a_request_shares() -> None:
+    """Work counts as a request's own only if the request's prefix holds the first block
+    that work computes: a common system prompt already cached does not make two
+    documents' requests each other's own work."""
+    policy = CacheAware(2, CONFIG)
+    system = [1000 + i for i in range(64)]  # 4 blocks every prompt starts with
+
+    def with_system(tokens: int, seed: int) -> RouteRequest:
+        ids = system + [(seed * 7919 + i) % 30000 for i in range(tokens)]
+        return RouteRequest(prefix=tuple(block_hashes(ids, 16)), block_tokens=16)
+
+    policy.observe(0, CacheUpdate(stored=with_system(0, seed=0).prefix))  # the system prompt
+    document_a, document_b = with_system(1024, seed=5), with_system(1024, seed=6)
+    policy.started(document_a, 0)  # computes from block 4: 1,024 tokens
+    assert policy.queued_tokens(document_b, 0) == 1024  # another document's work
+    assert policy.queued_tokens(with_system(2048, seed=5), 0) == 0  # its own document's
+    policy.ended(document_a, 0)
+    policy.started(with_system(0, seed=0), 1)  # nothing cached on 1: from block 0, 64 tokens
+    assert policy.queued_tokens(document_b, 1) == 0  # it waits for the system prompt too
+
+
 def test_the_pool_view_follows_the_pool_size_and_its_clears() -> None:
     policy = CacheAware(2, CONFIG)
     request = prompt(1024)
