@@ -117,6 +117,9 @@ class UpConfig:
     gpu_memory_fraction: float | None = None  # per replica; default on CUDA: 0.9 / replicas
     pool_size: int = 2 * GIB
     pool_preallocate: bool = False
+    # Share of the pool one replica may hold reserved or pinned: a hit on a prefix larger
+    # than this share is cut to it.
+    pool_max_client_fraction: float = 0.5
     pool_remote: RemoteConfig | None = None  # the pool's tier shared with other hosts
     kv_pool: bool = True
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
@@ -146,6 +149,10 @@ class UpConfig:
             )
         if self.pool_size < PAGE_ALIGN:
             raise ValueError(f"pool_size must be at least {PAGE_ALIGN} bytes")
+        if not 0.0 < self.pool_max_client_fraction <= 1.0:
+            raise ValueError(
+                f"pool_max_client_fraction must be in (0, 1], got {self.pool_max_client_fraction}"
+            )
         if not (self.port == 0 or 1 <= self.port <= 65535 - self.replicas):
             raise ValueError(f"port must be 0 or leave room for {self.replicas} replica ports")
         if self.policy not in POLICIES:
@@ -186,6 +193,14 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
         "--pool-preallocate",
         action="store_true",
         help="allocate the pool arena at start (reserves the memory; faster CUDA registration)",
+    )
+    up.add_argument(
+        "--pool-max-client-fraction",
+        type=float,
+        default=UpConfig.pool_max_client_fraction,
+        help="share of the pool one replica may hold reserved or pinned (default 0.5): a "
+        "pool hit on a longer prefix is cut to it; raise it when one prefix's pages "
+        "fill most of the pool",
     )
     up.add_argument("--no-kv-pool", action="store_true", help="replicas without the shared pool")
     up.add_argument(
@@ -259,6 +274,7 @@ def up_config(args: argparse.Namespace) -> UpConfig:
         gpu_memory_fraction=fraction,
         pool_size=parse_size(args.pool_size),
         pool_preallocate=args.pool_preallocate,
+        pool_max_client_fraction=args.pool_max_client_fraction,
         pool_remote=remote_config(args),
         kv_pool=not args.no_kv_pool,
         chunk_tokens=args.chunk_tokens,
@@ -575,19 +591,24 @@ class Cluster:
         if self._pool is not None:
             self._pool.stop()
 
-    def start_pool(self) -> None:
-        if self._pool is not None and self._pool.alive:
-            raise RuntimeError("the pool daemon is running")
-        pool = PoolProcessConfig(
+    def pool_config(self) -> PoolProcessConfig:
+        """The pool daemon this cluster starts."""
+        return PoolProcessConfig(
             size_bytes=self.config.pool_size,
             socket_path=self.socket_path,
             arena_path=self.arena_path,
             slab_bytes=self.config.slab_bytes,
             preallocate=self.config.pool_preallocate,
+            max_client_fraction=self.config.pool_max_client_fraction,
             runtime_dir=self._dir,
             remote=self.config.pool_remote,
             ready_timeout=self.config.ready_timeout,
         )
+
+    def start_pool(self) -> None:
+        if self._pool is not None and self._pool.alive:
+            raise RuntimeError("the pool daemon is running")
+        pool = self.pool_config()
         self._pool = self._spawn("pool", pool_command(pool), self._env(), ready_prefix=READY_PREFIX)
         deadline = time.monotonic() + self.config.ready_timeout
         while not self._pool.ready.wait(0.1):

@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from kvshare.engine.config import EngineConfig
+from kvshare.kvpool.launch import pool_command
 from kvshare.serve import launcher
 from kvshare.serve.auth import ADMIN_KEY_ENV, API_KEY_ENV
 from kvshare.serve.launcher import Cluster, ReplicaRestarts, RestartPolicy, UpConfig
@@ -114,7 +115,13 @@ def test_up_config_from_args_matches_the_command() -> None:
         "--queued-work-weight=0",
         "--load-penalty-tokens=32",
     )
+    pool = Cluster(UpConfig.from_args(["--pool-max-client-fraction", "0.9"])).pool_config()
+    assert pool.max_client_fraction == 0.9
+    assert pool_command(pool)[pool_command(pool).index("--max-client-fraction") + 1] == "0.9"
+    assert Cluster(UpConfig()).pool_config().max_client_fraction == 0.5
     for bad in (
+        dict(pool_max_client_fraction=0.0),
+        dict(pool_max_client_fraction=1.5),
         dict(replicas=0),
         dict(policy="random"),
         dict(device="tpu"),
