@@ -63,6 +63,7 @@ from kvshare.engine.sampling_params import SamplingParams
 from kvshare.engine.sequence import Sequence
 from kvshare.kvpool.connector import PoolConnector
 from kvshare.kvpool.launch import PoolProcess, PoolProcessConfig
+from kvshare.kvpool.transfer import LayerGroups
 from kvshare.models.loader import load_model
 from kvshare.serve.http import parse_json_object
 from kvshare.serve.protocol import ModelInfo, parse_generate
@@ -187,6 +188,7 @@ def build_engine(args: argparse.Namespace, address: str) -> LLMEngine:
         loaded,
         chunk_tokens=args.chunk_tokens,
         kv_cache_dtype=config.kv_cache_dtype,
+        layer_groups=layer_groups(args.layer_groups),
     )
     engine = LLMEngine(loaded, config, connector)
     if connector.bind_failure is not None:
@@ -194,6 +196,30 @@ def build_engine(args: argparse.Namespace, address: str) -> LLMEngine:
     if connector.registration is not None:
         connector.registration.wait()
     return engine
+
+
+def layer_groups(max_groups: int) -> LayerGroups | None:
+    return LayerGroups(max_groups=max_groups) if max_groups > 1 else None
+
+
+def compare_layer_groups(
+    engine: LLMEngine, served: PromptIds, args: argparse.Namespace
+) -> dict[str, list[dict]]:
+    """`--repeats` hits per setting of --compare-layer-groups, alternating the settings
+    (so that drift of the machine does not favour one); the engine's setting is put back."""
+    connector = engine.connector
+    assert isinstance(connector, PoolConnector) and connector.transfer is not None
+    results: dict[str, list[dict]] = {str(g): [] for g in args.compare_layer_groups}
+    for r in range(args.repeats):
+        for groups in args.compare_layer_groups:
+            connector.transfer.layer_groups = layer_groups(groups)
+            engine.reset_prefix_cache()
+            run = run_request(engine, f"hit-groups{groups}-{r}", served, args.output_tokens)
+            connector.wait_idle()
+            results[str(groups)].append(run)
+            print(f"layer groups {groups}, hit {r}: {run}", flush=True)
+    connector.transfer.layer_groups = layer_groups(args.layer_groups)
+    return results
 
 
 def sync(engine: LLMEngine) -> None:
@@ -229,6 +255,7 @@ def run_request(
         engine.step()
     return {
         "ttft_s": ttft,
+        "first_token": first.token_ids[0],
         "steps": steps,
         "pool_hit_tokens": first.pool_hit_tokens,
         "computed_tokens": first.computed_tokens,
@@ -304,6 +331,19 @@ def main() -> int:
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--arena-gib", type=int, default=2)
     parser.add_argument(
+        "--layer-groups",
+        type=int,
+        default=1,
+        help="at most this many groups of layers per load (1: whole pages, the default)",
+    )
+    parser.add_argument(
+        "--compare-layer-groups",
+        type=lambda text: [int(g) for g in text.split(",")],
+        default=[],
+        metavar="G,G,...",
+        help="after the profile, time --repeats hits with each --layer-groups setting",
+    )
+    parser.add_argument(
         "--exact-fill",
         action="store_true",
         help="compute the cold prefill's attention (default: skip it, the KV is still stored)",
@@ -359,6 +399,7 @@ def main() -> int:
             for label in timer.order:
                 phases[label].append(timer.seconds.get(label, 0.0))
             print(f"hit {r}: {run}", flush=True)
+        by_groups = compare_layer_groups(engine, served, args) if args.compare_layer_groups else {}
         if args.trace is not None:
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
@@ -379,6 +420,7 @@ def main() -> int:
             "ttft_s": min(r["ttft_s"] for r in runs),
             "engine_phases_s": {label: min(values) for label, values in phases.items()},
             "engine_phase_calls": dict(timer.calls),
+            "by_layer_groups": by_groups,
             "http_phases_s": http_phases(engine, follow_up, args.model, args.repeats),
             # add_request's entry to the load's transfer (its first copy is issued there)
             "engine_before_copies_s": min(before_copies),
@@ -406,6 +448,13 @@ def main() -> int:
         f"{'host before the first copy (http + engine)':<48} "
         f"{result['host_before_copies_s'] * 1e3:>9.2f}"
     )
+    for groups, hits in result["by_layer_groups"].items():
+        times = sorted(h["ttft_s"] for h in hits)
+        tokens = sorted({h["first_token"] for h in hits})
+        print(
+            f"layer groups {groups}: time to first token min {times[0] * 1e3:.1f} ms, "
+            f"median {times[len(times) // 2] * 1e3:.1f} ms; first tokens {tokens}"
+        )
     if profile is not None:
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(args.cprofile)

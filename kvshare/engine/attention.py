@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kvshare.engine import kv_fp8
-from kvshare.engine.connector import KVCacheLayout
+from kvshare.engine.connector import KVCacheLayout, SlotFences
 from kvshare.engine.memory import DEQUANT_CHUNK_TOKENS
 from kvshare.engine.recurrent_state import RecurrentStates
 
@@ -342,8 +342,10 @@ class PagedAttention:
         states: RecurrentStates | None = None,
         state_slots: torch.Tensor | None = None,
         sliding_meta: StepMeta | None = None,
+        fences: SlotFences | None = None,
     ) -> None:
         self.layout = layout
+        self.fences = fences
         self.meta = meta
         self.sliding_meta = sliding_meta
         self.backend = backend
@@ -366,7 +368,10 @@ class PagedAttention:
         scale: float,
         window: int | None,
     ) -> torch.Tensor:
-        cache, sliding = self.layout.slot_cache(self.layout.layer_slot[layer])
+        slot = self.layout.layer_slot[layer]
+        if self.fences is not None:
+            self.fences.before(slot)
+        cache, sliding = self.layout.slot_cache(slot)
         meta = self.sliding_meta if sliding else self.meta
         assert meta is not None, "a sliding-window layer needs the step's sliding tables"
         k_cache = cache[0].flatten(0, 1)

@@ -7,8 +7,12 @@ Ordering contract between engine and connector (docs/architecture.md, "Ordering 
 - `load` writes only into the blocks it is given for the matched range, which the engine
   allocated fresh for this request (never blocks shared with another request). Work the
   engine issues on the current (compute) stream after `load` returns sees the restored
-  bytes. They are verified only by `finish_load`: the engine keeps nothing computed from
-  them (tokens, KV, registrations, stores) until it returned True.
+  bytes of a cache slot once the engine has called `cache.fences.before(slot)` (the
+  model's layers do, each right before it touches its slot; the runner drains the rest
+  at the step's end): a load may bring the layers in groups, so that the first layers
+  compute while the last are still copied. The bytes are verified only by
+  `finish_load`: the engine keeps nothing computed from them (tokens, KV, registrations,
+  stores) until it returned True.
 - `store` copies full chunks whose KV was produced by work already issued on the current
   (compute) stream; the connector orders its copies after that work itself.
 - The connector holds its own references on every block it copies from or into until
@@ -23,7 +27,7 @@ Ordering contract between engine and connector (docs/architecture.md, "Ordering 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -119,12 +123,50 @@ class KVCacheLayout:
         return self.sliding_kv[slot - self.num_global_slots], True
 
 
+class SlotFences:
+    """Waits that loads still owe the compute side, per range of cache slots.
+
+    A connector adds `wait` for slots [first, stop) instead of ordering the whole step
+    after its load; `before(slot)` runs (and forgets) every pending wait covering `slot`,
+    `drain()` all of them. A wait makes the current stream (CUDA) or the calling thread
+    (CPU) wait for the copies of its slots. Invariant: the compute side reads or writes a
+    cache slot only after `before(slot)` or `drain()` since the last load was started,
+    so a slot is never touched while a copy into it may still run. Running a wait twice
+    is harmless; forgetting one is the bug the byte checks catch (fault "load_slots").
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[int, int, Callable[[], None]]] = []
+
+    def add(self, first: int, stop: int, wait: Callable[[], None]) -> None:
+        self._pending.append((first, stop, wait))
+
+    def before(self, slot: int) -> None:
+        if not self._pending:
+            return
+        due = [p for p in self._pending if p[0] <= slot < p[1]]
+        if due:
+            self._pending = [p for p in self._pending if not p[0] <= slot < p[1]]
+            for _, _, wait in due:
+                wait()
+
+    def drain(self) -> None:
+        pending, self._pending = self._pending, []
+        for _, _, wait in pending:
+            wait()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
 @dataclass
 class PagedKVCache:
     layout: KVCacheLayout
     blocks: BlockManager
     states: RecurrentStates | None = None  # hybrid models: per-sequence linear-attention state
     sliding: SlidingBlocks | None = None  # sliding-window layers: their blocks of the window
+    # Shared with the model runner: where the step waits for a load's slots (see SlotFences).
+    fences: SlotFences = field(default_factory=SlotFences)
 
 
 @dataclass(frozen=True)

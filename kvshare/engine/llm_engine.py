@@ -133,7 +133,13 @@ class LLMEngine:
         self.connector = connector
         if connector is not None:
             connector.bind(
-                PagedKVCache(self.runner.layout, self.blocks, self.runner.states, self.sliding)
+                PagedKVCache(
+                    self.runner.layout,
+                    self.blocks,
+                    self.runner.states,
+                    self.sliding,
+                    self.runner.fences,
+                )
             )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len),

@@ -18,7 +18,7 @@ from kvshare.engine.attention import (
     host_to_device,
 )
 from kvshare.engine.config import EngineConfig
-from kvshare.engine.connector import KVCacheLayout
+from kvshare.engine.connector import KVCacheLayout, SlotFences
 from kvshare.engine.cuda_graphs import DecodeGraphs
 from kvshare.engine.memory import (
     DeviceMemoryPlan,
@@ -55,6 +55,8 @@ class ModelRunner:
         self.backend = self._choose_backend()
         self.memory: DeviceMemoryPlan | None = None  # CUDA: the budget the caches were sized by
         self.layout = self._allocate_kv_cache(staging_bytes, chunk_tokens)
+        # Where a step waits for pool loads into its cache slots (shared with the connector).
+        self.fences = SlotFences()
         # Each cache tensor's last block is outside its block manager: padding rows of
         # captured decode graphs write there (and out-of-window sliding entries point there).
         self.num_blocks = self.layout.kv.shape[2] - 1
@@ -206,9 +208,10 @@ class ModelRunner:
                 np.asarray([c.seq.state_slot for c in chunks], dtype=np.int64), self.device
             )
         ctx = PagedAttention(
-            self.layout, meta, self.backend, self.states, state_slots, sliding_meta
+            self.layout, meta, self.backend, self.states, state_slots, sliding_meta, self.fences
         )
         hidden = self.model(input_ids, pos, ctx)
+        self.fences.drain()  # slots this step did not touch: the next user must not race
         if not sample_rows:
             return None
         return self.model.compute_logits(
@@ -218,6 +221,7 @@ class ModelRunner:
     def _execute_graph(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """A decode step (one new token per sequence, every one samples) from a graph."""
         assert self.graphs is not None
+        self.fences.drain()  # a graph's layers do not call before(slot)
         bs = self.config.block_size
         positions = np.asarray([c.seq.num_computed_tokens for c in chunks], dtype=np.int64)
         tables = [tuple(c.seq.block_table) for c in chunks]

@@ -25,12 +25,13 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["first_page"])
+@triton.jit(do_not_specialize=["first_page", "first_chunk"])
 def _copy_blocks_kernel(
     KV,
     ROWS,
     PAIRS,
     first_page,
+    first_chunk,
     row_stride,
     num_blocks,
     BLOCKS_PER_PAGE: tl.constexpr,
@@ -38,14 +39,15 @@ def _copy_blocks_kernel(
     BLOCK: tl.constexpr,
     TO_CACHE: tl.constexpr,
 ):
-    # One program: chunk (slot * 2 + kv) of one pair, CHUNK words. Offsets are int64 from
-    # the start: the cache has more than 2**31 elements.
+    # One program: chunk (slot * 2 + kv) of one pair, CHUNK words; the rows start at cache
+    # chunk first_chunk. Offsets are int64 from the start: the cache has more than 2**31
+    # elements.
     pair = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1).to(tl.int64)
     page = tl.load(PAIRS + pair * 3)
     j = tl.load(PAIRS + pair * 3 + 1)
     block = tl.load(PAIRS + pair * 3 + 2)
-    cache = KV + (chunk * num_blocks + block) * CHUNK
+    cache = KV + ((chunk + first_chunk) * num_blocks + block) * CHUNK
     row = ROWS + (page - first_page) * row_stride + (chunk * BLOCKS_PER_PAGE + j) * CHUNK
     for start in range(0, CHUNK, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -93,14 +95,19 @@ class BlockCopy:
         return table, offsets.tolist()
 
     def __call__(
-        self, rows: torch.Tensor, pairs: torch.Tensor, first_page: int, to_cache: bool
+        self,
+        rows: torch.Tensor,
+        pairs: torch.Tensor,
+        first_page: int,
+        to_cache: bool,
+        first_slot: int = 0,
     ) -> None:
         """Copy the chunks of every pair (a slice of a `pairs` table) between row
         rows[page - first_page] of uint8 rows [pages, nbytes] and the cache: into the cache
-        when to_cache, else out of it. One launch on the current stream; every row holds the
-        first nbytes // slot_bytes cache slots."""
+        when to_cache, else out of it. One launch on the current stream; every row holds
+        nbytes // slot_bytes cache slots from `first_slot` on."""
         slots, rest = divmod(rows.shape[1], self.slot_bytes)
-        assert rest == 0 and slots <= self.num_slots and rows.dtype == torch.uint8
+        assert rest == 0 and first_slot + slots <= self.num_slots and rows.dtype == torch.uint8
         assert pairs.dtype == torch.int64 and pairs.is_contiguous()
         if not len(pairs) or not slots:
             return
@@ -110,6 +117,7 @@ class BlockCopy:
             words,
             pairs,
             first_page,
+            2 * first_slot,
             words.stride(0),
             self.num_blocks,
             BLOCKS_PER_PAGE=self.blocks_per_page,

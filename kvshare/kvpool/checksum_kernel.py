@@ -36,6 +36,7 @@ def _checksum_kernel(
     SUMS,
     row_stride,
     num_words,
+    first_word,
     split,
     TILE: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -59,10 +60,10 @@ def _checksum_kernel(
         idx = tile * TILE + start + tl.arange(0, BLOCK)
         valid = idx < num_words
         w = tl.load(row + idx, mask=valid, other=0).to(tl.uint64, bitcast=True)
-        i = idx.to(tl.uint64)
+        i = (idx + first_word).to(tl.uint64)
         a = tl.where(valid, _fmix64((w ^ k0) + i * k1, M1, M2), 0)
         b = tl.where(valid, _fmix64((w ^ k2) + i * k3, M1, M2), 0)
-        second = idx >= split
+        second = idx + first_word >= split
         a0 += tl.where(second, 0, a)
         b0 += tl.where(second, 0, b)
         a1 += tl.where(second, a, 0)
@@ -79,16 +80,20 @@ def checksum_rows(
     constants: torch.Tensor,
     sums: torch.Tensor,
     split_bytes: int,
+    first_byte: int = 0,
     block_words: int = 1024,
     tile_blocks: int = 16,
 ) -> None:
     """Add the checksums of uint8 rows [pages, nbytes] (row stride a multiple of 8 bytes)
-    to `sums` (int64 [pages, 2, 2], zeroed by the caller): segment 0 is bytes
-    [0, split_bytes), segment 1 the rest. `constants` is int64 [pages, 4], one page's
-    checksum_constants per row. One launch on the current stream; a program covers
-    tile_blocks iterations of block_words words (a power of two)."""
+    to `sums` (int64 [pages, 2, 2], zeroed by the caller): each row holds its page's
+    payload bytes [first_byte, first_byte + nbytes); segment 0 is payload bytes
+    [0, split_bytes), segment 1 the rest. Rows of the other parts of the same pages,
+    added to the same sums, complete the pages' checksums. `constants` is int64 [pages,
+    4], one page's checksum_constants per row. One launch on the current stream; a
+    program covers tile_blocks iterations of block_words words (a power of two)."""
     pages, nbytes = rows.shape
     assert rows.dtype == torch.uint8 and nbytes % 8 == 0 and split_bytes % 8 == 0
+    assert first_byte % 8 == 0
     assert (
         constants.shape == (pages, 4)
         and constants.dtype == torch.int64
@@ -107,6 +112,7 @@ def checksum_rows(
         sums,
         words.stride(0),
         num_words,
+        first_byte // 8,
         split_bytes // 8,
         TILE=tile,
         BLOCK=block,

@@ -50,7 +50,7 @@ from kvshare.kvpool.keys import Namespace, chain_seed, chunk_keys
 from kvshare.kvpool.layout import LAYOUT_VERSION, PageLayout
 from kvshare.kvpool.page import HEADER_BYTES, PageHeader
 from kvshare.kvpool.plan import plan_load, plan_store, storable_chunks
-from kvshare.kvpool.transfer import Transfer, TransferJob
+from kvshare.kvpool.transfer import LayerGroups, Transfer, TransferJob
 from kvshare.kvpool.transfer_cpu import ThreadTransfer
 from kvshare.kvpool.transfer_cuda import CudaTransfer
 from kvshare.kvpool.verify import checksums_match, header_matches
@@ -74,6 +74,10 @@ class ConnectorOptions:
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     register_host_memory: bool = True
     wait: WaitOptions = field(default_factory=WaitOptions)
+    # Loads of global layers in groups of layers, so that a step computes its first layers
+    # while the last are still copied (transfer.py says why it is off by default); None:
+    # every load comes whole.
+    layer_groups: LayerGroups | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
@@ -194,6 +198,7 @@ class PoolConnector(KVConnector):
         cache_salt: str = "",
         faults: FaultInjection | None = None,
         kv_cache_dtype: KVCacheDtype = "auto",
+        layer_groups: LayerGroups | None = None,
     ) -> PoolConnector:
         """The connector of `loaded` with an engine whose cache stores kv_cache_dtype
         (EngineConfig.kv_cache_dtype): fp8 and model-dtype caches never share a page."""
@@ -207,9 +212,8 @@ class PoolConnector(KVConnector):
             chunk_tokens=chunk_tokens,
             cache_salt=cache_salt,
         )
-        return cls(
-            PoolClient(address), namespace, ConnectorOptions(chunk_tokens=chunk_tokens), faults
-        )
+        options = ConnectorOptions(chunk_tokens=chunk_tokens, layer_groups=layer_groups)
+        return cls(PoolClient(address), namespace, options, faults)
 
     # ------------------------------------------------------------------ set-up
 
@@ -219,11 +223,15 @@ class PoolConnector(KVConnector):
         kv, sliding_kv = cache.layout.kv, cache.layout.sliding_kv
         opts = self.options
         if kv.device.type == "cuda":
-            self.transfer = CudaTransfer(kv, self.layout, self.faults, sliding_kv)
+            cuda = CudaTransfer(kv, self.layout, self.faults, sliding_kv, opts.layer_groups)
+            cuda.warm_up(() if cache.states is None else (cache.states.rows[0].numel(),))
+            self.transfer = cuda
             if opts.register_host_memory:
                 self.registration = HostRegistration(kv.device)
         else:
-            self.transfer = ThreadTransfer(kv, self.layout, self.faults, sliding_kv)
+            self.transfer = ThreadTransfer(
+                kv, self.layout, self.faults, sliding_kv, opts.layer_groups
+            )
         self.client.on_remap(self._on_remap)
         try:
             self.client.connect()
@@ -474,7 +482,8 @@ class PoolConnector(KVConnector):
             remote_tokens=min(match.remote_tokens, plan.hit_tokens),
         )
         try:
-            pending.job = self.transfer.load(list(plan.copies))
+            # The state first: the step's first linear-attention layer needs it, while the
+            # KV of its last attention layers may still be on its way (LayerGroups).
             if match.state is not None and not (self.faults and self.faults.skip_state_restore):
                 assert self.cache.states is not None and state_slot is not None
                 pending.state_page = match.state
@@ -484,6 +493,7 @@ class PoolConnector(KVConnector):
                     self.cache.states.rows[state_slot],
                     match.state.key,
                 )
+            pending.job = self.transfer.load(list(plan.copies))
         except Exception:  # a broken copy is a miss, never an engine crash
             _log.exception("pool load failed to start")
             pending.wait()
@@ -491,7 +501,7 @@ class PoolConnector(KVConnector):
             return False
         for job in (pending.job, pending.state_job):
             if job is not None:
-                self.transfer.consume(job)
+                self.transfer.consume(job, self.cache.fences)
         # Checked while the copies run: the lease keeps the slots from changing meanwhile.
         pending.bad_headers = [
             p for p in plan.pages if not self._header_ok(p, self.layout.payload_bytes)

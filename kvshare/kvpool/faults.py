@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-BreakOrder = Literal["", "store", "load", "load_target"]
-BREAK_ORDERS = ("store", "load", "load_target")  # the broken variants, for test-only flags
+BreakOrder = Literal["", "store", "load", "load_target", "load_slots"]
+# The broken variants, for test-only flags.
+BREAK_ORDERS = ("store", "load", "load_target", "load_slots")
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,10 @@ class FaultInjection:
       blocks before the compute wrote them) or loads ("load": compute may read the blocks
       before the copy wrote them, and the load reports done at once; "load_target": the
       copy may write its target blocks or state row before compute work issued earlier on
-      them, such as zeroing a fresh state slot, has run, which then overwrites the copy).
+      them, such as zeroing a fresh state slot, has run, which then overwrites the copy;
+      "load_slots": compute may read restored cache slots before their copies ended, the
+      waits a load owes the compute side (whole, or per group of layers) being dropped,
+      while the load itself still reports done only once its copies are).
     - `load_delay`: seconds every load copy waits first (on CUDA as GPU sleep cycles), so a
       broken order shows as wrong bytes.
     - `skip_checksums`: a restore whose header or checksums disagree is kept.

@@ -6,27 +6,32 @@
 Ordering: a store waits for the compute work that produced its blocks
 (an event recorded on the compute stream, or a fence on the CPU); a load is done only
 when its last scatter has completed, and the compute stream waits on it before reading.
+A load of global layers only may come in groups of layers (`LayerGroups`, opt-in): it
+then hands the compute side one wait per group (`SlotFences`) instead of one for the
+whole load, and a step's first layers compute while its last layers are still copied.
+On the H200 this did not pay yet (docs/results/2026-12-04-h200-layer-groups.md): every
+page's part of a group is its own host copy (2,048 copies at 131k tokens: ~85 ms of
+host time against ~22 ms for whole pages), and the step's block-table upload queues
+behind the load's copies on the copy engine, so the step still waits for the last one.
 An injected `FaultInjection` (kvshare.kvpool.faults, checks and tests only) may remove one of
 these waits, so that the byte checks can show they catch a missing dependency.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from kvshare.kvpool.faults import FaultInjection
+from kvshare.engine.connector import SlotFences
+from kvshare.kvpool.faults import FaultInjection, breaks
 from kvshare.kvpool.layout import PageLayout
-
-if TYPE_CHECKING:
-    pass
 
 _log = logging.getLogger(__name__)
 
@@ -49,14 +54,45 @@ class PageCopy:
     sliding_first: int = 0
 
 
+@dataclass(frozen=True)
+class LayerGroups:
+    """How a load of global layers is split into groups of consecutive cache slots, each
+    copied for every page before the next group starts: at most `max_groups`, and each
+    group's part of a page at least `min_bytes` (a host copy of less than ~4 MiB runs
+    below the PCIe ceiling, and each group costs one host copy per page)."""
+
+    min_bytes: int = 4 << 20
+    max_groups: int = 4
+
+    def __post_init__(self) -> None:
+        if self.min_bytes < 1 or self.max_groups < 1:
+            raise ValueError("min_bytes and max_groups must be >= 1")
+
+    def ranges(self, layout: PageLayout, copies: Sequence[PageCopy]) -> list[range]:
+        """Slot ranges of a load, in copy order. One range (the whole copy) unless there
+        are copies, every one of the global layers only, and the model has no
+        sliding-window layers."""
+        slots = layout.num_global_slots
+        whole = layout.num_segments != 1 or any(c.nbytes != layout.global_bytes for c in copies)
+        if whole or not copies:
+            return [range(slots)]
+        groups = max(1, min(self.max_groups, slots, layout.global_bytes // self.min_bytes))
+        bounds = [slots * g // groups for g in range(groups + 1)]
+        return [range(a, b) for a, b in itertools.pairwise(bounds)]
+
+
 class TransferJob(ABC):
-    """`always_done` is the injected broken load ordering: done() without waiting."""
+    """`always_done` is the injected broken load ordering: done() without waiting.
+    `slot_waits` (loads): per range of cache slots, what makes the compute side wait for
+    that range's copies, in copy order (one range covering every slot when the load came
+    whole)."""
 
     def __init__(self, num_pages: int, num_segments: int, always_done: bool) -> None:
         self.num_pages = num_pages
         self.num_segments = num_segments
         self.always_done = always_done
         self.failed = False  # set when a copy raised: nothing it touched may be trusted
+        self.slot_waits: list[tuple[range, Callable[[], None]]] = []
 
     def done(self) -> bool:
         """True once every copy of the job has completed (never blocks)."""
@@ -87,14 +123,23 @@ class Transfer(ABC):
         layout: PageLayout,
         faults: FaultInjection | None = None,
         sliding_kv: torch.Tensor | None = None,
+        layer_groups: LayerGroups | None = None,
     ) -> None:
         """`kv`: the global slots' cache; `sliding_kv`: the sliding-window slots' cache
-        (KVCacheLayout), None without such layers."""
+        (KVCacheLayout), None without such layers; `layer_groups`: how loads are split
+        into groups of layers (None: every load comes whole)."""
         self.kv = kv
         self.sliding_kv = sliding_kv
         self.layout = layout
         self.faults = faults  # None: no fault (production)
+        self.layer_groups = layer_groups
         self.arena: torch.Tensor | None = None
+
+    def slot_ranges(self, copies: Sequence[PageCopy]) -> list[range]:
+        """The groups of slots a load of `copies` brings in turn (one: the whole load)."""
+        if self.layer_groups is None:
+            return [range(self.layout.num_global_slots)]
+        return self.layer_groups.ranges(self.layout, copies)
 
     def set_arena(self, arena: torch.Tensor) -> None:
         self.arena = arena
@@ -120,23 +165,37 @@ class Transfer(ABC):
         the compute work already issued (or `ready`), one checksummed segment."""
 
     @abstractmethod
-    def consume(self, job: TransferJob) -> None:
-        """Order the compute work issued from now on after the load's copies."""
+    def _wait_whole(self, job: TransferJob) -> None:
+        """Order the compute work issued from now on after all of the load's copies."""
+
+    def consume(self, job: TransferJob, fences: SlotFences | None = None) -> None:
+        """Order compute after the load's copies: with `fences`, each slot range's wait
+        is left there (the compute side runs it before touching those slots); without,
+        the work issued from now on waits for the whole load."""
+        if breaks(self.faults, "load") or breaks(self.faults, "load_slots"):
+            return
+        if fences is None or not job.slot_waits:
+            self._wait_whole(job)
+            return
+        for slots, wait in job.slot_waits:
+            fences.add(slots.start, slots.stop, wait)
 
     @abstractmethod
     def synchronize(self) -> None:
         """Wait for every enqueued copy."""
 
 
-def page_groups(copies: Sequence[PageCopy], staging_bytes: int, max_pages: int = 8) -> list[range]:
+def page_groups(
+    copies: Sequence[PageCopy], staging_bytes: int, max_pages: int = 8, nbytes: int | None = None
+) -> list[range]:
     """Runs of consecutive copies of one size, in order: as many as fit `staging_bytes`
-    (at least one), at most max_pages."""
+    (at least one), at most max_pages; with `nbytes`, each copy counts that many bytes."""
     groups, start = [], 0
     for i in range(1, len(copies) + 1):
-        size = copies[start].nbytes
+        size = copies[start].nbytes if nbytes is None else nbytes
         if (
             i == len(copies)
-            or copies[i].nbytes != size
+            or (nbytes is None and copies[i].nbytes != size)
             or i - start == max_pages
             or (i - start + 1) * size > staging_bytes
         ):

@@ -15,7 +15,13 @@ import torch
 
 from kvshare.kvpool.faults import FaultInjection, breaks, injected_delay
 from kvshare.kvpool.layout import PageLayout, checksum_constants, payload_checksum, payload_words
-from kvshare.kvpool.transfer import PageCopy, Transfer, TransferJob, copied_segments
+from kvshare.kvpool.transfer import (
+    LayerGroups,
+    PageCopy,
+    Transfer,
+    TransferJob,
+    copied_segments,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -45,8 +51,9 @@ class ThreadTransfer(Transfer):
         layout: PageLayout,
         faults: FaultInjection | None = None,
         sliding_kv: torch.Tensor | None = None,
+        layer_groups: LayerGroups | None = None,
     ) -> None:
-        super().__init__(kv, layout, faults, sliding_kv)
+        super().__init__(kv, layout, faults, sliding_kv, layer_groups)
         self.delay_seconds = injected_delay(faults)
         self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.worker = threading.Thread(target=self._run, name="kvshare-transfer", daemon=True)
@@ -109,22 +116,40 @@ class ThreadTransfer(Transfer):
         self.jobs.put(run)
 
     def load(self, copies: Sequence[PageCopy]) -> TransferJob:
+        """Whole pages, or (LayerGroups) every page's part of one group of global slots
+        after the other, each group's event set once its copies are in the cache."""
         job = _ThreadJob(
             len(copies), copied_segments(self.layout, copies), breaks(self.faults, "load")
         )
+        ranges = self.slot_ranges(copies)
+        copied = [threading.Event() for _ in ranges]
 
         def work() -> None:
-            if self.delay_seconds:
-                time.sleep(self.delay_seconds)
-            for i, c in enumerate(copies):
-                data = self._page(c)
-                self._checksums(job, i, data, c.key)
-                for cache, view, blocks, first in self._parts(data, c):
-                    idx = torch.tensor(blocks[first:], dtype=torch.int64)
-                    cache.index_copy_(2, idx, view[:, :, first:])
+            try:
+                if self.delay_seconds:
+                    time.sleep(self.delay_seconds)
+                for slots, event in zip(ranges, copied):
+                    for c in copies:
+                        self._copy_in(c, slots if len(ranges) > 1 else None)
+                    event.set()
+                for i, c in enumerate(copies):
+                    self._checksums(job, i, self._page(c), c.key)
+            finally:  # a failed copy releases its waiters too: job.failed voids the restore
+                for event in copied:
+                    event.set()
 
+        if len(ranges) > 1:
+            job.slot_waits = [(slots, event.wait) for slots, event in zip(ranges, copied)]
         self._submit(job, work)
         return job
+
+    def _copy_in(self, c: PageCopy, slots: range | None) -> None:
+        """A page into its blocks: every part of it, or only the global `slots`."""
+        for cache, view, blocks, first in self._parts(self._page(c), c):
+            if slots is not None:
+                cache, view = cache[slots.start : slots.stop], view[slots.start : slots.stop]
+            idx = torch.tensor(blocks[first:], dtype=torch.int64)
+            cache.index_copy_(2, idx, view[:, :, first:])
 
     def store(
         self, copies: Sequence[PageCopy], ready: threading.Event | None = None
@@ -167,10 +192,9 @@ class ThreadTransfer(Transfer):
         self._submit(job, lambda: self._raw_checksum(job, page.copy_(row), key), ready)
         return job
 
-    def consume(self, job: TransferJob) -> None:
+    def _wait_whole(self, job: TransferJob) -> None:
         """The CPU has no stream to order: the engine thread waits for the worker here."""
-        if not breaks(self.faults, "load"):
-            job.wait()
+        job.wait()
 
     def synchronize(self) -> None:
         barrier = threading.Event()

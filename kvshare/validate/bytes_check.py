@@ -30,6 +30,7 @@ import torch
 
 from kvshare.kvpool.connector import ConnectorOptions
 from kvshare.kvpool.faults import BREAK_ORDERS, FaultInjection
+from kvshare.kvpool.transfer import LayerGroups
 from kvshare.models.loader import parse_dtype
 from kvshare.spec import DEFAULT_CHUNK_TOKENS
 from kvshare.validate.capacity import PoolNeed, kv_page_bytes
@@ -51,6 +52,9 @@ class BytesCheckConfig:
     trials: int = 20
     delay: float = 0.05
     break_order: str = ""
+    # The loading side's LayerGroups.min_bytes (None: loads come whole, the connector's
+    # default); the checks run both.
+    layer_group_bytes: int | None = None
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self) -> None:
@@ -93,7 +97,7 @@ def pool_needs(config: BytesCheckConfig) -> list[PoolNeed]:
 
 def _harness(config: BytesCheckConfig, role: str) -> ConnectorHarness:
     num_blocks = config.num_chunks * config.chunk_tokens // config.block_size + 1
-    broken_side = "load" if config.break_order == "load_target" else config.break_order
+    broken_side = "store" if config.break_order == "store" else "load"
     load_delay = 0.0
     if role == "load" and config.break_order != "load_target":
         # On CUDA the restore's poison fill waits behind `delay` on the compute stream
@@ -110,7 +114,12 @@ def _harness(config: BytesCheckConfig, role: str) -> ConnectorHarness:
         config.torch_dtype,
         num_blocks,
         config.run_id,
-        ConnectorOptions(chunk_tokens=config.chunk_tokens),
+        ConnectorOptions(
+            chunk_tokens=config.chunk_tokens,
+            layer_groups=None
+            if config.layer_group_bytes is None
+            else LayerGroups(min_bytes=config.layer_group_bytes),
+        ),
         config.block_size,
         faults=faults,
     )
@@ -155,9 +164,10 @@ def run_store(config: BytesCheckConfig, trial: int, side: ConnectorHarness) -> d
 def run_load(config: BytesCheckConfig, trial: int, side: ConnectorHarness) -> TrialResult:
     start = time.monotonic()
     fill_delay = config.delay if side.device.type == "cuda" else 0.0
-    hit, ok, blocks = side.restore(trial, config.num_chunks, _POISON_LOAD, fill_delay)
-    got = side.read(blocks)  # the consumer
-    compared, mismatched = _compare(side, got, side.pattern(trial, len(blocks)), hit)
+    hit, ok, blocks, got = side.restore_and_read(trial, config.num_chunks, _POISON_LOAD, fill_delay)
+    compared, mismatched = 0, 0
+    if got is not None:
+        compared, mismatched = _compare(side, got, side.pattern(trial, len(blocks)), hit)
     side.cache.blocks.release(blocks)
     return TrialResult(trial, hit, compared, mismatched, ok, time.monotonic() - start)
 

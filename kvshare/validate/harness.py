@@ -70,13 +70,8 @@ class ConnectorHarness:
         layout = self.cache.layout
         return [layout.kv] + ([] if layout.sliding_kv is None else [layout.sliding_kv])
 
-    def read(self, blocks: list[int]) -> torch.Tensor:
-        """Every slot of `blocks`: [slots, 2, len(blocks), block_size, Hkv, D]."""
-        idx = torch.tensor(blocks, device=self.device)
-        return torch.cat([kv.index_select(2, idx) for kv in self._caches()])
-
     def write(self, blocks: list[int], values: torch.Tensor, delay: float = 0.0) -> None:
-        """Write `values` (as `read` returns them) into every slot of `blocks`; with
+        """Write `values` ([slots, 2, len(blocks), block_size, Hkv, D]) into every slot of `blocks`; with
         `delay` on CUDA, behind that much GPU sleep on the current stream (see `fill`)."""
         idx = torch.tensor(blocks, device=self.device)
         if delay and self.device.type == "cuda":
@@ -158,18 +153,47 @@ class ConnectorHarness:
         running when the load starts, and the load must land after it.
         The caller releases the blocks (cache.blocks.release) after reading them.
         """
+        hit, ok, blocks, _ = self._restore(trial, num_chunks, poison, fill_delay, read=False)
+        return hit, ok, blocks
+
+    def restore_and_read(
+        self, trial: int, num_chunks: int, poison: float, fill_delay: float = 0.0
+    ) -> tuple[int, bool, list[int], torch.Tensor | None]:
+        """`restore`, with the restored blocks read the engine's way: right after the load
+        started and before it is verified, on the compute stream, slot by slot, each after
+        the cache's fence for it ([slots, 2, len(blocks), block_size, Hkv, D]; None
+        without a hit)."""
+        return self._restore(trial, num_chunks, poison, fill_delay, read=True)
+
+    def _restore(
+        self, trial: int, num_chunks: int, poison: float, fill_delay: float, read: bool
+    ) -> tuple[int, bool, list[int], torch.Tensor | None]:
         tokens = self.tokens(trial, num_chunks)
         blocks = self.cache.blocks.allocate(
             self.cache.blocks.blocks_needed(num_chunks * self.chunk_tokens)
         )
+        # Uploaded before the load: an upload behind the fences' waits would hold the host.
+        idx = torch.tensor(blocks, device=self.device)
         self.fill(blocks, poison, fill_delay)
         if not fill_delay:
             self.sync()
         request = f"load-{trial}"
         hit = self.connector.match(request, tokens, 0).num_tokens
-        ok = False
+        ok, got = False, None
         sliding = self.sliding_table(blocks, self.restored_from_block(hit))
         if hit and self.connector.load(request, blocks, sliding_table=sliding):
+            if read:
+                got = self._read_through_fences(idx)
             ok = self.connector.finish_load(request)
         self.connector.forget(request)
-        return hit, ok, blocks
+        return hit, ok, blocks, got
+
+    def _read_through_fences(self, idx: torch.Tensor) -> torch.Tensor:
+        layout = self.cache.layout
+        slots = []
+        for slot in range(layout.num_slots):
+            self.cache.fences.before(slot)
+            cache, _ = layout.slot_cache(slot)
+            slots.append(cache.index_select(1, idx))
+        self.cache.fences.drain()
+        return torch.stack(slots)

@@ -3,8 +3,9 @@
 The kernel runs in Triton's interpreter on the CPU (TRITON_INTERPRET=1 must be set before
 triton is imported: hence a subprocess), on tiny caches: bf16 and float32, int64 and int32
 words, chunks that take several masked loop iterations, first_block > 0 (and a page with
-nothing left to load), global-only pages, several pages per group, shuffled block ids.
-Broken variants (block id off by one, wrong cache stride) must fail the same comparisons.
+nothing left to load), global-only pages, rows of one later slot (a load in groups of
+layers), several pages per group, shuffled block ids. Broken variants (block id off by
+one, wrong cache stride, the rows' first slot ignored) must fail the same comparisons.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ class OffByOne(BlockCopy):
         return table, offsets
 
 
+class SlotIgnored(BlockCopy):
+    def __call__(self, rows, pairs, first_page, to_cache, first_slot=0):
+        super().__call__(rows, pairs, first_page, to_cache, 0)
+
+
 def wrong_stride(kv, bpp, block_words):
     copier = BlockCopy(kv, bpp, block_words)
     copier.num_blocks -= 1
@@ -49,7 +55,7 @@ def as_bytes(t):
     return t.reshape(-1).view(torch.uint8)
 
 
-def case(make, shape, direction, slots, seed):
+def case(make, shape, direction, slots, first_slot, seed):
     dtype, bs, heads, dim, block_words = SHAPES[shape]
     gen = torch.Generator().manual_seed(seed)
     kv0 = torch.randn(NUM_SLOTS, 2, NUM_BLOCKS, bs, heads, dim, generator=gen).to(dtype)
@@ -63,12 +69,13 @@ def case(make, shape, direction, slots, seed):
 
     kv_ref, buf_ref = kv0.clone(), buf0.clone()
     rows_ref = buf_ref[: pages * nbytes].view(pages, nbytes)
+    part = kv_ref[first_slot : first_slot + slots]
     for i, (b, f) in enumerate(zip(blocks, firsts)):
         view = rows_ref[i].view(dtype).view(slots, 2, BPP, bs, heads, dim)
         if direction == "load":
-            kv_ref[:slots].index_copy_(2, torch.tensor(b[f:], dtype=torch.int64), view[:, :, f:])
+            part.index_copy_(2, torch.tensor(b[f:], dtype=torch.int64), view[:, :, f:])
         else:
-            torch.index_select(kv_ref[:slots], 2, torch.tensor(b, dtype=torch.int64), out=view)
+            torch.index_select(part, 2, torch.tensor(b, dtype=torch.int64), out=view)
 
     kv, buf = kv0.clone(), buf0.clone()
     rows = buf[: pages * nbytes].view(pages, nbytes)
@@ -77,14 +84,15 @@ def case(make, shape, direction, slots, seed):
     pairs = torch.from_numpy(table)
     for g in GROUPS:
         copier(rows[g.start:g.stop], pairs[offsets[g.start]:offsets[g.stop]], g.start,
-               to_cache=direction == "load")
+               direction == "load", first_slot)
     return torch.equal(as_bytes(kv), as_bytes(kv_ref)) and torch.equal(buf, buf_ref)
 
 
-CASES = [(shape, direction, slots) for shape in SHAPES for direction in ("load", "store")
-         for slots in (NUM_SLOTS, 1)]
+CASES = [(shape, direction, slots, first) for shape in SHAPES for direction in ("load", "store")
+         for slots, first in ((NUM_SLOTS, 0), (1, 0), (1, 2))]
 out = {}
-for name, make in (("kernel", BlockCopy), ("off_by_one", OffByOne), ("wrong_stride", wrong_stride)):
+for name, make in (("kernel", BlockCopy), ("off_by_one", OffByOne), ("wrong_stride", wrong_stride),
+                   ("slot_ignored", SlotIgnored)):
     out[name] = {"/".join(map(str, c)): case(make, *c, seed=k) for k, c in enumerate(CASES)}
 print(json.dumps(out))
 """
@@ -98,7 +106,9 @@ def test_block_copy_equals_index_copy_in_the_interpreter() -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout)
-    assert len(out["kernel"]) == 12 and all(out["kernel"].values()), out["kernel"]
-    # Teeth: each broken variant is caught by every case.
+    assert len(out["kernel"]) == 18 and all(out["kernel"].values()), out["kernel"]
+    # Teeth: each broken variant is caught by every case it can be seen in.
     assert not any(out["off_by_one"].values()), out["off_by_one"]
     assert not any(out["wrong_stride"].values()), out["wrong_stride"]
+    later_slot = {name for name in out["slot_ignored"] if name.endswith("/1/2")}
+    assert {name for name, ok in out["slot_ignored"].items() if not ok} == later_slot

@@ -38,37 +38,92 @@ def _check(pool: PoolProcess, device: str, trials: int, **overrides: object) -> 
     return summarize(run_bytes_check(config))
 
 
-@pytest.mark.parametrize("shape, num_chunks", [("tiny-gemma3", 6), ("tiny-llama", 3)])
+# tiny-llama with layer groups of 1 byte: its loads come in 2 groups of layers (one slot
+# each), read slot by slot behind the fences as the engine's layers read them.
+@pytest.mark.parametrize(
+    "shape, num_chunks, group_bytes",
+    [("tiny-gemma3", 6, None), ("tiny-llama", 3, None), ("tiny-llama", 3, 1)],
+)
 def test_cpu_bytes_exact_with_delayed_producers(
-    pool: PoolProcess, shape: str, num_chunks: int
+    pool: PoolProcess, shape: str, num_chunks: int, group_bytes: int | None
 ) -> None:
-    summary = _check(pool, "cpu", 4, shape=shape, num_chunks=num_chunks, delay=0.05)
+    summary = _check(
+        pool,
+        "cpu",
+        4,
+        shape=shape,
+        num_chunks=num_chunks,
+        delay=0.05,
+        layer_group_bytes=group_bytes,
+    )
     assert summary["failed_trials"] == 0, summary
     assert summary["mismatched_bytes"] == 0
     assert summary["compared_bytes"] > 0
 
 
-@pytest.mark.parametrize("broken", ["store", "load"])
-def test_cpu_broken_ordering_is_caught_every_trial(pool: PoolProcess, broken: str) -> None:
-    summary = _check(pool, "cpu", 3, delay=0.2, break_order=broken)
+@pytest.mark.parametrize(
+    "broken, shape, group_bytes",
+    [
+        ("store", "tiny-gemma3", None),
+        ("load", "tiny-gemma3", None),
+        ("load_slots", "tiny-gemma3", None),
+        ("load_slots", "tiny-llama", 1),
+    ],
+)
+def test_cpu_broken_ordering_is_caught_every_trial(
+    pool: PoolProcess, broken: str, shape: str, group_bytes: int | None
+) -> None:
+    summary = _check(
+        pool,
+        "cpu",
+        3,
+        delay=0.2,
+        break_order=broken,
+        shape=shape,
+        num_chunks=3,
+        layer_group_bytes=group_bytes,
+    )
     assert summary["failed_trials"] == summary["trials"] == 3, summary
 
 
 CUDA_TRIALS = int(os.environ.get("KVSHARE_GPU_BYTE_TRIALS", "20"))
 
 
+# qwen3-8b's pages (36 MiB) in groups of layers come as 4 groups of 9 layers.
 @pytest.mark.cuda
-@pytest.mark.parametrize("shape", ["gemma3-27b", "qwen3-8b"])
-def test_cuda_bytes_exact_with_sleep_on_producing_stream(pool: PoolProcess, shape: str) -> None:
-    summary = _check(pool, "cuda", CUDA_TRIALS, shape=shape, num_chunks=2, delay=0.05)
+@pytest.mark.parametrize(
+    "shape, group_bytes", [("gemma3-27b", None), ("qwen3-8b", None), ("qwen3-8b", 4 << 20)]
+)
+def test_cuda_bytes_exact_with_sleep_on_producing_stream(
+    pool: PoolProcess, shape: str, group_bytes: int | None
+) -> None:
+    summary = _check(
+        pool,
+        "cuda",
+        CUDA_TRIALS,
+        shape=shape,
+        num_chunks=2,
+        delay=0.05,
+        layer_group_bytes=group_bytes,
+    )
     assert summary["failed_trials"] == 0, summary
     assert summary["mismatched_bytes"] == 0
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("broken", ["store", "load", "load_target"])
-def test_cuda_broken_stream_wait_is_caught_every_trial(pool: PoolProcess, broken: str) -> None:
+@pytest.mark.parametrize("broken", ["store", "load", "load_target", "load_slots"])
+@pytest.mark.parametrize("group_bytes", [None, 4 << 20])
+def test_cuda_broken_stream_wait_is_caught_every_trial(
+    pool: PoolProcess, broken: str, group_bytes: int | None
+) -> None:
     summary = _check(
-        pool, "cuda", CUDA_TRIALS, shape="qwen3-8b", num_chunks=2, delay=0.05, break_order=broken
+        pool,
+        "cuda",
+        CUDA_TRIALS,
+        shape="qwen3-8b",
+        num_chunks=2,
+        delay=0.05,
+        break_order=broken,
+        layer_group_bytes=group_bytes,
     )
     assert summary["failed_trials"] == summary["trials"] == CUDA_TRIALS, summary

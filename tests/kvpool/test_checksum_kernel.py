@@ -4,8 +4,10 @@ and verified on another).
 The kernel runs in Triton's interpreter on the CPU (TRITON_INTERPRET=1 must be set before
 triton is imported: hence a subprocess): several pages per launch, rows that take several
 tiles (atomics from many programs), a segment split inside a tile, rows as a strided view,
-a row shorter than one block, all-ones words (sums far past 2**64). Broken variants
-(another page's constants, the split one word off) must fail the same comparisons.
+a row shorter than one block, all-ones words (sums far past 2**64), a page checksummed in
+two parts added to the same sums (a load in groups of layers). Broken variants (another
+page's constants, the split one word off, a part's place in the page dropped) must fail
+the same comparisons.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ CASES = {  # name: (pages, words per row, split word, row stride in words)
     "one-segment": (2, 700, 700, 700),
     "short": (2, 3, 1, 3),
     "all-ones": (1, 1000, 300, 1000),
+    "two-parts": (2, 1500, 1500, 1503),  # checksummed as words [0, 700) then [700, 1500)
 }
+CUT = 700
 
 
 def case(name, variant):
@@ -47,8 +51,14 @@ def case(name, variant):
         constants = np.roll(constants, 1, axis=0) if pages > 1 else checksum_constants(b"x" * 16)[None]
     sums = torch.zeros(pages, 2, 2, dtype=torch.int64)
     split_words = split + 1 if variant == "split-off-by-one" else split
-    checksum_rows(rows, torch.from_numpy(constants.view(np.int64)), sums, split_words * 8,
-                  BLOCK_WORDS, TILE_BLOCKS)
+    consts = torch.from_numpy(constants.view(np.int64))
+    if name == "two-parts":
+        place = 0 if variant == "part-place-dropped" else CUT * 8
+        checksum_rows(rows[:, : CUT * 8], consts, sums, split_words * 8, 0, BLOCK_WORDS, TILE_BLOCKS)
+        checksum_rows(rows[:, CUT * 8 :], consts, sums, split_words * 8, place, BLOCK_WORDS,
+                      TILE_BLOCKS)
+    else:
+        checksum_rows(rows, consts, sums, split_words * 8, 0, BLOCK_WORDS, TILE_BLOCKS)
     got = sums.numpy().view(np.uint64)
     for p in range(pages):
         w = buf[p * stride:p * stride + words]
@@ -59,7 +69,8 @@ def case(name, variant):
     return True
 
 
-print(json.dumps({v: {n: case(n, v) for n in CASES} for v in ("kernel", "other-constants", "split-off-by-one")}))
+VARIANTS = ("kernel", "other-constants", "split-off-by-one", "part-place-dropped")
+print(json.dumps({v: {n: case(n, v) for n in CASES} for v in VARIANTS}))
 """
 
 
@@ -79,4 +90,6 @@ def test_checksum_kernel_equals_the_cpu_checksum_in_the_interpreter() -> None:
         "one-segment": True,
         "short": False,
         "all-ones": False,
+        "two-parts": True,  # one segment too
     }
+    assert [n for n, ok in out["part-place-dropped"].items() if not ok] == ["two-parts"]

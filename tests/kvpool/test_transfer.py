@@ -159,3 +159,23 @@ def test_cuda_back_to_back_stores_each_commit_the_checksums_of_their_bytes() -> 
         assert (
             job.checksums()[0][0] == payload_checksum(words, checksum_constants(keys[i])).tobytes()
         )
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", ["tiny-llama", "tiny-gemma3"])
+def test_cuda_warm_up_writes_only_the_blocks_no_sequence_owns(shape: str) -> None:
+    """The connector compiles its kernels when it binds, gathering each cache's last
+    block (outside the block manager) and scattering it back: no block changes."""
+    from kvshare.kvpool.transfer_cuda import CudaTransfer
+
+    device = torch.device("cuda")
+    cache = KVCacheLayout.allocate(shape_preset(shape), 8, 16, torch.bfloat16, device)
+    tensors = [cache.kv] + ([] if cache.sliding_kv is None else [cache.sliding_kv])
+    for kv in tensors:
+        kv.copy_(torch.randn(kv.shape, device=device))
+    before = [kv.clone() for kv in tensors]
+    CudaTransfer(cache.kv, PageLayout.of(cache, 32), sliding_kv=cache.sliding_kv).warm_up(
+        (3 << 20,)
+    )
+    for kv, old in zip(tensors, before):
+        assert torch.equal(kv, old)

@@ -1,0 +1,173 @@
+"""Loads in groups of layers: which loads are split and how, the fences the compute side
+runs before each slot, and an engine that computes its first layers while the last are
+still copied answering exactly as without the pool (its broken variant does not)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvshare import LLM, SamplingParams
+from kvshare.engine.connector import KVCacheLayout, SlotFences
+from kvshare.kvpool.connector import PoolConnector
+from kvshare.kvpool.faults import FaultInjection
+from kvshare.kvpool.launch import PoolProcess
+from kvshare.kvpool.layout import PageLayout
+from kvshare.kvpool.transfer import LayerGroups, PageCopy
+from kvshare.kvpool.transfer_cpu import ThreadTransfer
+from kvshare.models.presets import shape_preset
+from tests.kvpool.pool_fixture import MIB, PoolFactory
+
+CHUNK = 32
+
+
+def _layout(global_slots: int, slot_mib: float, sliding: bool = False) -> PageLayout:
+    slot_bytes = int(slot_mib * MIB)
+    return PageLayout(
+        chunk_tokens=256,
+        block_size=16,
+        num_slots=global_slots + (4 if sliding else 0),
+        num_global_slots=global_slots,
+        slot_bytes=slot_bytes,
+        dtype=torch.bfloat16,
+    )
+
+
+def _copies(layout: PageLayout, nbytes: int, pages: int = 3) -> list[PageCopy]:
+    return [PageCopy(i * nbytes, nbytes, (), bytes(16)) for i in range(pages)]
+
+
+@pytest.mark.parametrize(
+    "global_slots, slot_mib, sliding, groups, expected",
+    [
+        # qwen3.5-27b, bf16: 16 layers of 1 MiB per page -> 4 groups of 4 MiB
+        (16, 1.0, False, LayerGroups(), [range(0, 4), range(4, 8), range(8, 12), range(12, 16)]),
+        # the same in fp8 (half the bytes, plus scales): 2 groups of at least 4 MiB
+        (16, 0.516, False, LayerGroups(), [range(0, 8), range(8, 16)]),
+        # a page under twice the minimum comes whole
+        (16, 0.25, False, LayerGroups(), [range(0, 16)]),
+        # uneven: every slot once, in order
+        (
+            10,
+            1.0,
+            False,
+            LayerGroups(min_bytes=1, max_groups=3),
+            [range(0, 3), range(3, 6), range(6, 10)],
+        ),
+        # never more groups than slots
+        (2, 8.0, False, LayerGroups(min_bytes=1), [range(0, 1), range(1, 2)]),
+    ],
+)
+def test_layer_groups_split_global_only_loads(
+    global_slots: int,
+    slot_mib: float,
+    sliding: bool,
+    groups: LayerGroups,
+    expected: list[range],
+) -> None:
+    layout = _layout(global_slots, slot_mib, sliding)
+    assert groups.ranges(layout, _copies(layout, layout.global_bytes)) == expected
+
+
+def test_loads_with_sliding_layers_or_partial_pages_come_whole() -> None:
+    groups = LayerGroups(min_bytes=1)
+    sliding = _layout(8, 1.0, sliding=True)
+    assert groups.ranges(sliding, _copies(sliding, sliding.global_bytes)) == [range(8)]
+    plain = _layout(8, 1.0)
+    odd = [*_copies(plain, plain.global_bytes), PageCopy(0, plain.slot_bytes, (), bytes(16))]
+    assert groups.ranges(plain, odd) == [range(8)]
+    assert groups.ranges(plain, []) == [range(8)]
+    with pytest.raises(ValueError):
+        LayerGroups(min_bytes=0)
+
+
+def test_fences_run_each_wait_once_right_before_its_slots() -> None:
+    ran: list[str] = []
+    fences = SlotFences()
+    fences.add(0, 2, lambda: ran.append("a"))
+    fences.add(2, 4, lambda: ran.append("b"))
+    fences.add(4, 6, lambda: ran.append("c"))
+    fences.before(1)
+    assert ran == ["a"] and len(fences) == 2
+    fences.before(0)  # already waited for
+    fences.before(3)
+    assert ran == ["a", "b"]
+    fences.drain()
+    assert ran == ["a", "b", "c"] and len(fences) == 0
+    fences.before(5)
+    assert ran == ["a", "b", "c"]
+
+
+def test_a_grouped_cpu_load_brings_the_same_bytes_and_checksums_as_a_whole_one() -> None:
+    cache = KVCacheLayout.allocate(
+        shape_preset("tiny-llama"), 8, 16, torch.float32, torch.device("cpu")
+    )
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(4)))
+    layout = PageLayout.of(cache, CHUNK)
+    whole = ThreadTransfer(cache.kv, layout)
+    grouped = ThreadTransfer(cache.kv, layout, layer_groups=LayerGroups(min_bytes=1))
+    arena = torch.zeros(2 * layout.payload_bytes, dtype=torch.uint8)
+    for transfer in (whole, grouped):
+        transfer.set_arena(arena)
+    key = bytes(range(16))
+    whole.store([PageCopy(0, layout.payload_bytes, (5, 2), key)]).wait()
+    loads = [
+        transfer.load([PageCopy(0, layout.payload_bytes, blocks, key)])
+        for transfer, blocks in ((whole, (1, 3)), (grouped, (4, 6)))
+    ]
+    for transfer in (whole, grouped):
+        transfer.synchronize()
+    assert [slots for slots, _ in loads[1].slot_waits] == [range(0, 1), range(1, 2)]
+    assert loads[0].slot_waits == []
+    assert loads[0].checksums() == loads[1].checksums()
+    assert torch.equal(cache.kv[:, :, [4, 6]], cache.kv[:, :, [5, 2]])
+    assert torch.equal(cache.kv[:, :, [1, 3]], cache.kv[:, :, [5, 2]])
+
+
+@pytest.fixture
+def pool() -> Iterator[PoolProcess]:
+    factory = PoolFactory()
+    yield factory.start(factory.config(size_bytes=64 * MIB, slab_bytes=16 * MIB))
+    factory.close()
+
+
+def _replica(pool: PoolProcess | None, faults: FaultInjection | None = None) -> LLM:
+    llm = LLM(
+        "shape:tiny-qwen3.5",
+        dtype="float32",
+        kv_pool=None if pool is None else pool.address,
+        chunk_tokens=CHUNK,
+        max_num_batched_tokens=4 * CHUNK,
+        kv_pool_faults=faults,
+    )
+    connector = llm.engine.connector
+    if connector is not None:
+        assert isinstance(connector, PoolConnector) and connector.transfer is not None
+        connector.transfer.layer_groups = LayerGroups(min_bytes=1)  # 2 groups of 1 layer
+    return llm
+
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_replica_computing_behind_a_grouped_restore_answers_as_without_the_pool(
+    pool: PoolProcess, broken: bool
+) -> None:
+    """A hybrid model restored layer group by layer group (its state first), the copies
+    held back 0.3 s: each attention layer waits for its own group, and the answer is the
+    no-pool answer. Broken ("load_slots": the layers do not wait) it is not."""
+    prompt = [(7 * i) % 400 + 3 for i in range(6 * CHUNK + 5)]
+    reference = _replica(None).generate([prompt], GREEDY)[0]
+    writer = _replica(pool)
+    writer.generate([prompt[: 6 * CHUNK + 1]], GREEDY)
+    writer.engine.connector.wait_idle()  # type: ignore[union-attr]
+    faults = FaultInjection(load_delay=0.3, break_order="load_slots" if broken else "")
+    out = _replica(pool, faults).generate([prompt], GREEDY)[0]
+    assert out.pool_hit_tokens == 6 * CHUNK
+    same = out.token_ids == reference.token_ids and torch.allclose(
+        torch.tensor(out.logprobs), torch.tensor(reference.logprobs), atol=1e-4
+    )
+    assert same is not broken
