@@ -243,6 +243,24 @@ class CudaTransfer(Transfer):
         issued.record(torch.cuda.current_stream(self.device))
         stream.wait_event(issued)
 
+    def _start_load(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """The load's (copy, scatter) streams, ordered as a load must be (and delayed when
+        a fault asks)."""
+        copy_s, scatter_s = self.streams["load_copy"], self.streams["load_scatter"]
+        self._after_compute(scatter_s)
+        if self.delay_cycles:
+            with torch.cuda.stream(copy_s):
+                torch.cuda._sleep(self.delay_cycles)
+        return copy_s, scatter_s
+
+    def _load_tables(self, copies: Sequence[PageCopy], stream: torch.cuda.Stream) -> _LoadTables:
+        pairs = self._pairs(copies, stream)
+        sliding_pairs = self._sliding_pairs(copies, stream)
+        constants = self._constants([c.key for c in copies], stream)
+        with torch.cuda.stream(stream):
+            sums = torch.zeros((len(copies), 2, 2), dtype=torch.int64, device=self.device)
+        return _LoadTables(pairs, sliding_pairs, constants, sums)
+
     def load(self, copies: Sequence[PageCopy]) -> TransferJob:
         """Pages of adjacent arena slots come in one copy per group (span_groups), and the
         first copy is issued before the tables the scatter needs are built: until the
@@ -252,20 +270,11 @@ class CudaTransfer(Transfer):
             return self._load_by_layers(copies, ranges)
         assert self.arena is not None
         arena = self.arena
-        copy_s, scatter_s = self.streams["load_copy"], self.streams["load_scatter"]
-        self._after_compute(scatter_s)
-        if self.delay_cycles:
-            with torch.cuda.stream(copy_s):
-                torch.cuda._sleep(self.delay_cycles)
+        copy_s, scatter_s = self._start_load()
         tables: list[_LoadTables] = []
 
         def upload_tables() -> None:
-            pairs = self._pairs(copies, scatter_s)
-            sliding_pairs = self._sliding_pairs(copies, scatter_s)
-            constants = self._constants([c.key for c in copies], scatter_s)
-            with torch.cuda.stream(scatter_s):
-                sums = torch.zeros((len(copies), 2, 2), dtype=torch.int64, device=self.device)
-            tables.append(_LoadTables(pairs, sliding_pairs, constants, sums))
+            tables.append(self._load_tables(copies, scatter_s))
 
         def fill(buffer: torch.Tensor, group: SpanGroup) -> torch.Tensor:
             return fill_span(buffer, arena, group)
@@ -291,18 +300,11 @@ class CudaTransfer(Transfer):
         arena), checksummed at its place in the page and scattered before the next group
         starts, and an event after each group's last scatter is that group's wait."""
         assert self.arena is not None
-        copy_s, scatter_s = self.streams["load_copy"], self.streams["load_scatter"]
-        self._after_compute(scatter_s)
-        if self.delay_cycles:
-            with torch.cuda.stream(copy_s):
-                torch.cuda._sleep(self.delay_cycles)
+        _, scatter_s = self._start_load()
         tables: list[_LoadTables] = []
 
         def upload_tables() -> None:
-            constants = self._constants([c.key for c in copies], scatter_s)
-            with torch.cuda.stream(scatter_s):
-                sums = torch.zeros((len(copies), 2, 2), dtype=torch.int64, device=self.device)
-            tables.append(_LoadTables(self._pairs(copies, scatter_s), None, constants, sums))
+            tables.append(self._load_tables(copies, scatter_s))
 
         waits: list[tuple[range, Callable[[], None]]] = []
         for slots in ranges:
