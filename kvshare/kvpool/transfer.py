@@ -9,7 +9,7 @@ when its last scatter has completed, and the compute stream waits on it before r
 A load of global layers only may come in groups of layers (`LayerGroups`, opt-in): it
 then hands the compute side one wait per group (`SlotFences`) instead of one for the
 whole load, and a step's first layers compute while its last layers are still copied.
-On the H200 this did not pay yet (docs/results/2026-12-04-h200-layer-groups.md): every
+On the H200 this did not pay yet (docs/results/2026-12-04-h200-session.md): every
 page's part of a group is its own host copy (2,048 copies at 131k tokens: ~85 ms of
 host time against ~22 ms for whole pages), and the step's block-table upload queues
 behind the load's copies on the copy engine, so the step still waits for the last one.
@@ -84,8 +84,8 @@ class LayerGroups:
 class TransferJob(ABC):
     """`always_done` is the injected broken load ordering: done() without waiting.
     `slot_waits` (loads): per range of cache slots, what makes the compute side wait for
-    that range's copies, in copy order (one range covering every slot when the load came
-    whole)."""
+    that range's copies, in copy order (empty when the load came whole: the compute side
+    then waits for all of it)."""
 
     def __init__(self, num_pages: int, num_segments: int, always_done: bool) -> None:
         self.num_pages = num_pages
