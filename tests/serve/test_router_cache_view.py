@@ -7,6 +7,7 @@ by a later health check."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -210,5 +211,9 @@ def test_a_requests_queued_work_counts_until_its_answer_begins(
 
             monkeypatch.setattr(policy, name, recorded)
         ask(client, seed=40)
+        # The router ends the request after the client has its last byte: wait for it.
+        deadline = time.monotonic() + 10.0
+        while len(calls) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
         # Sent: nothing queued yet; answered: the whole prompt still queued; then none.
         assert calls == [("started", 0), ("answered", PROMPT_TOKENS), ("ended", 0)]
