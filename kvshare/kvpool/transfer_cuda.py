@@ -468,7 +468,7 @@ class CudaTransfer(Transfer):
 
     def _wait_whole(self, job: TransferJob) -> None:
         assert isinstance(job, _CudaJob)
-        torch.cuda.current_stream(self.device).wait_event(job.event)
+        self._waiter(job.event)()
 
     def synchronize(self) -> None:
         for stream in self.streams.values():
