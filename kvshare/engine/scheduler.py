@@ -1,10 +1,17 @@
 """Continuous batching with chunked prefill under a token budget.
 
-Each step the scheduler hands the runner (sequence, number of new tokens) pairs. Running
-sequences go first, in arrival order, so decodes are never starved by long prefills;
-waiting sequences are admitted while the token budget, the sequence limit and free
-blocks allow. When blocks run out, the most recently admitted running sequence is
-preempted: its blocks are released and it is recomputed later.
+Each step the scheduler hands the runner (sequence, number of new tokens) pairs. Short
+work goes first: running sequences with at most 1/SHORT_WORK_SHARE of the step's token
+budget left to compute (decodes, the tail of a prefill), then waiting sequences whose
+GPU-cached prefix leaves that little (a question about a document this replica holds).
+Each adds a few tokens to the step and gets its first token in it, instead of after
+every long prefill ahead of it: with a long prefill running, a cached question would
+otherwise wait for all of it (on the H200, with four 16k-token documents queued per
+replica, every question's first token came at the end, ~20 s). Then the long work:
+running sequences in arrival order, then waiting ones, while the token budget, the
+sequence limit and free blocks allow. When blocks run out, the most recently admitted
+running sequence not yet scheduled in this step is preempted: its blocks are released
+and it is recomputed later.
 
 Admission reuses the GPU-local prefix cache, then asks the connector for more. A pool
 restore is optimistic: the sequence's new tokens are scheduled in the same step, the
@@ -66,10 +73,15 @@ class ScheduledChunk:
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
+# Short work: at most this share of the step's token budget left to compute.
+SHORT_WORK_SHARE = 16
+
+
 class Admission(enum.Enum):
     ADMITTED = "admitted"
     NO_ROOM = "no_room"  # blocks do not fit yet: admission stops here (first come first served)
     WAITS = "waits"  # its prefix is being computed: the sequences behind it may go first
+    LONG = "long"  # more than the short work limit to compute: admitted after the long work
 
 
 class Scheduler:
@@ -166,28 +178,52 @@ class Scheduler:
         return failed
 
     def schedule(self) -> list[ScheduledChunk]:
-        budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         if self.states is not None and self.blocks.enable_prefix_caching:
             # Before the running sequences' steps are sized: a writer about to pass the
             # snapshot a queued sequence needs must stop there, budget or not.
             for seq in self.waiting:
                 self._snapshot_ahead(seq, 0)
+        budget = self.config.max_num_batched_tokens
+        short = max(1, budget // SHORT_WORK_SHARE)
+        budget = self._schedule_running(chunks, budget, max_left=short)
+        budget = self._admit_waiting(chunks, budget, max_left=short)
+        budget = self._schedule_running(chunks, budget, max_left=None)
+        self._admit_waiting(chunks, budget, max_left=None)
+        return chunks
+
+    def _schedule_running(
+        self, chunks: list[ScheduledChunk], budget: int, max_left: int | None
+    ) -> int:
+        """Chunks for the running sequences not scheduled yet (with at most `max_left`
+        tokens left, when given), in arrival order; returns the budget left."""
+        scheduled = {id(c.seq) for c in chunks}
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq not in self.running:
-                continue  # preempted below to make room for an earlier sequence
-            n = self._cap_at_snapshot(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
-            if not self._reserve_blocks(seq, seq.num_computed_tokens + n):
+            left = seq.num_tokens - seq.num_computed_tokens
+            if seq not in self.running or id(seq) in scheduled:
+                continue  # preempted below to make room for an earlier sequence, or done
+            if max_left is not None and left > max_left:
+                continue
+            n = self._cap_at_snapshot(seq, min(left, budget))
+            if not self._reserve_blocks(seq, seq.num_computed_tokens + n, chunks):
                 continue
             chunks.append(ScheduledChunk(seq, n))
+            scheduled.add(id(seq))
             budget -= n
+        return budget
+
+    def _admit_waiting(
+        self, chunks: list[ScheduledChunk], budget: int, max_left: int | None
+    ) -> int:
+        """Admit waiting sequences in order (only those whose GPU-cached prefix leaves at
+        most `max_left` tokens, when given) and schedule their first chunks."""
         for seq in list(self.waiting):
             if budget == 0 or self._num_admitted() >= self.config.max_num_seqs:
                 break
-            admission = self._admit(seq)
-            if admission is Admission.WAITS:
+            admission = self._admit(seq, max_left)
+            if admission in (Admission.WAITS, Admission.LONG):
                 continue
             if admission is Admission.NO_ROOM:
                 break
@@ -197,7 +233,7 @@ class Scheduler:
                 break  # cannot happen: _admit reserved the first chunk's blocks
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
-        return chunks
+        return budget
 
     @staticmethod
     def _cap_at_snapshot(seq: Sequence, n: int) -> int:
@@ -229,10 +265,12 @@ class Scheduler:
     def _num_admitted(self) -> int:
         return len(self.running)
 
-    def _reserve_blocks(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grow seq's blocks to num_tokens, preempting later sequences if needed."""
+    def _reserve_blocks(self, seq: Sequence, num_tokens: int, chunks: list[ScheduledChunk]) -> bool:
+        """Grow seq's blocks to num_tokens, preempting later sequences if needed (never
+        one already scheduled in this step's `chunks`)."""
+        scheduled = {id(c.seq) for c in chunks}
         while not self._grow(seq, num_tokens):
-            victim = self.running[-1]
+            victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
             self._preempt(victim)
             if victim is seq:
                 return False
@@ -321,12 +359,14 @@ class Scheduler:
             self.counters[counter] += 1
         return Admission.WAITS
 
-    def _admit(self, seq: Sequence) -> Admission:
+    def _admit(self, seq: Sequence, max_left: int | None = None) -> Admission:
         """Give seq its cached prefix and the blocks of its first chunk; start a pool load.
 
         Hits never cover the last token: its logits are needed. Leaves seq waiting,
         holding nothing, when its next blocks are being computed (here, or elsewhere and
-        the connector says wait) or when the blocks do not fit yet.
+        the connector says wait), when the blocks do not fit yet, or when its GPU-cached
+        prefix leaves more than `max_left` tokens to compute (the pool is not asked then:
+        a lookup claims chunks and counts misses, once per admission).
         """
         bs = self.blocks.block_size
         usable = (seq.num_tokens - 1) // bs
@@ -338,6 +378,8 @@ class Scheduler:
         if self.sliding is not None:
             num_cached, sliding_table = self.sliding.match(seq.block_hashes[: len(cached)])
             cached = cached[:num_cached]
+        if max_left is not None and seq.num_tokens - len(cached) * bs > max_left:
+            return Admission.LONG
         if self._computed_by_another(seq, len(cached)):
             return self._wait(seq, "local_waits")
         local_tokens = len(cached) * bs

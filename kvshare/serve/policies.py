@@ -17,7 +17,7 @@ before replying leaves no trace.
   cache or being computed there + `pool_credit` x the further tokens the shared pool holds
   (whole chunks only; 0 for a replica that does not use the pool) - `load_penalty_tokens` x
   requests in flight - `queued_work_weight` x the prompt tokens the replica still has to
-  compute for other prefixes before this request's step. The router feeds it what
+  compute for other prefixes before this request's step (sent before any work it shares). The router feeds it what
   replicas report of their caches (`observe`), so resets and evictions leave its view.
   See docs/serving.md.
 
@@ -344,12 +344,14 @@ class CacheAware(Policy):
         self._pool = PrefixIndex(config.pool_index_blocks)
         self._turn = 0
         # Prompt tokens to compute for requests sent and not yet answered, per replica, by
-        # the (index, hash) of the first block each computes. A request whose prefix holds
-        # that block shares everything that work computes up to it (chained hashes) and
-        # waits for it wherever it goes (in the replica, or through the pool): to it, that
-        # work is its own, and only the rest is a queue.
-        self._queued: list[Counter[tuple[int, bytes]]] = [Counter() for _ in range(num_replicas)]
-        self._queued_total = [0] * num_replicas
+        # the (index, hash) of the first block each computes, in the order that work was
+        # first sent (a replica prefills first come, first served). A request whose prefix
+        # holds that block shares everything that work computes up to it (chained hashes)
+        # and waits for it wherever it goes (in the replica, or through the pool): to it,
+        # that work is its own, and only the work sent before its own is a queue.
+        self._queued: list[OrderedDict[tuple[int, bytes], int]] = [
+            OrderedDict() for _ in range(num_replicas)
+        ]
         # Each started attempt's (first computed block, tokens), until answered or ended.
         # Keyed by the request object, which the router passes to started, answered, ended.
         self._work: dict[tuple[int, int], list[tuple[tuple[int, bytes], int]]] = {}
@@ -368,14 +370,16 @@ class CacheAware(Policy):
         return tokens // self._config.chunk_tokens * self._config.chunk_tokens
 
     def queued_tokens(self, request: RouteRequest, replica: int) -> int:
-        """Prompt tokens `replica` computes for other prefixes before `request`'s step."""
+        """Prompt tokens `replica` computes for other prefixes before `request`'s step: all
+        its queued work, or, when the queue holds work this request shares, the work sent
+        before that."""
         prefix = request.prefix
-        own = sum(
-            work
-            for (index, block), work in self._queued[replica].items()
-            if index < len(prefix) and prefix[index] == block
-        )
-        return self._queued_total[replica] - own
+        ahead = 0
+        for (index, block), work in self._queued[replica].items():
+            if index < len(prefix) and prefix[index] == block:
+                break
+            ahead += work
+        return ahead
 
     def score(self, request: RouteRequest, replica: ReplicaLoad, pool_tokens: int) -> float:
         gpu = self.gpu_tokens(request, replica.index)
@@ -410,8 +414,8 @@ class CacheAware(Policy):
             work = (len(request.prefix) - first) * request.block_tokens
             key = (first, request.prefix[first])
             self._work.setdefault((id(request), replica), []).append((key, work))
-            self._queued[replica][key] += work
-            self._queued_total[replica] += work
+            queued = self._queued[replica]
+            queued[key] = queued.get(key, 0) + work
         self._computing[replica].update(request.prefix)
 
     def answered(self, request: RouteRequest, replica: int) -> None:
@@ -430,7 +434,6 @@ class CacheAware(Policy):
         queued[block] -= work
         if queued[block] <= 0:
             del queued[block]
-        self._queued_total[replica] -= work
 
     def ended(self, request: RouteRequest, replica: int) -> None:
         self._computed(request, replica)

@@ -231,6 +231,10 @@ def test_shared_prefix_bounds_concurrency_and_shares_few_documents(
     assert not {r.body["tokens"][:40] for r in requests[:12]} & {
         r.body["tokens"][:40] for r in requests[12:]
     }
+    # The same users in the same order in every block: block medians compare conditions,
+    # not which documents the first questions happened to ask about.
+    orders = [[r.tag.label for r in b.records] for b in result.blocks]
+    assert orders[0] == orders[1] and orders[0] != sorted(orders[0])
     [ttft] = compare(result.blocks, Design.parse("OFF-ON"), BootstrapSpec(100))
     assert ttft.counts == (12, 12) and (ttft.hit_rates[1] or 0.0) > (ttft.hit_rates[0] or 0.0)
 

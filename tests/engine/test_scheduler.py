@@ -201,6 +201,59 @@ def test_running_decodes_are_scheduled_before_a_new_prefill(loaded: LoadedModel)
     drive(engine)
 
 
+def test_a_cached_question_goes_before_a_long_prefill_and_so_do_its_decodes(
+    loaded: LoadedModel, solo: LLMEngine
+) -> None:
+    """Short work first: a question whose document is in the GPU cache (3 tokens left,
+    under 1/16 of the 64-token budget) joins the very next step instead of waiting for the
+    unrelated 320-token prefill running ahead of it, and its decodes go before that
+    prefill's chunks too; the long prefill takes what is left and still advances every
+    step."""
+    engine = make_engine(loaded, 64, max_num_batched_tokens=64)
+    rec = Recorder(engine)
+    document = prompts(1, (96, 96), seed=14)[0]
+    run(engine, [[*document, 1]])  # the document's 6 blocks are now cached
+    rec.steps.clear()
+    engine.add_request("long", prompts(1, (320, 320), seed=15)[0], GREEDY)
+    engine.step()
+    question = [*document, 7, 8, 9]
+    engine.add_request("question", question, GREEDY)
+    for _ in range(3):
+        engine.step()
+    steps = [[(seq.request_id, start, n) for seq, start, n in step] for step in rec.steps]
+    assert steps[0] == [("long", 0, 64)]
+    assert steps[1] == [("question", 96, 3), ("long", 64, 61)]
+    assert steps[2] == [("question", 99, 1), ("long", 125, 63)]
+    assert steps[3] == [("question", 100, 1), ("long", 188, 63)]
+    done = drive(engine)
+    assert done["question"].gpu_hit_tokens == 96
+    assert done["question"].token_ids == alone(solo, question)
+    assert done["long"].token_ids == alone(solo, prompts(1, (320, 320), seed=15)[0])
+
+
+def test_a_long_prefill_short_of_blocks_never_preempts_work_already_in_the_step(
+    loaded: LoadedModel, solo: LLMEngine
+) -> None:
+    """The question, admitted after the long prompt, is scheduled first (short work) and
+    is the most recently admitted: when the long prompt's chunk finds no free block, the
+    victim is the long prompt itself, never the question whose chunk the step holds."""
+    engine = make_engine(loaded, 20, max_num_batched_tokens=64)
+    rec = Recorder(engine)
+    document = prompts(1, (96, 96), seed=16)[0]
+    run(engine, [[*document, 1]])
+    long_prompt = prompts(1, (250, 250), seed=17)[0]
+    engine.add_request("long", long_prompt, GREEDY)
+    engine.step()
+    question = [*document, 7, 8, 9]
+    engine.add_request("question", question, GREEDY)
+    done = drive(engine)
+    [long_seq] = [seq for seq in rec.seqs if seq.request_id == "long"]
+    assert long_seq.num_preemptions > 0
+    assert done["question"].gpu_hit_tokens == 96
+    assert done["question"].token_ids == alone(solo, question)
+    assert done["long"].token_ids == alone(solo, long_prompt)
+
+
 def test_abort_frees_blocks(loaded: LoadedModel) -> None:
     engine = make_engine(loaded, 10, max_num_batched_tokens=64)
     rec = Recorder(engine)
