@@ -119,6 +119,11 @@ class Scheduler:
         self.counters: Counter[str] = Counter()
 
     @property
+    def short_work_tokens(self) -> int:
+        """Tokens left to compute that make a sequence short work (scheduled first)."""
+        return max(1, self.config.max_num_batched_tokens // SHORT_WORK_SHARE)
+
+    @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
@@ -185,7 +190,7 @@ class Scheduler:
             for seq in self.waiting:
                 self._snapshot_ahead(seq, 0)
         budget = self.config.max_num_batched_tokens
-        short = max(1, budget // SHORT_WORK_SHARE)
+        short = self.short_work_tokens
         budget = self._schedule_running(chunks, budget, max_left=short)
         budget = self._admit_waiting(chunks, budget, max_left=short)
         budget = self._schedule_running(chunks, budget, max_left=None)

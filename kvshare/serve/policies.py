@@ -17,9 +17,10 @@ before replying leaves no trace.
   cache or being computed there + `pool_credit` x the further tokens the shared pool holds
   (whole chunks only; 0 for a replica that does not use the pool) - `load_penalty_tokens` x
   requests in flight - `queued_work_weight` x the prompt tokens the replica still has to
-  compute for other prefixes before this request's step (sent before any work it shares). The router feeds it what
-  replicas report of their caches (`observe`), so resets and evictions leave its view.
-  See docs/serving.md.
+  compute for other prefixes before this request's step (those sent before any work it
+  shares; at most one step's budget for a request the replica would take as short work).
+  The router feeds it what replicas report of their caches and steps (`observe`), so
+  resets and evictions leave its view. See docs/serving.md.
 
 The router calls `started(request, replica)` when it sends a request,
 `answered(request, replica)` when the replica's answer begins (its prefill is over), and
@@ -157,6 +158,20 @@ class Policy(ABC):
 
 
 @dataclass(frozen=True)
+class StepShape:
+    """A replica's engine step: its token budget, and the most tokens a request may have
+    left to compute past its GPU-cached prefix to be short work, which joins the next step
+    ahead of long prefills (kvshare.engine.scheduler)."""
+
+    step_tokens: int
+    short_work_tokens: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.short_work_tokens <= self.step_tokens:
+            raise ValueError(f"need 1 <= short work <= step tokens: {self}")
+
+
+@dataclass(frozen=True)
 class CacheUpdate:
     """One report of a replica's caches (its GET /admin/cache_events), in routing terms."""
 
@@ -166,6 +181,7 @@ class CacheUpdate:
     uses_pool: bool = True  # the replica reads and writes the shared pool
     pool_blocks: int | None = None  # the pool's capacity in routing blocks; None: unknown
     pool_cleared: bool = False  # the pool was cleared (or restarted) since the last report
+    step: StepShape | None = None  # None: a replica that serves first come, first served
 
 
 class RoundRobin(Policy):
@@ -324,11 +340,11 @@ class PrefixIndex:
 
 
 class CacheAware(Policy):
-    """Four views per replica: its GPU cache as reported (and, until the next report,
+    """Five views per replica: its GPU cache as reported (and, until the next report,
     predicted from the prompts it answered), the prefixes of the requests it is computing,
-    the prompt tokens those requests still have to compute (estimated when sent), and
-    whether it uses the pool. One view of the pool: what replicas using it answered,
-    bounded by its reported capacity and forgotten when it is cleared."""
+    the prompt tokens those requests still have to compute (estimated when sent), whether
+    it uses the pool, and its step's shape. One view of the pool: what replicas using it
+    answered, bounded by its reported capacity and forgotten when it is cleared."""
 
     name = "cache-aware"
     uses_prefix = True
@@ -341,6 +357,7 @@ class CacheAware(Policy):
         # request behind them is admitted (or are being computed, which it can wait for).
         self._computing: list[Counter[bytes]] = [Counter() for _ in range(num_replicas)]
         self._uses_pool = [True] * num_replicas
+        self._steps: list[StepShape | None] = [None] * num_replicas
         self._pool = PrefixIndex(config.pool_index_blocks)
         self._turn = 0
         # Prompt tokens to compute for requests sent and not yet answered, per replica, by
@@ -372,13 +389,19 @@ class CacheAware(Policy):
     def queued_tokens(self, request: RouteRequest, replica: int) -> int:
         """Prompt tokens `replica` computes for other prefixes before `request`'s step: all
         its queued work, or, when the queue holds work this request shares, the work sent
-        before that."""
+        before that; at most one step's budget when the request would be short work there
+        (it joins the next step, ahead of the long prefills)."""
         prefix = request.prefix
         ahead = 0
         for (index, block), work in self._queued[replica].items():
             if index < len(prefix) and prefix[index] == block:
                 break
             ahead += work
+        step = self._steps[replica]
+        if step is not None:
+            left = len(prefix) * request.block_tokens - self.gpu_tokens(request, replica)
+            if left <= step.short_work_tokens:
+                return min(ahead, step.step_tokens)
         return ahead
 
     def score(self, request: RouteRequest, replica: ReplicaLoad, pool_tokens: int) -> float:
@@ -450,6 +473,7 @@ class CacheAware(Policy):
         gpu.discard(update.removed)
         gpu.insert(update.stored)
         self._uses_pool[replica] = update.uses_pool
+        self._steps[replica] = update.step
         if update.pool_cleared:
             self._pool.clear()
         if update.pool_blocks is not None:

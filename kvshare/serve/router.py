@@ -47,6 +47,7 @@ from kvshare.serve.policies import (
     CacheUpdate,
     PolicyConfig,
     RouteRequest,
+    StepShape,
     make_policy,
 )
 from kvshare.serve.replica_admin import ENGINES, KVShareReplicaAdmin, replica_admin
@@ -325,6 +326,9 @@ class Router:
             uses_pool=bool(answer["kv_pool_enabled"]) and isinstance(pool, dict),
             pool_blocks=pool_blocks,
             pool_cleared=cleared,
+            step=None
+            if answer.get("step_tokens") is None
+            else StepShape(int(answer["step_tokens"]), int(answer["short_work_tokens"])),
         )
 
     def _set_health(self, replica: Replica, healthy: bool, reason: str = "") -> None:

@@ -373,6 +373,10 @@ class ReplicaServer:
                 "stored": [h.hex() for h in events.stored],
                 "removed": [h.hex() for h in events.removed],
                 "kv_pool_enabled": connector is not None and connector.enabled,
+                # A request with at most short_work_tokens to compute past its GPU-cached
+                # prefix joins the next step (of up to step_tokens) ahead of long prefills.
+                "step_tokens": engine.scheduler.config.max_num_batched_tokens,
+                "short_work_tokens": engine.scheduler.short_work_tokens,
                 "pool": None
                 if daemon is None or connector is None
                 else {

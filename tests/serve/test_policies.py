@@ -19,6 +19,7 @@ from kvshare.serve.policies import (
     RoundRobin,
     RouteRequest,
     Session,
+    StepShape,
     make_policy,
     pool_credit,
 )
@@ -331,6 +332,32 @@ def test_cache_aware_counts_only_the_work_queued_ahead_of_a_requests_own() -> No
     policy.started(third, 0)
     assert policy.queued_tokens(prompt(1024 + 32, seed=10), 0) == 4096
     assert policy.queued_tokens(question_second, 0) == 0
+
+
+def test_short_work_waits_for_at_most_one_step_of_the_queue() -> None:
+    """A replica that schedules short work first (it reports its step) puts a question
+    about a document it holds into its next step, whatever prefill is queued: the question
+    waits about one step, not the queue. With the pool off it stays there (elsewhere the
+    document would be computed again); with it on, an idle replica's restore still wins.
+    A request with more than the short work limit to compute waits for the whole queue."""
+    policy = CacheAware(2, CONFIG)
+    step = StepShape(step_tokens=2048, short_work_tokens=128)
+    document = prompt(4096, seed=11)
+    policy.record(document, 0)
+    policy.started(prompt(4096, seed=12), 0)  # another document: 4,096 tokens queued
+    question = prompt(4096 + 32, seed=11)
+    long_prompt = prompt(1024, seed=13)
+    assert policy.queued_tokens(question, 0) == 4096  # no step reported: the whole queue
+    for replica in (0, 1):
+        policy.observe(replica, CacheUpdate(uses_pool=False, step=step))
+    assert policy.queued_tokens(question, 0) == 2048  # 32 tokens left: one step
+    assert policy.queued_tokens(long_prompt, 0) == 4096  # 1,024 left: behind all of it
+    assert policy.choose(question, loads(1, 0)) == 0  # 4096 - 64 - 2048 beats 0
+    for replica in (0, 1):
+        policy.observe(replica, CacheUpdate(uses_pool=True, step=step))
+    assert policy.choose(question, loads(1, 0)) == 1  # 0.8 x 4096 beats 1984
+    with pytest.raises(ValueError, match="short work"):
+        StepShape(step_tokens=128, short_work_tokens=256)
 
 
 def test_the_pool_view_follows_the_pool_size_and_its_clears() -> None:

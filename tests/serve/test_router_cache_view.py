@@ -99,6 +99,29 @@ def test_the_router_learns_a_reset_sent_straight_to_a_replica(
         assert policy.gpu_tokens(route(1), served) == 0
 
 
+def test_the_router_learns_each_replicas_step_and_short_work_limit(
+    replicas: list[tuple[BackgroundServer, LLMEngine]],
+) -> None:
+    """Replicas of 512-token steps: a request with at most 32 tokens past its cached prefix
+    joins the next step, so it waits for at most 512 of the 640 tokens queued there."""
+    urls = [server.url for server, _ in replicas]
+    events = httpx.get(urls[0] + "/admin/cache_events").json()
+    assert (events["step_tokens"], events["short_work_tokens"]) == (512, 32)
+    with routed(urls, policy="cache-aware", health_interval=600.0) as (client, router):
+        policy = router.policy
+        assert isinstance(policy, CacheAware)
+        served = ask(client, seed=30)
+        others = [route(31), route(32)]  # sent to `served`, not answered yet: 640 tokens
+        for request in others:
+            policy.started(request, served)
+        check_all(router)
+        assert policy.queued_tokens(route(30), served) == 512
+        assert policy.queued_tokens(route(33), served) == 640  # 320 to compute: long work
+        for request in others:
+            policy.ended(request, served)
+        assert policy.queued_tokens(route(33), served) == 0
+
+
 def test_the_router_learns_an_eviction(
     replicas: list[tuple[BackgroundServer, LLMEngine]],
 ) -> None:
