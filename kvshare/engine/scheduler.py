@@ -208,7 +208,7 @@ class Scheduler:
                 break
             left = seq.num_tokens - seq.num_computed_tokens
             if seq not in self.running or id(seq) in scheduled:
-                continue  # preempted below to make room for an earlier sequence, or done
+                continue  # preempted to make room for an earlier sequence, or in the step already
             if max_left is not None and left > max_left:
                 continue
             n = self._cap_at_snapshot(seq, min(left, budget))
