@@ -147,9 +147,7 @@ def device_plan(
     staging = 0
     if pool_chunk_tokens is not None:
         staging = staging_bytes(kv_bytes_per_token(config, engine) * pool_chunk_tokens)
-    graphs = (
-        engine.cuda_graphs and not config.linear_layers and need.dtype in ("bfloat16", "float16")
-    )
+    graphs = engine.cuda_graphs and need.dtype in ("bfloat16", "float16")
     return plan_device_memory(config, engine, device_bytes, need.weights_bytes, staging, graphs)
 
 

@@ -354,9 +354,8 @@ class PagedAttention:
 
     @property
     def seq_lens(self) -> tuple[int, ...]:
-        """New tokens per sequence (read by linear-attention layers; a captured decode
-        step's meta has no per-step lengths, and hybrid models are not captured)."""
-        return self.meta.q_lens  # type: ignore[attr-defined]
+        """New tokens per sequence (read by linear-attention layers)."""
+        return self.meta.q_lens
 
     def attend(
         self,

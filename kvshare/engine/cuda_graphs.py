@@ -8,7 +8,11 @@ Rows past the real batch (padding up to the bucket) write their K/V into a trash
 outside the block manager's range (each cache tensor's last block) and attend over it:
 finite garbage in rows nobody reads, never a write into a real block. A sliding-window
 model's sliding layers read the sliding tables through a second set of static slots and
-tables (the sequences' context lengths are shared).
+tables (the sequences' context lengths are shared). A hybrid model's linear-attention
+layers read and write the sequences' state slots through a static slot list, and its
+steps are captured for every batch size up to `max_batch`, so that no row is padding: a
+padding row would need a state slot no sequence holds (for qwen3.5-27b one more 147 MiB
+slot, which pushes two fp8 replicas at 0.48 of an H200 below a 262,144-token context).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 
 from kvshare.engine.attention import AttentionBackend, PagedAttention
 from kvshare.engine.connector import KVCacheLayout
+from kvshare.engine.recurrent_state import RecurrentStates
 from kvshare.models.decoder import CausalLM
 
 
@@ -31,13 +36,19 @@ class GraphStepMeta:
     block_tables: torch.Tensor
     context_lens: torch.Tensor
     block_size: int
+    q_lens: tuple[int, ...]  # one new token per row: what linear-attention layers read
     decode_only: bool = True
 
     def paged(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.block_tables, self.context_lens
 
 
-def graph_buckets(max_batch: int) -> list[int]:
+def graph_buckets(max_batch: int, exact: bool = False) -> list[int]:
+    """Batch sizes captured: every size up to max_batch (`exact`), or 1, 2, 4, 8, then
+    steps of 8 up to 32 and doubling, and max_batch; a step runs in the smallest one that
+    holds it."""
+    if exact:
+        return list(range(1, max_batch + 1))
     buckets = [1, 2, 4, 8]
     while buckets[-1] < max_batch:
         buckets.append(buckets[-1] + 8 if buckets[-1] < 32 else buckets[-1] * 2)
@@ -74,9 +85,11 @@ class DecodeGraphs:
         backend: AttentionBackend,
         max_batch: int,
         max_blocks_per_seq: int,
+        states: RecurrentStates | None = None,
     ) -> None:
         self.model = model
         self.layout = layout
+        self.states = states
         self.block_size = layout.block_size
         device = layout.kv.device
         self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
@@ -87,8 +100,13 @@ class DecodeGraphs:
         if layout.sliding_kv is not None:
             self.sliding_tables = _Tables.allocate(layout.sliding_kv.shape[2] - 1, *shape)
         self.context_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
+        self.state_slots: torch.Tensor | None = None
+        if states is not None:
+            # Distinct slots: what the capture writes there is gone when a sequence gets one
+            # (allocation zeroes it), and no sequence exists yet.
+            self.state_slots = torch.arange(max_batch, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.buckets = graph_buckets(max_batch)
+        self.buckets = graph_buckets(max_batch, exact=states is not None)
         self._capture_all(backend)
 
     @property
@@ -120,6 +138,7 @@ class DecodeGraphs:
                 static.tables[:batch],
                 self.context_lens[:batch],
                 self.block_size,
+                (1,) * batch,
             )
 
         sliding = None if self.sliding_tables is None else meta(self.sliding_tables)
@@ -127,6 +146,8 @@ class DecodeGraphs:
             self.layout,
             meta(self.global_tables),  # type: ignore[arg-type]
             backend,
+            self.states,
+            None if self.state_slots is None else self.state_slots[:batch],
             sliding_meta=sliding,  # type: ignore[arg-type]
         )
         return self.input_ids[:batch], self.positions[:batch], ctx
@@ -144,9 +165,11 @@ class DecodeGraphs:
         block_tables: list[tuple[int, ...]],
         context_lens: np.ndarray,
         sliding: tuple[np.ndarray, list[tuple[int, ...]]] | None = None,
+        state_slots: np.ndarray | None = None,
     ) -> torch.Tensor:
         """One decode step of len(input_ids) sequences; returns their hidden states.
-        `sliding`: the sliding layers' (slots, tables), for a sliding-window model."""
+        `sliding`: the sliding layers' (slots, tables), for a sliding-window model;
+        `state_slots`: the sequences' recurrent-state slots, for a hybrid model."""
         n = len(input_ids)
         batch = next(b for b in self.buckets if b >= n)
         pad = batch - n
@@ -157,6 +180,9 @@ class DecodeGraphs:
         if self.sliding_tables is not None:
             assert sliding is not None, "a sliding-window model's step needs its sliding tables"
             self._upload_tables(self.sliding_tables, batch, *sliding)
+        if self.state_slots is not None:
+            assert state_slots is not None and pad == 0, "a hybrid step: its own state slots"
+            self._upload(self.state_slots[:batch], state_slots)
         return self._replay(batch)[:n]
 
     def _upload_tables(

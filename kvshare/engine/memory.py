@@ -225,11 +225,23 @@ def activation_bytes(model: ModelConfig, config: EngineConfig, tokens: int) -> i
     return tokens * per_token + logits + states + STEP_SLACK_BYTES
 
 
+# A hybrid model's decode steps are captured once per batch size (no padding rows:
+# cuda_graphs.py), so only up to this many sequences; larger steps run eagerly.
+HYBRID_GRAPH_MAX_BATCH = 16
+
+
+def graph_batch(model: ModelConfig, config: EngineConfig) -> int:
+    """The largest decode step captured as a graph."""
+    if model.linear_layers:
+        return min(config.max_num_seqs, HYBRID_GRAPH_MAX_BATCH)
+    return config.max_num_seqs
+
+
 def graph_bytes(model: ModelConfig, config: EngineConfig, max_blocks_per_seq: int) -> int:
     """Captured decode graphs: one memory pool sized by the largest batch's step (the
     smaller buckets reuse it), plus the static inputs and block tables (and the sliding
     tables of a sliding-window model)."""
-    batch = config.max_num_seqs
+    batch = graph_batch(model, config)
     tables = (4 if model.sliding_window else 2) * batch * max_blocks_per_seq * 4
     return activation_bytes(model, config, batch) + tables + GRAPH_POOL_SLACK_BYTES
 

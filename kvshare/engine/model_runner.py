@@ -23,6 +23,7 @@ from kvshare.engine.cuda_graphs import DecodeGraphs
 from kvshare.engine.memory import (
     DeviceMemoryPlan,
     KVCacheSplit,
+    graph_batch,
     longest_context,
     plan_device_memory,
     split_kv_cache,
@@ -72,7 +73,6 @@ class ModelRunner:
                 self.device,
             )
         self.graphs: DecodeGraphs | None = None
-        # Hybrid decode steps are not captured: their state slots are not static buffers yet.
         # Capped at what the KV cache holds: a sequence that outgrew the whole cache would
         # be preempted and readmitted forever (the engine stops it with "length" instead).
         self.max_model_len = min(
@@ -85,8 +85,9 @@ class ModelRunner:
                 self.model,
                 self.layout,
                 self.backend,
-                max_batch=config.max_num_seqs,
+                max_batch=graph_batch(self.model_config, config),
                 max_blocks_per_seq=-(-self.max_model_len // config.block_size),
+                states=self.states,
             )
         if self.memory is not None:
             _log.info(
@@ -96,11 +97,7 @@ class ModelRunner:
             )
 
     def _captures_graphs(self) -> bool:
-        return (
-            self.config.cuda_graphs
-            and isinstance(self.backend, VarlenBackend)
-            and not self.model_config.linear_layers
-        )
+        return self.config.cuda_graphs and isinstance(self.backend, VarlenBackend)
 
     def _choose_backend(self) -> AttentionBackend:
         name = self.config.attention_backend
@@ -236,5 +233,10 @@ class ModelRunner:
         sliding = None
         if self.layout.sliding_kv is not None:
             sliding = (slots(sliding_tables), sliding_tables)
-        hidden = self.graphs.run(ids, positions, slots(tables), tables, positions + 1, sliding)
+        state_slots = None
+        if self.states is not None:
+            state_slots = np.asarray([c.seq.state_slot for c in chunks], dtype=np.int64)
+        hidden = self.graphs.run(
+            ids, positions, slots(tables), tables, positions + 1, sliding, state_slots
+        )
         return self.model.compute_logits(hidden)

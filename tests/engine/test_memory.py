@@ -53,7 +53,7 @@ def test_qwen3_5_27b_at_0_48_of_an_h200_fits_and_names_every_part() -> None:
     page = len(QWEN35.attention_layers) * QWEN35.kv_bytes_per_token_per_layer * 2 * 256
     assert plan.part("pool staging") == staging_bytes(page) == 4 * (128 << 20)
     assert plan.part("activations") > 0 and plan.part("CUDA runtime") == CUDA_RUNTIME_BYTES
-    assert plan.part("CUDA graphs") == 0  # hybrid decode steps are not captured
+    assert 0 < plan.part("CUDA graphs") < (1 << 30)  # decode steps of 1 to 8 sequences
     assert plan.fixed_bytes + plan.kv_bytes == plan.limit == int(H200 * 0.48)
     # Two replicas' limits fit the device, and what is left for KV holds the bench's 128k.
     assert 2 * plan.limit <= H200
