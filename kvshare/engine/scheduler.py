@@ -9,7 +9,8 @@ every long prefill ahead of it: with a long prefill running, a cached question w
 otherwise wait for all of it (on the H200, with four 16k-token documents queued per
 replica, every question's first token came at the end, ~20 s). Then the long work:
 running sequences in arrival order, then waiting ones, while the token budget, the
-sequence limit and free blocks allow. When blocks run out, the most recently admitted
+sequence limit and free blocks allow (short work never takes the last free sequence slot
+from a long sequence that came before it). When blocks run out, the most recently admitted
 running sequence not yet scheduled in this step is preempted: its blocks are released
 and it is recomputed later.
 
@@ -224,11 +225,18 @@ class Scheduler:
     ) -> int:
         """Admit waiting sequences in order (only those whose GPU-cached prefix leaves at
         most `max_left` tokens, when given) and schedule their first chunks."""
+        # Short work passes long work in the token budget, not in the queue for sequence
+        # slots: once a long sequence was passed over, the last free slot stays its own
+        # (else a stream of short requests could keep it out for good).
+        reserved = 0
         for seq in list(self.waiting):
-            if budget == 0 or self._num_admitted() >= self.config.max_num_seqs:
+            if budget == 0 or self._num_admitted() + reserved >= self.config.max_num_seqs:
                 break
             admission = self._admit(seq, max_left)
-            if admission in (Admission.WAITS, Admission.LONG):
+            if admission is Admission.LONG:
+                reserved = 1
+                continue
+            if admission is Admission.WAITS:
                 continue
             if admission is Admission.NO_ROOM:
                 break

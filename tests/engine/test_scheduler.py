@@ -254,6 +254,32 @@ def test_a_long_prefill_short_of_blocks_never_preempts_work_already_in_the_step(
     assert done["long"].token_ids == alone(solo, long_prompt)
 
 
+def test_short_work_never_takes_the_last_free_slot_from_an_earlier_long_prompt(
+    loaded: LoadedModel,
+) -> None:
+    """Two sequence slots, one held by a decoding question: a new cached question every
+    step would take the free slot ahead of the long prompt that came before it, forever.
+    Short work goes ahead in the token budget, not in the queue for slots: the long prompt
+    is admitted at the next step."""
+    engine = make_engine(loaded, 64, max_num_batched_tokens=64, max_num_seqs=2)
+    rec = Recorder(engine)
+    document = prompts(1, (96, 96), seed=18)[0]
+    run(engine, [[*document, 1]])
+    rec.steps.clear()
+    chatty = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.add_request("first", [*document, 2], chatty)
+    engine.step()
+    engine.add_request("long", prompts(1, (100, 100), seed=19)[0], GREEDY)
+    for i in range(8):
+        engine.add_request(f"q{i}", [*document, 3 + i], chatty)
+        engine.step()
+    admitted = [
+        i for i, step in enumerate(rec.steps) if any(s.request_id == "long" for s, _, _ in step)
+    ]
+    assert admitted and admitted[0] <= 2, admitted
+    drive(engine)
+
+
 def test_abort_frees_blocks(loaded: LoadedModel) -> None:
     engine = make_engine(loaded, 10, max_num_batched_tokens=64)
     rec = Recorder(engine)
