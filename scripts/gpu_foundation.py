@@ -8,7 +8,8 @@ Sections (each records its own error and the run goes on):
   reference on tiny random models (bf16);
 - engine: shape:gemma3-27b cold prefill at 32k and 128k, decode at batch 1 and 32;
 - pool: store and restore 128k tokens of the gemma3-27b layout through the real pool;
-- graphs: gemma3-27b decode replayed from CUDA graphs vs eager: same tokens, step times;
+- graphs: decode replayed from CUDA graphs vs eager (`--graphs-model`, gemma3-27b by
+  default): same tokens, step times;
 - restore27b: the same for shape:gemma3-27b (--hybrid-lengths/--hybrid-restore), with a
   host profile and a CUDA trace of one restore per length;
 - hybrid: shape:qwen3.5-27b cold prefill at 32k/128k/256k and its restore (KV + recurrent
@@ -284,13 +285,14 @@ def pool_perf(arena_gib: int) -> dict:
     return res
 
 
-def graphs_vs_eager(batches: list[int], context: int) -> dict:
-    """Decode from CUDA graphs and eagerly on one gemma3-27b: greedy ids equal, step times."""
+def graphs_vs_eager(model: str, batches: list[int], context: int) -> dict:
+    """Decode from CUDA graphs and eagerly on one model: greedy ids equal, step times. A
+    hybrid model's steps are captured up to 16 sequences: larger batches run eagerly."""
     from kvshare import LLM
     from kvshare.bench.engine_perf import decode_throughput, first_token, random_prompt
 
     llm = LLM(
-        "shape:gemma3-27b",
+        model,
         device="cuda",
         dtype="bfloat16",
         max_num_batched_tokens=16384,
@@ -509,6 +511,7 @@ def main() -> None:
     parser.add_argument("--prefill", default="32768,131071")
     parser.add_argument("--decode-batches", default="1,32")
     parser.add_argument("--decode-context", type=int, default=2048)
+    parser.add_argument("--graphs-model", default="shape:gemma3-27b")
     parser.add_argument("--arena-gib", type=int, default=72)
     parser.add_argument("--tests", default="tests/kvpool/test_bytes_check.py")
     parser.add_argument("--hybrid-lengths", default="32768,131072,261888")
@@ -540,7 +543,9 @@ def main() -> None:
         section("pool", out)(pool_perf)(args.arena_gib)
     if "graphs" in wanted:
         section("graphs", out)(graphs_vs_eager)(
-            [int(x) for x in args.decode_batches.split(",")], args.decode_context
+            args.graphs_model,
+            [int(x) for x in args.decode_batches.split(",")],
+            args.decode_context,
         )
     if "restore27b" in wanted:
         section("restore27b", out)(restore_perf)(
