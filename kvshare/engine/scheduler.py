@@ -207,13 +207,13 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            left = seq.num_tokens - seq.num_computed_tokens
             if seq not in self.running or id(seq) in scheduled:
                 continue  # preempted to make room for an earlier sequence, or in the step already
+            left = seq.num_tokens - seq.num_computed_tokens
             if max_left is not None and left > max_left:
                 continue
             n = self._cap_at_snapshot(seq, min(left, budget))
-            if not self._reserve_blocks(seq, seq.num_computed_tokens + n, chunks):
+            if not self._reserve_blocks(seq, seq.num_computed_tokens + n, scheduled):
                 continue
             chunks.append(ScheduledChunk(seq, n))
             scheduled.add(id(seq))
@@ -278,10 +278,9 @@ class Scheduler:
     def _num_admitted(self) -> int:
         return len(self.running)
 
-    def _reserve_blocks(self, seq: Sequence, num_tokens: int, chunks: list[ScheduledChunk]) -> bool:
+    def _reserve_blocks(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> bool:
         """Grow seq's blocks to num_tokens, preempting later sequences if needed (never
-        one already scheduled in this step's `chunks`)."""
-        scheduled = {id(c.seq) for c in chunks}
+        one already in this step: the ids in `scheduled`)."""
         while not self._grow(seq, num_tokens):
             victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
             self._preempt(victim)
