@@ -391,6 +391,10 @@ class CacheAware(Policy):
         its queued work, or, when the queue holds work this request shares, the work sent
         before that; at most one step's budget when the request would be short work there
         (it joins the next step, ahead of the long prefills)."""
+        return self._queued_ahead(request, replica, self.gpu_tokens(request, replica))
+
+    def _queued_ahead(self, request: RouteRequest, replica: int, gpu_tokens: int) -> int:
+        """queued_tokens, given the request's `gpu_tokens` on that replica."""
         prefix = request.prefix
         ahead = 0
         for (index, block), work in self._queued[replica].items():
@@ -398,10 +402,9 @@ class CacheAware(Policy):
                 break
             ahead += work
         step = self._steps[replica]
-        if step is not None:
-            left = len(prefix) * request.block_tokens - self.gpu_tokens(request, replica)
-            if left <= step.short_work_tokens:
-                return min(ahead, step.step_tokens)
+        left = len(prefix) * request.block_tokens - gpu_tokens
+        if step is not None and left <= step.short_work_tokens:
+            return min(ahead, step.step_tokens)
         return ahead
 
     def score(self, request: RouteRequest, replica: ReplicaLoad, pool_tokens: int) -> float:
@@ -412,7 +415,7 @@ class CacheAware(Policy):
             gpu
             + c.pool_credit * max(0, pool - gpu)
             - c.load_penalty_tokens * replica.in_flight
-            - c.queued_work_weight * self.queued_tokens(request, replica.index)
+            - c.queued_work_weight * self._queued_ahead(request, replica.index, gpu)
         )
 
     def choose(self, request: RouteRequest, candidates: Sequence[ReplicaLoad]) -> int:
