@@ -202,23 +202,60 @@ def layer_groups(max_groups: int) -> LayerGroups | None:
     return LayerGroups(max_groups=max_groups) if max_groups > 1 else None
 
 
+def alternate(
+    engine: LLMEngine,
+    served: PromptIds,
+    args: argparse.Namespace,
+    settings: dict[str, Callable[[], None]],
+) -> dict[str, list[dict]]:
+    """`--repeats` hits per setting (a function that applies it), alternating the settings
+    so that drift of the machine does not favour one."""
+    connector = engine.connector
+    assert connector is not None
+    results: dict[str, list[dict]] = {name: [] for name in settings}
+    for r in range(args.repeats):
+        for name, apply in settings.items():
+            apply()
+            engine.reset_prefix_cache()
+            run = run_request(engine, f"hit-{name}-{r}", served, args.output_tokens)
+            connector.wait_idle()
+            results[name].append(run)
+            print(f"{name}, hit {r}: {run}", flush=True)
+    return results
+
+
 def compare_layer_groups(
     engine: LLMEngine, served: PromptIds, args: argparse.Namespace
 ) -> dict[str, list[dict]]:
-    """`--repeats` hits per setting of --compare-layer-groups, alternating the settings
-    (so that drift of the machine does not favour one); the engine's setting is put back."""
-    connector = engine.connector
-    assert isinstance(connector, PoolConnector) and connector.transfer is not None
-    results: dict[str, list[dict]] = {str(g): [] for g in args.compare_layer_groups}
-    for r in range(args.repeats):
-        for groups in args.compare_layer_groups:
-            connector.transfer.layer_groups = layer_groups(groups)
-            engine.reset_prefix_cache()
-            run = run_request(engine, f"hit-groups{groups}-{r}", served, args.output_tokens)
-            connector.wait_idle()
-            results[str(groups)].append(run)
-            print(f"layer groups {groups}, hit {r}: {run}", flush=True)
-    connector.transfer.layer_groups = layer_groups(args.layer_groups)
+    """Hits with each --compare-layer-groups setting; the engine's setting is put back."""
+    transfer = engine.connector.transfer if isinstance(engine.connector, PoolConnector) else None
+    assert transfer is not None
+
+    def setting(groups: int) -> Callable[[], None]:
+        return lambda: setattr(transfer, "layer_groups", layer_groups(groups))
+
+    settings = {f"layer groups {g}": setting(g) for g in args.compare_layer_groups}
+    results = alternate(engine, served, args, settings)
+    transfer.layer_groups = layer_groups(args.layer_groups)
+    return results
+
+
+def compare_graphs(
+    engine: LLMEngine, served: PromptIds, args: argparse.Namespace
+) -> dict[str, list[dict]]:
+    """Hits whose step replays a captured graph against the same step run eagerly."""
+    runner, graphs = engine.runner, engine.runner.graphs
+    assert graphs is not None, "CUDA graphs are off"
+    results = alternate(
+        engine,
+        served,
+        args,
+        {
+            "graphs": lambda: setattr(runner, "graphs", graphs),
+            "eager": lambda: setattr(runner, "graphs", None),
+        },
+    )
+    runner.graphs = graphs
     return results
 
 
@@ -344,6 +381,11 @@ def main() -> int:
         help="after the profile, time --repeats hits with each --layer-groups setting",
     )
     parser.add_argument(
+        "--compare-graphs",
+        action="store_true",
+        help="after the profile, time --repeats hits with CUDA graphs and without, alternated",
+    )
+    parser.add_argument(
         "--exact-fill",
         action="store_true",
         help="compute the cold prefill's attention (default: skip it, the KV is still stored)",
@@ -399,7 +441,9 @@ def main() -> int:
             for label in timer.order:
                 phases[label].append(timer.seconds.get(label, 0.0))
             print(f"hit {r}: {run}", flush=True)
-        by_groups = compare_layer_groups(engine, served, args) if args.compare_layer_groups else {}
+        compared = compare_layer_groups(engine, served, args) if args.compare_layer_groups else {}
+        if args.compare_graphs:
+            compared |= compare_graphs(engine, served, args)
         if args.trace is not None:
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
@@ -420,7 +464,7 @@ def main() -> int:
             "ttft_s": min(r["ttft_s"] for r in runs),
             "engine_phases_s": {label: min(values) for label, values in phases.items()},
             "engine_phase_calls": dict(timer.calls),
-            "by_layer_groups": by_groups,
+            "compared": compared,
             "http_phases_s": http_phases(engine, follow_up, args.model, args.repeats),
             # add_request's entry to the load's transfer (its first copy is issued there)
             "engine_before_copies_s": min(before_copies),
@@ -448,11 +492,11 @@ def main() -> int:
         f"{'host before the first copy (http + engine)':<48} "
         f"{result['host_before_copies_s'] * 1e3:>9.2f}"
     )
-    for groups, hits in result["by_layer_groups"].items():
+    for name, hits in result["compared"].items():
         times = sorted(h["ttft_s"] for h in hits)
         tokens = sorted({h["first_token"] for h in hits})
         print(
-            f"layer groups {groups}: time to first token min {times[0] * 1e3:.1f} ms, "
+            f"{name}: time to first token min {times[0] * 1e3:.1f} ms, "
             f"median {times[len(times) // 2] * 1e3:.1f} ms; first tokens {tokens}"
         )
     if profile is not None:

@@ -20,8 +20,10 @@ attention context): VarlenBackend splits a step whose sequences' keys add up to 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -31,6 +33,9 @@ from kvshare.engine import kv_fp8
 from kvshare.engine.connector import KVCacheLayout, SlotFences
 from kvshare.engine.memory import DEQUANT_CHUNK_TOKENS
 from kvshare.engine.recurrent_state import RecurrentStates
+
+if TYPE_CHECKING:
+    from kvshare.models.gdn_triton import PrefillTables
 
 
 @dataclass(frozen=True)
@@ -80,10 +85,13 @@ class StepMeta:
     def decode_only(self) -> bool:
         return self.max_q == 1
 
+    @property
+    def max_context(self) -> int:
+        return max(self.ctx_lens)
+
     def _slots(self, seq: int, start: int, stop: int) -> np.ndarray:
-        pos = np.arange(start, stop, dtype=np.int64)
-        table = np.asarray(self.block_tables[seq], dtype=np.int64)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+        positions = np.arange(start, stop, dtype=np.int64)
+        return token_slots(self.block_tables[seq], positions, self.block_size)
 
     def key_range(self, window: int | None) -> KeyRange:
         """Keys each query batch reads: all earlier keys, or the last `window` before each query."""
@@ -117,6 +125,12 @@ class StepMeta:
                 host_to_device(np.asarray(self.ctx_lens, dtype=np.int32), self.device),
             )
         return self._paged
+
+
+def token_slots(table: Sequence[int], positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The cache slots (block * block_size + offset) of a sequence's token positions."""
+    blocks = np.asarray(table, dtype=np.int64)
+    return blocks[positions // block_size] * block_size + positions % block_size
 
 
 def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -237,7 +251,8 @@ class VarlenBackend(AttentionBackend):
         window: int | None,
     ) -> torch.Tensor:
         paged = self._paged
-        # Decode first, reading only decode_only/paged()/block_size: the captured graph step
+        # The paged paths read only decode_only/paged()/block_size and, for several tokens
+        # per sequence, cu_seqlens_q/max_q/max_context: a captured graph's step
         # (cuda_graphs.GraphStepMeta) has nothing else, and its splits must depend only on
         # static shapes (the tables' width), not on this step's context lengths.
         if paged is not None and meta.decode_only:
@@ -258,7 +273,7 @@ class VarlenBackend(AttentionBackend):
                 window,
                 cu_seqlens_q=meta.cu_seqlens_q,
                 max_q=meta.max_q,
-                max_context=max(meta.ctx_lens),
+                max_context=meta.max_context,
             )
         keys = meta.key_range(window)
         buffers = self._gather_buffers(k_cache, q.dtype)
@@ -343,8 +358,10 @@ class PagedAttention:
         state_slots: torch.Tensor | None = None,
         sliding_meta: StepMeta | None = None,
         fences: SlotFences | None = None,
+        prefill: PrefillTables | None = None,
     ) -> None:
         self.layout = layout
+        self._prefill = prefill
         self.fences = fences
         self.meta = meta
         self.sliding_meta = sliding_meta
@@ -378,6 +395,15 @@ class PagedAttention:
         k_cache.index_copy_(0, meta.slot_mapping, _to_cache(k, k_cache))
         v_cache.index_copy_(0, meta.slot_mapping, _to_cache(v, v_cache))
         return self.backend.attend(q, k_cache, v_cache, meta, scale, window)
+
+    def prefill_tables(self, conv_width: int) -> PrefillTables | None:
+        """Given (a captured graph's static tables), or built at the first linear-attention
+        layer of a CUDA prefill step and kept for the others."""
+        if self._prefill is None and self.layout.kv.is_cuda and not self.meta.decode_only:
+            from kvshare.models.gdn_triton import PrefillTables
+
+            self._prefill = PrefillTables(self.meta.q_lens, conv_width, self.layout.kv.device)
+        return self._prefill
 
     def load_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.states is not None and self.state_slots is not None

@@ -228,6 +228,13 @@ def activation_bytes(model: ModelConfig, config: EngineConfig, tokens: int) -> i
 # A hybrid model's decode steps are captured once per batch size (no padding rows:
 # cuda_graphs.py), so only up to this many sequences; larger steps run eagerly.
 HYBRID_GRAPH_MAX_BATCH = 16
+# Short prefill steps captured as graphs (cuda_graphs.py): their token rows, and up to
+# this many sequences (each at most paged_decode.MAX_QUERY = 64 new tokens).
+SHORT_STEP_TOKENS = (16, 32, 64)
+SHORT_STEP_MAX_BATCH = 2
+# The paged attention kernel's split buffers (paged_decode.py): about 4 waves of 132
+# programs, each holding up to 64 query rows of float32 partial sums and two scalars.
+PAGED_SPLIT_ROWS = 4 * 132 * 64
 
 
 def graph_batch(model: ModelConfig, config: EngineConfig) -> int:
@@ -237,13 +244,21 @@ def graph_batch(model: ModelConfig, config: EngineConfig) -> int:
     return config.max_num_seqs
 
 
+def short_step_batch(config: EngineConfig) -> int:
+    """The most sequences of a short prefill step captured as a graph."""
+    return min(config.max_num_seqs, SHORT_STEP_MAX_BATCH)
+
+
 def graph_bytes(model: ModelConfig, config: EngineConfig, max_blocks_per_seq: int) -> int:
-    """Captured decode graphs: one memory pool sized by the largest batch's step (the
-    smaller buckets reuse it), plus the static inputs and block tables (and the sliding
-    tables of a sliding-window model)."""
+    """Captured graphs: one memory pool sized by the largest step (decode batch or short
+    prefill rows; the others reuse it) with the attention's split buffers, plus the static
+    inputs and block tables (and the sliding tables of a sliding-window model)."""
     batch = graph_batch(model, config)
-    tables = (4 if model.sliding_window else 2) * batch * max_blocks_per_seq * 4
-    return activation_bytes(model, config, batch) + tables + GRAPH_POOL_SLACK_BYTES
+    rows = max(batch, SHORT_STEP_TOKENS[-1])
+    seqs = max(batch, short_step_batch(config))
+    tables = (4 if model.sliding_window else 2) * seqs * max_blocks_per_seq * 4
+    splits = PAGED_SPLIT_ROWS * (model.head_dim + 2) * 4
+    return activation_bytes(model, config, rows) + splits + tables + GRAPH_POOL_SLACK_BYTES
 
 
 def plan_device_memory(

@@ -16,16 +16,18 @@ from kvshare.engine.attention import (
     StepMeta,
     VarlenBackend,
     host_to_device,
+    token_slots,
 )
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.connector import KVCacheLayout, SlotFences
-from kvshare.engine.cuda_graphs import DecodeGraphs
+from kvshare.engine.cuda_graphs import GraphStep, StepGraphs
 from kvshare.engine.memory import (
     DeviceMemoryPlan,
     KVCacheSplit,
     graph_batch,
     longest_context,
     plan_device_memory,
+    short_step_batch,
     split_kv_cache,
 )
 from kvshare.engine.recurrent_state import RecurrentStates
@@ -72,7 +74,7 @@ class ModelRunner:
                 self.dtype,
                 self.device,
             )
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         # Capped at what the KV cache holds: a sequence that outgrew the whole cache would
         # be preempted and readmitted forever (the engine stops it with "length" instead).
         self.max_model_len = min(
@@ -81,13 +83,14 @@ class ModelRunner:
             self.num_blocks * config.block_size,
         )
         if self._captures_graphs():
-            self.graphs = DecodeGraphs(
+            self.graphs = StepGraphs(
                 self.model,
                 self.layout,
                 self.backend,
                 max_batch=graph_batch(self.model_config, config),
                 max_blocks_per_seq=-(-self.max_model_len // config.block_size),
                 states=self.states,
+                short_batch=short_step_batch(config),
             )
         if self.memory is not None:
             _log.info(
@@ -170,23 +173,33 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
         """Run one step; return float32 logits for the chunks that sample, in order."""
-        if (
-            self.graphs is not None
-            and len(chunks) <= self.graphs.max_batch
-            and all(c.num_new_tokens == 1 for c in chunks)
-        ):
-            return self._execute_graph(chunks)
-        ids, positions, sample_rows = [], [], []
-        row = 0
-        for chunk in chunks:
-            seq, start = chunk.seq, chunk.seq.num_computed_tokens
-            ids.append(
-                np.asarray(seq.token_ids[start : start + chunk.num_new_tokens], dtype=np.int64)
-            )
-            positions.append(np.arange(start, start + chunk.num_new_tokens, dtype=np.int64))
-            row += chunk.num_new_tokens
-            if chunk.samples:
-                sample_rows.append(row - 1)
+        q_lens = tuple(c.num_new_tokens for c in chunks)
+        starts = [c.seq.num_computed_tokens for c in chunks]
+        input_ids = np.concatenate(
+            [
+                np.asarray(c.seq.token_ids[a : a + n], dtype=np.int64)
+                for c, a, n in zip(chunks, starts, q_lens)
+            ]
+        )
+        positions = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, q_lens)])
+        ends = np.cumsum(q_lens)
+        sample_rows = [int(end) - 1 for c, end in zip(chunks, ends) if c.samples]
+        if self.graphs is not None and self.graphs.shape_for(q_lens) is not None:
+            hidden = self._replay(chunks, input_ids, positions)
+        else:
+            hidden = self._forward(chunks, input_ids, positions)
+        if not sample_rows:
+            return None
+        if len(sample_rows) == len(input_ids):  # decode: every row samples
+            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(
+            hidden[host_to_device(np.asarray(sample_rows), self.device)]
+        )
+
+    def _forward(
+        self, chunks: list[ScheduledChunk], input_ids: np.ndarray, positions: np.ndarray
+    ) -> torch.Tensor:
+        """The step run eagerly, layer by layer (pool loads waited for per cache slot)."""
         q_lens = tuple(c.num_new_tokens for c in chunks)
         ctx_lens = tuple(c.seq.num_computed_tokens + c.num_new_tokens for c in chunks)
         bs = self.config.block_size
@@ -197,8 +210,6 @@ class ModelRunner:
         if self.layout.sliding_kv is not None:
             sliding_tables = tuple(tuple(c.seq.sliding_table) for c in chunks)
             sliding_meta = StepMeta(q_lens, ctx_lens, sliding_tables, bs, self.device)
-        input_ids = host_to_device(np.concatenate(ids), self.device)
-        pos = host_to_device(np.concatenate(positions), self.device)
         state_slots = None
         if self.states is not None:
             state_slots = host_to_device(
@@ -207,36 +218,43 @@ class ModelRunner:
         ctx = PagedAttention(
             self.layout, meta, self.backend, self.states, state_slots, sliding_meta, self.fences
         )
-        hidden = self.model(input_ids, pos, ctx)
-        self.fences.drain()  # slots this step did not touch: the next user must not race
-        if not sample_rows:
-            return None
-        return self.model.compute_logits(
-            hidden[host_to_device(np.asarray(sample_rows), self.device)]
+        hidden = self.model(
+            host_to_device(input_ids, self.device), host_to_device(positions, self.device), ctx
         )
+        self.fences.drain()  # slots this step did not touch: the next user must not race
+        return hidden
 
-    def _execute_graph(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """A decode step (one new token per sequence, every one samples) from a graph."""
+    def _replay(
+        self, chunks: list[ScheduledChunk], input_ids: np.ndarray, positions: np.ndarray
+    ) -> torch.Tensor:
+        """The step from a captured graph (a decode step or a short prefill step)."""
         assert self.graphs is not None
         self.fences.drain()  # a graph's layers do not call before(slot)
         bs = self.config.block_size
-        positions = np.asarray([c.seq.num_computed_tokens for c in chunks], dtype=np.int64)
-        tables = [tuple(c.seq.block_table) for c in chunks]
-        sliding_tables = [tuple(c.seq.sliding_table) for c in chunks]
+        q_lens = tuple(c.num_new_tokens for c in chunks)
+        bounds = np.cumsum((0, *q_lens))
 
         def slots(tables: list[tuple[int, ...]]) -> np.ndarray:
-            return np.asarray(
-                [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)], dtype=np.int64
+            return np.concatenate(
+                [token_slots(t, positions[a:b], bs) for t, a, b in zip(tables, bounds, bounds[1:])]
             )
 
-        ids = np.asarray([c.seq.token_ids[p] for c, p in zip(chunks, positions)], dtype=np.int64)
+        tables = [tuple(c.seq.block_table) for c in chunks]
         sliding = None
         if self.layout.sliding_kv is not None:
+            sliding_tables = [tuple(c.seq.sliding_table) for c in chunks]
             sliding = (slots(sliding_tables), sliding_tables)
         state_slots = None
         if self.states is not None:
             state_slots = np.asarray([c.seq.state_slot for c in chunks], dtype=np.int64)
-        hidden = self.graphs.run(
-            ids, positions, slots(tables), tables, positions + 1, sliding, state_slots
+        step = GraphStep(
+            input_ids,
+            positions,
+            slots(tables),
+            tables,
+            np.asarray([c.seq.num_computed_tokens + c.num_new_tokens for c in chunks]),
+            q_lens,
+            sliding,
+            state_slots,
         )
-        return self.model.compute_logits(hidden)
+        return self.graphs.run(step)

@@ -159,10 +159,28 @@ def _split_kernel(
 
 
 @triton.jit
-def _merge_kernel(ACC, MAX, SUM, OUT, num_splits, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+def _merge_kernel(
+    ACC,
+    MAX,
+    SUM,
+    OUT,
+    CU_Q,
+    num_splits,
+    batch,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)  # (query token, query head)
-    s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
+    if VARLEN:  # noqa: SIM102 (a constexpr branch: CU_Q holds batch + 1 entries only then)
+        # Rows past the step's last token (a captured graph's padding) have no split
+        # written: zeros, never whatever their buffers held.
+        if row >= tl.load(CU_Q + batch).to(tl.int64) * num_heads:
+            tl.store(OUT + row * HEAD_DIM + d, tl.zeros([HEAD_DIM], OUT.dtype.element_ty))
+            return
+    s = tl.arange(0, SPLITS_PAD)
     valid = s < num_splits
     m = tl.load(MAX + row * num_splits + s, mask=valid, other=float("-inf"))
     l_s = tl.load(SUM + row * num_splits + s, mask=valid, other=0.0)
@@ -209,7 +227,7 @@ def paged_attention(
     """Causal attention of a step's new tokens over the paged cache, keys read in place.
 
     q [T, Hq, D], sequence i's tokens at rows cu_seqlens_q[i]:cu_seqlens_q[i + 1] (None: one
-    token per sequence, T = B), the last of its context_lens[i] keys, already in the cache
+    token per sequence, T = B; rows past cu_seqlens_q[B] are padding and come out zero), the last of its context_lens[i] keys, already in the cache
     [slots, Hkv, D] (or packed fp8 [slots, Hkv, D + 4], kv_fp8.py); max_q >= every sequence's token count (<= MAX_QUERY), sizing the grid.
     max_context (host int, default the tables' width) sizes the splits. Returns [T, Hq, D].
     """
@@ -269,9 +287,13 @@ def paged_attention(
         m,
         s,
         out,
+        context_lens if cu_seqlens_q is None else cu_seqlens_q,  # unread when not VARLEN
         num_splits,
+        batch,
+        num_heads,
         HEAD_DIM=head_dim,
         SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        VARLEN=cu_seqlens_q is not None,
     )
     return out
 

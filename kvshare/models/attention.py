@@ -10,9 +10,12 @@ implements the contexts over its paged cache and state slots; tests may implemen
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from kvshare.models.gdn_triton import PrefillTables
 
 
 class AttentionContext(Protocol):
@@ -51,6 +54,12 @@ class RecurrentStateContext(Protocol):
         self, layer: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor
     ) -> None:
         """The states at the end of this step, same shapes."""
+        ...
+
+    def prefill_tables(self, conv_width: int) -> PrefillTables | None:
+        """The step's index tables for the GPU kernels, built once per step and read by
+        every linear-attention layer; None where the layers need none (decode steps, the
+        torch reference): each kernel call then builds what it needs."""
         ...
 
 

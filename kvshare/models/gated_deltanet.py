@@ -15,6 +15,7 @@ HF's torch reference; on CUDA the module calls the Triton kernels of `gdn_triton
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,9 @@ from torch import nn
 
 from kvshare.models.attention import RecurrentStateContext
 from kvshare.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from kvshare.models.gdn_triton import PrefillTables
 
 DEFAULT_CHUNK = 64
 
@@ -153,13 +157,18 @@ def _segments(seq_lens: tuple[int, ...]) -> list[slice]:
 
 
 def causal_conv1d(
-    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, seq_lens: tuple[int, ...]
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    seq_lens: tuple[int, ...],
+    tables: PrefillTables | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernel for prefill steps on CUDA, the torch reference otherwise."""
-    if x.is_cuda and not is_decode(seq_lens):
+    """The Triton kernel for prefill steps on CUDA or given the step's `tables` (which only
+    it reads), the torch reference otherwise."""
+    if tables is not None or (x.is_cuda and not is_decode(seq_lens)):
         from kvshare.models import gdn_triton
 
-        return gdn_triton.causal_conv1d(x, weight, conv_state, seq_lens)
+        return gdn_triton.causal_conv1d(x, weight, conv_state, seq_lens, tables)
     return causal_conv1d_reference(x, weight, conv_state, seq_lens)
 
 
@@ -201,12 +210,14 @@ def gated_delta_rule(
     beta: torch.Tensor,
     state: torch.Tensor,
     seq_lens: tuple[int, ...],
+    tables: PrefillTables | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernels on CUDA, the torch reference elsewhere (same contract)."""
-    if q.is_cuda:
+    """The Triton kernels on CUDA or given `tables`, the torch reference elsewhere (same
+    contract)."""
+    if tables is not None or q.is_cuda:
         from kvshare.models import gdn_triton
 
-        return gdn_triton.gated_delta_rule(q, k, v, g, beta, state, seq_lens)
+        return gdn_triton.gated_delta_rule(q, k, v, g, beta, state, seq_lens, tables)
     return gated_delta_rule_reference(q, k, v, g, beta, state, seq_lens)
 
 
@@ -250,14 +261,16 @@ class GatedDeltaNet(nn.Module):
         tokens = x.shape[0]
         mixed, z, b, a = self.in_proj(x).split(self.split_sizes, dim=-1)
         conv_state, state = ctx.load_state(self.layer)
-        mixed, conv_state = causal_conv1d(mixed, self.conv1d.weight[:, 0], conv_state, ctx.seq_lens)
+        weight = self.conv1d.weight[:, 0]
+        tables = ctx.prefill_tables(weight.shape[1] - 1)
+        mixed, conv_state = causal_conv1d(mixed, weight, conv_state, ctx.seq_lens, tables)
         q, k, v = mixed.split(self.qkv_sizes, dim=-1)
         q = q.view(tokens, -1, self.key_head_dim)
         k = k.view(tokens, -1, self.key_head_dim)
         v = v.view(tokens, -1, self.value_head_dim)
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        out, state = gated_delta_rule(q, k, v, g, beta, state, ctx.seq_lens)
+        out, state = gated_delta_rule(q, k, v, g, beta, state, ctx.seq_lens, tables)
         ctx.save_state(self.layer, conv_state, state)
         out = self.norm(out.to(x.dtype), z.reshape(tokens, -1, self.value_head_dim))
         return self.out_proj(out.reshape(tokens, -1))

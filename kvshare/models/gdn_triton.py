@@ -308,32 +308,98 @@ def conv_indices(seq_lens: tuple[int, ...], width: int) -> tuple[np.ndarray, ...
     return seq, pos, back, x_rows, state_cols
 
 
+def chunk_table(seq_lens: tuple[int, ...]) -> tuple[list[int], list[int], list[int]]:
+    """(first token, length) of every CHUNK-token chunk of the packed sequences, in order,
+    and the sequences' bounds (cu_seqlens)."""
+    starts, lens, bounds = [], [], [0]
+    for n in seq_lens:
+        starts += range(bounds[-1], bounds[-1] + n, CHUNK)
+        lens += (min(CHUNK, n - i) for i in range(0, n, CHUNK))
+        bounds.append(bounds[-1] + n)
+    return starts, lens, bounds
+
+
+class PrefillTables:
+    """The index tables of a prefill step's packed sequences on the device: the conv's
+    (`conv_indices`) and the chunked rule's (`chunk_table`), uploaded once per step and
+    shared by every linear-attention layer (built in each layer, they cost two uploads and
+    a dozen launches per layer).
+
+    `rows` (a captured graph's tables): the step's rows, fixed; a captured graph keeps one
+    object and `upload`s each step's lengths into it (the same sequence count, each
+    sequence at most CHUNK tokens: one chunk each, so every shape stays), and rows past
+    the step's tokens are padding. Padding rows belong to no sequence and no chunk: the
+    conv computes them from the rows before them (sequence 0's state where those run out),
+    the rule writes zeros for them, and no state reads them."""
+
+    def __init__(
+        self,
+        seq_lens: tuple[int, ...],
+        width: int,
+        device: torch.device,
+        rows: int | None = None,
+    ) -> None:
+        self.width = width
+        self.num_seqs = len(seq_lens)
+        self.tokens = sum(seq_lens) if rows is None else rows
+        self.num_chunks = len(chunk_table(seq_lens)[0])
+        self.may_pad = rows is not None
+        small, wide = self._host(seq_lens)
+        self.small, self.wide = to_device(small, device), to_device(wide, device)
+
+    def _host(self, seq_lens: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """(int32: seq, pos, chunk starts, chunk lengths, cu_seqlens; int64: back, x_rows,
+        state_cols), each packed into one array."""
+        assert len(seq_lens) == self.num_seqs and sum(seq_lens) <= self.tokens
+        seq, pos, back, x_rows, state_cols = conv_indices(seq_lens, self.width)
+        pad = self.tokens - len(seq)
+        seq = np.pad(seq, (0, pad))  # padding: "sequence 0", at its own row's position
+        pos = np.concatenate((pos, np.arange(len(pos), self.tokens, dtype=np.int64)))
+        starts, lens, bounds = chunk_table(seq_lens)
+        assert len(starts) == self.num_chunks, "a captured step's sequences: one chunk each"
+        small = np.concatenate((seq, pos, starts, lens, bounds)).astype(np.int32)
+        return small, np.concatenate((back.ravel(), x_rows.ravel(), state_cols.ravel()))
+
+    def upload(self, seq_lens: tuple[int, ...]) -> None:
+        """A new step's lengths into the same device tensors (a captured graph reads them)."""
+        for dest, host in zip((self.small, self.wide), self._host(seq_lens), strict=True):
+            src = torch.from_numpy(host)
+            dest.copy_(src.pin_memory() if dest.is_cuda else src, non_blocking=True)
+
+    @property
+    def conv(self) -> tuple[torch.Tensor, ...]:
+        """(seq, pos, back, x_rows, state_cols) as in `conv_indices`."""
+        t, b, w = self.tokens, self.num_seqs, self.width
+        back, x_rows, state_cols = (x.view(b, w) for x in self.wide.split(b * w))
+        return self.small[:t], self.small[t : 2 * t], back, x_rows, state_cols
+
+    @property
+    def chunks(self) -> tuple[torch.Tensor, ...]:
+        """(chunk starts, chunk lengths, cu_seqlens), int32."""
+        c = self.num_chunks
+        return tuple(self.small[2 * self.tokens :].split((c, c, self.num_seqs + 1)))
+
+
 def causal_conv1d(
-    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, seq_lens: tuple[int, ...]
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    seq_lens: tuple[int, ...],
+    tables: PrefillTables | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `gated_deltanet.causal_conv1d_reference` (prefill steps)."""
+    """Same contract as `gated_deltanet.causal_conv1d_reference` (prefill steps); `tables`:
+    the step's (built here when None)."""
     tokens, channels = x.shape
     width = weight.shape[1] - 1
+    if tables is None:
+        tables = PrefillTables(seq_lens, width, x.device)
+    assert tables.tokens == tokens and tables.width == width
     x, weight, conv_state = x.contiguous(), weight.contiguous(), conv_state.contiguous()
-    host = conv_indices(seq_lens, width)
-    packed = to_device(np.concatenate([a.ravel() for a in host]), x.device)
-    seq, pos, back, x_rows, state_cols = (
-        part.view(a.shape) for part, a in zip(packed.split([a.size for a in host]), host)
-    )
+    seq, pos, back, x_rows, state_cols = tables.conv
     out = torch.empty_like(x)
     grid = (triton.cdiv(tokens, 64), triton.cdiv(channels, 128))
     _causal_conv[grid](
-        x,
-        weight,
-        conv_state,
-        out,
-        seq.to(torch.int32),
-        pos.to(torch.int32),
-        tokens,
-        channels,
-        K=width + 1,
-        BT=64,
-        BC=128,
+        x, weight, conv_state, out, seq, pos, tokens, channels, K=width + 1, BT=64, BC=128
     )
     # New state: the last K-1 inputs, reaching back into the old state for short segments.
     from_x = x[x_rows].transpose(1, 2)
@@ -349,12 +415,16 @@ def gated_delta_rule(
     beta: torch.Tensor,
     state: torch.Tensor,
     seq_lens: tuple[int, ...],
+    tables: PrefillTables | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed sequences; see the module docstring. Decode steps take the recurrent kernel."""
-    _check(q, k, v, g, beta, state, seq_lens)
-    if all(n == 1 for n in seq_lens):
+    """Packed sequences; see the module docstring. Decode steps take the recurrent kernel;
+    prefill steps read `tables` (built here when None)."""
+    _check(q, k, v, g, beta, state, seq_lens, tables)
+    if all(n == 1 for n in seq_lens) and tables is None:
         return decode_step(q, k, v, g, beta, state)
-    return chunk_prefill(q, k, v, g, beta, state, seq_lens)
+    if tables is None:
+        tables = PrefillTables(seq_lens, 1, v.device)
+    return chunk_prefill(q, k, v, g, beta, state, tables)
 
 
 def _check(
@@ -365,10 +435,12 @@ def _check(
     beta: torch.Tensor,
     state: torch.Tensor,
     seq_lens: tuple[int, ...],
+    tables: PrefillTables | None,
 ) -> None:
     tokens, key_heads, key_dim = k.shape
     _, value_heads, value_dim = v.shape
-    assert q.shape == k.shape and v.shape[0] == tokens == sum(seq_lens), "token counts differ"
+    rows = sum(seq_lens) if tables is None else tables.tokens
+    assert q.shape == k.shape and v.shape[0] == tokens == rows, "token counts differ"
     assert value_heads % key_heads == 0 and min(key_dim, value_dim) >= 16, "unsupported head shape"
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "head dims must be contiguous"
     assert g.dtype == beta.dtype == state.dtype == torch.float32
@@ -432,24 +504,20 @@ def chunk_prefill(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
-    seq_lens: tuple[int, ...],
+    tables: PrefillTables,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Any segment lengths, each sequence continuing from its state."""
     tokens, value_heads, value_dim = v.shape
     key_dim = k.shape[2]
-    starts, lens, bounds = [], [], [0]
-    for n in seq_lens:
-        starts += range(bounds[-1], bounds[-1] + n, CHUNK)
-        lens += (min(CHUNK, n - i) for i in range(0, n, CHUNK))
-        bounds.append(bounds[-1] + n)
-    chunks = len(starts)
-    table = to_device(np.asarray([*starts, *lens, *bounds], dtype=np.int32), v.device)
-    chunk_starts, chunk_lens, cu_seqlens = table.split((chunks, chunks, len(bounds)))
+    chunks = tables.num_chunks
+    chunk_starts, chunk_lens, cu_seqlens = tables.chunks
     f32 = {"dtype": torch.float32, "device": v.device}
     gamma = torch.empty((tokens, value_heads), **f32)
     w_k = torch.empty((tokens, value_heads, key_dim), **f32)
     w_v = torch.empty((tokens, value_heads, value_dim), **f32)
-    out = torch.empty((tokens, value_heads, value_dim), **f32)
+    # Padding rows (in no chunk) are never written: zeros keep them finite.
+    new = torch.zeros if tables.may_pad else torch.empty
+    out = new((tokens, value_heads, value_dim), **f32)
     final = torch.empty_like(state)
     shape = {
         "HV": value_heads,
@@ -480,7 +548,7 @@ def chunk_prefill(
         **shape,
     )
     block_v = _value_block(value_dim)
-    _chunk_scan[(len(seq_lens), value_heads, triton.cdiv(value_dim, block_v))](
+    _chunk_scan[(tables.num_seqs, value_heads, triton.cdiv(value_dim, block_v))](
         q,
         k,
         gamma,

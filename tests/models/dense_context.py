@@ -77,6 +77,9 @@ class DenseContext:
             )
         return torch.stack(convs), torch.stack(recs)
 
+    def prefill_tables(self, conv_width: int) -> None:
+        return None  # each kernel call builds its own tables
+
     def save_state(
         self, layer: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor
     ) -> None:

@@ -96,11 +96,58 @@ def conv_errors(case: tuple, device: str = "cpu") -> tuple[float, bool]:
     return rel, torch.equal(new_state.cpu(), ref_state)
 
 
+# (lengths the tables are built with, lengths uploaded into them, rows): a captured graph's
+# tables, built for one shape and re-filled for each step, rows past the step's tokens padding.
+PADDED_CASES = [
+    ((16,), (9,), 16),
+    ((11, 21), (1, 23), 32),
+    ((32, 32), (64, 2), 80),
+]
+
+
+def padded_errors(case: tuple, device: str = "cpu") -> list[float]:
+    """Both kernels over padded rows (NaN inputs there) with re-uploaded tables, against
+    the same sequences unpadded: [rule output, rule state, conv output, conv state
+    (relative errors over the real rows), largest |output| of a padding row]."""
+    from kvshare.models import gdn_triton
+
+    built, seq_lens, rows = case
+    seq_lens = tuple(seq_lens)
+    tokens = sum(seq_lens)
+    tables = gdn_triton.PrefillTables(tuple(built), 3, torch.device(device), rows=rows)
+    tables.upload(seq_lens)
+    inputs = random_inputs(seq_lens, 2, 4, 32, 16, torch.float32, device)
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((x, torch.full((rows - tokens, *x.shape[1:]), float("nan"))))
+
+    padded = [pad(x) if i < 5 else x for i, x in enumerate(inputs)]
+    out, final = gdn_triton.gated_delta_rule(*padded, seq_lens, tables)
+    ref_out, ref_final = gdn_triton.gated_delta_rule(*inputs, seq_lens)
+    gen = torch.Generator().manual_seed(tokens)
+    x, weight = torch.randn(tokens, 24, generator=gen), torch.randn(24, 4, generator=gen)
+    state = torch.randn(len(seq_lens), 24, 3, generator=gen)
+    conv, conv_state = gdn_triton.causal_conv1d(pad(x), weight, state, seq_lens, tables)
+    ref_conv, ref_conv_state = gdn_triton.causal_conv1d(x, weight, state, seq_lens)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).norm() / b.norm()).item()
+
+    return [
+        rel(out[:tokens], ref_out),
+        rel(final, ref_final),
+        rel(conv[:tokens], ref_conv),
+        rel(conv_state, ref_conv_state),
+        out[tokens:].abs().max().item() if rows > tokens else 0.0,
+    ]
+
+
 _SCRIPT = """
 import json, sys
-from tests.models.test_gdn_triton import conv_errors, errors
-cases, conv_cases = json.loads(sys.argv[1])
-print(json.dumps([[errors(case) for case in cases], [conv_errors(case) for case in conv_cases]]))
+from tests.models.test_gdn_triton import conv_errors, errors, padded_errors
+cases, conv_cases, padded_cases = json.loads(sys.argv[1])
+print(json.dumps([[errors(case) for case in cases], [conv_errors(case) for case in conv_cases],
+                  [padded_errors(case) for case in padded_cases]]))
 """
 
 
@@ -112,14 +159,14 @@ def test_kernels_match_the_reference_in_the_interpreter() -> None:
     pytest.importorskip("triton")  # a test dependency on x86-64 Linux (pyproject.toml)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, json.dumps([CASES, CONV_CASES])],
+        [sys.executable, "-c", _SCRIPT, json.dumps([CASES, CONV_CASES, PADDED_CASES])],
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    rule, conv = json.loads(result.stdout)
+    rule, conv, padded = json.loads(result.stdout)
     for case, (out_err, state_err) in zip(CASES, rule):
         assert out_err < tolerance(case[-1]) and state_err < tolerance(case[-1]), (
             case,
@@ -128,6 +175,9 @@ def test_kernels_match_the_reference_in_the_interpreter() -> None:
         )
     for case, (out_err, state_equal) in zip(CONV_CASES, conv):
         assert out_err < tolerance(case[-1]) and state_equal, (case, out_err)
+    # Padded rows, tables re-filled: the real rows as without padding, padding rows zero.
+    for case, (*errs, padding) in zip(PADDED_CASES, padded):
+        assert all(e < 1e-6 for e in errs) and padding == 0.0, (case, errs, padding)
 
 
 @pytest.mark.cuda
