@@ -9,10 +9,10 @@ every long prefill ahead of it: with a long prefill running, a cached question w
 otherwise wait for all of it (on the H200, with four 16k-token documents queued per
 replica, every question's first token came at the end, ~20 s). Then the long work:
 running sequences in arrival order, then waiting ones, while the token budget, the
-sequence limit and free blocks allow (short work never takes the last free sequence slot
-from a long sequence that came before it). When blocks run out, the most recently admitted
-running sequence not yet scheduled in this step is preempted: its blocks are released
-and it is recomputed later.
+sequence limit and free blocks allow (short work takes the last free sequence slot from a
+long sequence that came before it at most LAST_SLOT_PASSES times). When blocks run out,
+the most recently admitted running sequence not yet scheduled in this step is preempted:
+its blocks are released and it is recomputed later.
 
 Admission reuses the GPU-local prefix cache, then asks the connector for more. A pool
 restore is optimistic: the sequence's new tokens are scheduled in the same step, the
@@ -76,6 +76,15 @@ class ScheduledChunk:
 
 # Short work: at most this share of the step's token budget left to compute.
 SHORT_WORK_SHARE = 16
+
+
+# How often short work may take the last free sequence slot from a long sequence waiting
+# before it: a bound on how long a stream of short requests can keep it out. Holding the
+# slot from the first pass kept a document's cached questions behind the next document's
+# whole prefill (the H200's 32-user shared-prefix run: median 15.6 s -> 18.1 s); a
+# document's questions come in groups, and one pass still held some of them back
+# (tests/engine/test_scheduler.py replays one replica's share of that run).
+LAST_SLOT_PASSES = 2
 
 
 class Admission(enum.Enum):
@@ -225,22 +234,26 @@ class Scheduler:
     ) -> int:
         """Admit waiting sequences in order (only those whose GPU-cached prefix leaves at
         most `max_left` tokens, when given) and schedule their first chunks."""
-        # Short work passes long work in the token budget, not in the queue for sequence
-        # slots: once a long sequence was passed over, the last free slot stays its own
-        # (else a stream of short requests could keep it out for good).
-        reserved = 0
+        # Short work may take the last free sequence slot from a long sequence that came
+        # before it LAST_SLOT_PASSES times; after that the next free slot is the long
+        # one's (a stream of short requests could otherwise keep it out for good).
+        passed: Sequence | None = None  # the first long sequence passed over
         for seq in list(self.waiting):
-            if budget == 0 or self._num_admitted() + reserved >= self.config.max_num_seqs:
+            reserved = 1 if passed is not None and passed.slots_lost >= LAST_SLOT_PASSES else 0
+            free = self.config.max_num_seqs - self._num_admitted()
+            if budget == 0 or free <= reserved:
                 break
             admission = self._admit(seq, max_left)
             if admission is Admission.LONG:
-                reserved = 1
+                passed = passed or seq
                 continue
             if admission is Admission.WAITS:
                 continue
             if admission is Admission.NO_ROOM:
                 break
             self.waiting.remove(seq)
+            if passed is not None and free == 1:
+                passed.slots_lost += 1
             n = self._cap_at_snapshot(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
             if not self._grow(seq, seq.num_computed_tokens + n):
                 break  # cannot happen: _admit reserved the first chunk's blocks

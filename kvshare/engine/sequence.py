@@ -53,6 +53,9 @@ class Sequence:
     num_preemptions: int = 0
     use_pool: bool = True  # False after a restore failed verification: recompute, never retry
     waited: bool = False  # admission waited for its prefix to be computed by another request
+    # Times short work took the last free sequence slot while this (long) sequence waited
+    # before it (scheduler.LAST_SLOT_PASSES bounds them).
+    slots_lost: int = 0
     # Chained hashes of the full blocks of token_ids (GPU-local prefix cache keys), and
     # how many of this sequence's blocks are registered under them.
     block_hashes: list[bytes] = field(default_factory=list)
