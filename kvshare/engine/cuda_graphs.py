@@ -109,6 +109,20 @@ def short_shapes(max_batch: int) -> list[tuple[int, int]]:
     ]
 
 
+def graph_shape(
+    q_lens: tuple[int, ...], buckets: list[int], short: list[tuple[int, int]]
+) -> tuple[int, int] | None:
+    """The (sequences, token rows) a step of these new-token counts replays in: a decode
+    step the smallest bucket that holds its batch (padding rows), a short prefill step the
+    fewest rows of its own sequence count; None: the step runs eagerly."""
+    batch, tokens = len(q_lens), sum(q_lens)
+    if tokens == batch:
+        return next(((b, b) for b in buckets if b >= batch), None)
+    if max(q_lens) > MAX_QUERY:
+        return None
+    return next(((b, t) for b, t in short if b == batch and t >= tokens), None)
+
+
 def _even_split(tokens: int, batch: int) -> tuple[int, ...]:
     """A representative shape for capture: `tokens` spread over `batch` sequences."""
     return tuple(tokens // batch + (i < tokens % batch) for i in range(batch))
@@ -201,12 +215,7 @@ class StepGraphs:
 
     def shape_for(self, q_lens: tuple[int, ...]) -> tuple[int, int] | None:
         """The captured shape a step of these new-token counts replays in, or None."""
-        batch, tokens = len(q_lens), sum(q_lens)
-        if tokens == batch:
-            return next(((b, b) for b in self.buckets if b >= batch), None)
-        if max(q_lens) > MAX_QUERY:
-            return None
-        return next(((b, t) for b, t in self.short if b == batch and t >= tokens), None)
+        return graph_shape(q_lens, self.buckets, self.short)
 
     def _capture_all(self, backend: AttentionBackend) -> None:
         pool = torch.cuda.graph_pool_handle()

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kvshare import LLM
-from kvshare.engine.cuda_graphs import StepGraphs
+from kvshare.engine.cuda_graphs import StepGraphs, graph_buckets, graph_shape, short_shapes
 from kvshare.engine.model_runner import ModelRunner
 from kvshare.engine.sampling_params import SamplingParams
 from kvshare.engine.scheduler import ScheduledChunk
@@ -144,6 +144,28 @@ def test_graph_steps_equal_eager_in_the_interpreter() -> None:
         for steps in errors.values()
         for logits, states in steps.values()
     ), errors
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "hybrid", "shape"),
+    [
+        ((1,), False, (1, 1)),
+        ((1, 1, 1), False, (4, 4)),  # one padding row
+        ((1, 1, 1), True, (3, 3)),  # a hybrid model's exact batch
+        ((1,) * 9, True, None),  # past the captured hybrid batches (8 here)
+        ((24,), False, (1, 32)),  # a question after a cached prefix: 8 padding rows
+        ((1, 24), True, (2, 32)),  # beside a decode
+        ((64,), False, (1, 64)),
+        ((65,), False, None),  # past the paged kernel's MAX_QUERY: varlen, eagerly
+        ((40, 40), False, None),  # more rows than any captured short step
+        ((2, 2, 2), False, None),  # three sequences: no short shape
+    ],
+)
+def test_a_step_replays_in_the_smallest_captured_shape_that_holds_it(
+    q_lens: tuple[int, ...], hybrid: bool, shape: tuple[int, int] | None
+) -> None:
+    buckets = graph_buckets(8, exact=hybrid)
+    assert graph_shape(q_lens, buckets, short_shapes(2)) == shape
 
 
 def test_the_short_step_limit_is_the_paged_kernels() -> None:
