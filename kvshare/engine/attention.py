@@ -128,9 +128,14 @@ class StepMeta:
 
 
 def token_slots(table: Sequence[int], positions: np.ndarray, block_size: int) -> np.ndarray:
-    """The cache slots (block * block_size + offset) of a sequence's token positions."""
-    blocks = np.asarray(table, dtype=np.int64)
-    return blocks[positions // block_size] * block_size + positions % block_size
+    """The cache slots (block * block_size + offset) of a sequence's token positions, in
+    ascending order. Only the blocks they touch are read: a decode step's one position
+    must not convert a 128k-token context's whole table."""
+    if len(positions) == 0:
+        return positions.astype(np.int64)
+    first = int(positions[0]) // block_size
+    blocks = np.asarray(table[first : int(positions[-1]) // block_size + 1], dtype=np.int64)
+    return blocks[positions // block_size - first] * block_size + positions % block_size
 
 
 def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

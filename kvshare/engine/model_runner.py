@@ -185,9 +185,9 @@ class ModelRunner:
         ends = np.cumsum(q_lens)
         sample_rows = [int(end) - 1 for c, end in zip(chunks, ends) if c.samples]
         if self.graphs is not None and self.graphs.shape_for(q_lens) is not None:
-            hidden = self._replay(chunks, input_ids, positions)
+            hidden = self._replay(chunks, q_lens, input_ids, positions)
         else:
-            hidden = self._forward(chunks, input_ids, positions)
+            hidden = self._forward(chunks, q_lens, input_ids, positions)
         if not sample_rows:
             return None
         if len(sample_rows) == len(input_ids):  # decode: every row samples
@@ -197,10 +197,13 @@ class ModelRunner:
         )
 
     def _forward(
-        self, chunks: list[ScheduledChunk], input_ids: np.ndarray, positions: np.ndarray
+        self,
+        chunks: list[ScheduledChunk],
+        q_lens: tuple[int, ...],
+        input_ids: np.ndarray,
+        positions: np.ndarray,
     ) -> torch.Tensor:
         """The step run eagerly, layer by layer (pool loads waited for per cache slot)."""
-        q_lens = tuple(c.num_new_tokens for c in chunks)
         ctx_lens = tuple(c.seq.num_computed_tokens + c.num_new_tokens for c in chunks)
         bs = self.config.block_size
         meta = StepMeta(
@@ -225,13 +228,16 @@ class ModelRunner:
         return hidden
 
     def _replay(
-        self, chunks: list[ScheduledChunk], input_ids: np.ndarray, positions: np.ndarray
+        self,
+        chunks: list[ScheduledChunk],
+        q_lens: tuple[int, ...],
+        input_ids: np.ndarray,
+        positions: np.ndarray,
     ) -> torch.Tensor:
         """The step from a captured graph (a decode step or a short prefill step)."""
         assert self.graphs is not None
         self.fences.drain()  # a graph's layers do not call before(slot)
         bs = self.config.block_size
-        q_lens = tuple(c.num_new_tokens for c in chunks)
         bounds = np.cumsum((0, *q_lens))
 
         def slots(tables: list[tuple[int, ...]]) -> np.ndarray:
