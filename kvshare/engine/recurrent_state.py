@@ -8,7 +8,10 @@ strided views give the model its per-layer tensors.
 Slots are either held by a running sequence or by a *snapshot*: the state at a chunk
 boundary of some prefix, kept so that another request with that prefix can resume there
 (the GPU-local counterpart of the pool's state pages). Snapshots are found by the block
-hash of the boundary and evicted least recently used.
+hash of the boundary and evicted least recently used. A state can also be copied aside
+(`copy_aside`): a snapshot slot that is found only once `keep` names its boundary (a
+restored state, kept only once the restore is verified). Snapshots and copies aside
+together hold at most `num_snapshots` slots, so every sequence slot stays available.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class RecurrentStates:
         self.free = list(range(num_slots - 1, -1, -1))
         self.snapshots: OrderedDict[bytes, int] = OrderedDict()  # boundary hash -> slot
         self.pins: dict[int, int] = {}  # snapshot slot -> copies still reading it
+        self.aside: set[int] = set()  # slots copied aside, not yet kept or dropped
         self.max_snapshots = num_snapshots
 
     def _views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,17 +101,38 @@ class RecurrentStates:
 
     def snapshot(self, boundary_hash: bytes, source_slot: int) -> int | None:
         """Copy a sequence's state (on the current stream, in order with the step that
-        produced it) into a snapshot slot kept under boundary_hash. None when disabled."""
-        if self.max_snapshots == 0:
-            return None
+        produced it) into a snapshot slot kept under boundary_hash. None when snapshots are
+        disabled or none can be made room for."""
         if boundary_hash in self.snapshots:
             return self.find(boundary_hash)
-        if len(self.snapshots) >= self.max_snapshots or not self.free:
+        slot = self.copy_aside(source_slot)
+        if slot is not None:
+            self.keep(boundary_hash, slot)
+        return slot
+
+    def copy_aside(self, source_slot: int) -> int | None:
+        """Copy a sequence's state (on the current stream) into a snapshot slot that is not
+        found until `keep`. None when snapshots are disabled or none can be made room for."""
+        while len(self.snapshots) + len(self.aside) >= self.max_snapshots or not self.free:
+            if not any(not self.pins.get(s) for s in self.snapshots.values()):
+                return None
             self._evict_snapshot()
         slot = self.free.pop()
         self.rows[slot].copy_(self.rows[source_slot])
-        self.snapshots[boundary_hash] = slot
+        self.aside.add(slot)
         return slot
+
+    def keep(self, boundary_hash: bytes, slot: int) -> None:
+        """Make a slot copied aside the snapshot of boundary_hash (freed if one exists)."""
+        self.aside.remove(slot)
+        if boundary_hash in self.snapshots:
+            self.free.append(slot)
+            return
+        self.snapshots[boundary_hash] = slot
+
+    def drop_aside(self, slot: int) -> None:
+        self.aside.remove(slot)
+        self.free.append(slot)
 
     def restore(self, snapshot_slot: int, target_slot: int) -> None:
         self.rows[target_slot].copy_(self.rows[snapshot_slot])

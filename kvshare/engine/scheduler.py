@@ -21,7 +21,11 @@ the copy end. Its results count only once `finish_restores` has verified the byt
 restore that fails verification is discarded with everything computed from it and the
 sequence is recomputed without the pool. Sequences decoding in that step wait for the
 copy too (one compute stream): one step as long as the copy, far less than the prefill
-the restore replaces.
+the restore replaces. A hybrid model's restored state is copied aside before the step
+moves it on, and kept as a snapshot at its boundary once the restore is verified: the
+next request with that prefix then resumes on the GPU. Without it the prefix's KV blocks
+would be cached but no state to resume from, and that request would load the prefix
+again, or recompute it once the pool has evicted the page.
 
 Compute a prefix once. A waiting sequence whose next uncached block a running sequence
 is about to compute (same chained block hash, inside that sequence's prompt, not yet
@@ -124,6 +128,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.restoring: list[Sequence] = []  # admitted this step with an unverified pool restore
+        # request id -> (boundary hash, slot) of the copy of its unverified restored state
+        self.restored_states: dict[str, tuple[bytes, int]] = {}
         # local_waits: sequences that waited for a running sequence's blocks (each once);
         # pool_waits: sequences the connector had wait for chunks produced elsewhere.
         self.counters: Counter[str] = Counter()
@@ -161,6 +167,7 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq in self.restoring:
             self.restoring.remove(seq)
+            self._settle_restored_state(seq, verified=False)
         if self.connector is not None:  # ends a restore in flight before its blocks go
             self.connector.forget(seq.request_id)
         self._release_blocks(seq)
@@ -183,7 +190,9 @@ class Scheduler:
         failed = set()
         for seq in self.restoring:
             assert self.connector is not None
-            if self.connector.finish_load(seq.request_id):
+            verified = self.connector.finish_load(seq.request_id)
+            self._settle_restored_state(seq, verified)
+            if verified:
                 continue
             failed.add(seq.request_id)
             seq.use_pool = False
@@ -342,6 +351,32 @@ class Scheduler:
             self.states.unpin(snapshot)
         seq.snapshot_boundaries = self._snapshot_boundaries(seq)
 
+    def _copy_restored_state(self, seq: Sequence, boundary: int) -> None:
+        """Copy the state seq's load restores (at `boundary`) aside before its step moves
+        it on; the load ordered the current stream after the state's copy, so this copy
+        reads the restored bytes. It is not found before `_settle_restored_state`."""
+        if self.states is None or seq.state_slot is None:
+            return
+        key = seq.block_hashes[boundary // self.blocks.block_size - 1]
+        if self.states.find(key) is not None:
+            return
+        slot = self.states.copy_aside(seq.state_slot)
+        if slot is not None:
+            self.restored_states[seq.request_id] = (key, slot)
+
+    def _settle_restored_state(self, seq: Sequence, verified: bool) -> None:
+        """Keep the copy of seq's restored state as a snapshot if the restore was verified;
+        else free it (a recompute of the prefix must snapshot its own state there)."""
+        entry = self.restored_states.pop(seq.request_id, None)
+        if entry is None:
+            return
+        assert self.states is not None
+        key, slot = entry
+        if verified:
+            self.states.keep(key, slot)
+        else:
+            self.states.drop_aside(slot)
+
     def _computed_by_another(self, seq: Sequence, block: int) -> bool:
         """A running sequence will compute seq's block `block` (equal chained hash) in its
         prompt. A block it restores from the pool this step does not count: seq restores
@@ -455,6 +490,7 @@ class Scheduler:
                 seq.request_id, seq.block_table, seq.state_slot, seq.sliding_table
             ):
                 self.restoring.append(seq)
+                self._copy_restored_state(seq, local_tokens + pool_tokens)
             elif self.sliding is not None:
                 # Its sliding table expected the restore (null before the restored window):
                 # admit it again, computed without the pool.
