@@ -390,14 +390,18 @@ class ReplicaServer:
 
 
 def pool_capacity_pages(daemon: dict[str, Any]) -> int | None:
-    """Pages the whole arena holds at the smallest page size it has stored (for a pool of
-    mixed page sizes, an upper bound); None before any page was stored. Not the daemon's own
-    `pages`: that counts the slots of slabs carved so far, which a clear gives back, so it
-    reads 0 for an emptied pool of any size."""
-    slots = [int(c["slot_bytes"]) for c in daemon.get("classes") or ()]
-    if not slots or "slab_count" not in daemon:
+    """Pages of the smallest size stored (KV pages) the arena can hold now: those its slabs
+    of that size have, plus what its free slabs would. Slabs carved for larger pages (a
+    hybrid model's state pages) are not counted: they hold no KV page until a clear gives
+    them back, and counting them had the router credit a pool 4 GiB of which a quarter
+    held states with documents it had already evicted. None before any page was stored.
+    Not the daemon's own `pages` either: a clear gives every slab back, and that count
+    then reads 0 for an emptied pool of any size."""
+    classes = daemon.get("classes") or ()
+    if not classes or "free_slabs" not in daemon:
         return None
-    return int(daemon["slab_count"]) * (int(daemon["slab_bytes"]) // min(slots))
+    smallest = min(classes, key=lambda c: int(c["slot_bytes"]))
+    return int(smallest["pages"]) + int(daemon["free_slabs"]) * int(smallest["slots_per_slab"])
 
 
 def _query_int(request: web.Request, name: str, default: int) -> int:
