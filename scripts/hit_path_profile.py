@@ -30,7 +30,8 @@ waits for it (the restore's verification waits for the copies; sampling for the 
 device time too but takes away the overlap of the copy with the step. `--cprofile N`
 prints the N functions with the most cumulative time of the last hit; `--trace PATH`
 writes a torch profiler Chrome trace of one more hit (on CUDA: the copy streams, the
-step's kernels and where the host waited).
+step's kernels and where the host waited) and prints that hit's device time summed by
+kernel or copy name (`--kernels N` names).
 """
 
 from __future__ import annotations
@@ -308,6 +309,24 @@ def best_of(repeats: int, fn: Callable[[], object]) -> float:
     return min(times)
 
 
+def device_time_by_name(trace: Any, limit: int) -> list[dict[str, Any]]:
+    """The traced hit's device work (kernels, copies) summed by name, the longest first;
+    printed as a table."""
+    rows = sorted(
+        (
+            {"name": e.key, "calls": e.count, "device_ms": e.self_device_time_total / 1e3}
+            for e in trace.key_averages()
+            if e.self_device_time_total > 0
+        ),
+        key=lambda r: -r["device_ms"],
+    )
+    print(f"{'device ms':>10} {'calls':>6}  name (the traced hit, all streams)")
+    for row in rows[:limit]:
+        print(f"{row['device_ms']:10.2f} {row['calls']:6d}  {row['name'][:100]}")
+    print(f"{sum(r['device_ms'] for r in rows):10.2f} {'':6}  total")
+    return rows[:limit]
+
+
 def request_body(prompt: list[int], name: str) -> bytes:
     """The body an OpenAI client sends for a shape model: a token-id prompt."""
     return json.dumps(
@@ -390,6 +409,9 @@ def main() -> int:
         action="store_true",
         help="compute the cold prefill's attention (default: skip it, the KV is still stored)",
     )
+    parser.add_argument(
+        "--kernels", type=int, default=30, help="with --trace: how many names to list"
+    )
     parser.add_argument("--sync-phases", action="store_true")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N")
     parser.add_argument(
@@ -444,6 +466,7 @@ def main() -> int:
         compared = compare_layer_groups(engine, served, args) if args.compare_layer_groups else {}
         if args.compare_graphs:
             compared |= compare_graphs(engine, served, args)
+        traced_kernels: list[dict[str, Any]] = []
         if args.trace is not None:
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
@@ -456,6 +479,7 @@ def main() -> int:
                 run_request(engine, "hit-trace", served, args.output_tokens)
             engine.connector.wait_idle()
             trace.export_chrome_trace(str(args.trace))
+            traced_kernels = device_time_by_name(trace, args.kernels)
         result = {
             "args": {k: str(v) for k, v in vars(args).items()},
             "device": str(engine.runner.device),
@@ -465,6 +489,7 @@ def main() -> int:
             "engine_phases_s": {label: min(values) for label, values in phases.items()},
             "engine_phase_calls": dict(timer.calls),
             "compared": compared,
+            "traced_kernels": traced_kernels,
             "http_phases_s": http_phases(engine, follow_up, args.model, args.repeats),
             # add_request's entry to the load's transfer (its first copy is issued there)
             "engine_before_copies_s": min(before_copies),

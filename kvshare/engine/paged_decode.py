@@ -210,6 +210,12 @@ def query_rows(group: int, max_q: int) -> int:
     return max(16, triton.next_power_of_2(rows))
 
 
+def split_warps(rows: int, head_dim: int, varlen: bool) -> int:
+    """Warps of a split program: 8 once a chunk's fp32 accumulator passes 32 KB (128 regs
+    a thread at 4), so that 64 rows x head dim 256 do not spill on sm_90; decode keeps 4."""
+    return 8 if varlen and rows * head_dim > 64 * 128 else 4
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -277,9 +283,7 @@ def paged_attention(
         KV_ROW=k_cache.shape[-1],
         SCALE_ROW=k_cache.shape[-1] // kv_fp8.SCALE_BYTES if fp8 else 1,
         KV_FP8=fp8,
-        # 8 warps once a chunk's fp32 accumulator passes 32 KB (128 regs a thread at 4): no
-        # spills on sm_90 for 64 rows x head dim 256. Decode keeps the default 4.
-        num_warps=8 if cu_seqlens_q is not None and rows * head_dim > 64 * 128 else 4,
+        num_warps=split_warps(rows, head_dim, cu_seqlens_q is not None),
     )
     out = torch.empty_like(q)
     _merge_kernel[(num_tokens * num_heads,)](
