@@ -167,6 +167,16 @@ def sweep_figure(rows: Sequence[SweepRow], title: str) -> Figure:
                 label=f"{pool}, {condition}",
                 **_STYLE[condition],
             )
+            # Values on the points: a log axis spanning less than from 1 to 2 x 10^k (a
+            # p99 of 14.6 s, say) shows no tick label at all.
+            for x, y in points:
+                ax.annotate(
+                    f"{y:.3g}",
+                    (x, y),
+                    textcoords="offset points",
+                    xytext=(6, 4 if condition == OFF else -12),
+                    fontsize=8,
+                )
         if len(xs) > 1:
             ax.set_xscale("log", base=2)
         ax.set_xticks(xs)

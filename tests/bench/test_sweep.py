@@ -93,6 +93,8 @@ def test_each_pool_size_gets_one_cluster_and_one_warm_up(fake: RunningFake) -> N
             getattr(r, field) for r in rows if r.pool_size == 32 * MIB and r.condition == "ON"
         ]
         assert list(line.get_xdata()) == [1, 3] and list(line.get_ydata()) == expected
+        # Each point's value is written beside it (a narrow log axis has no tick labels).
+        assert {f"{v:.3g}" for v in expected} <= {t.get_text() for t in ax.texts}
 
 
 def test_points_must_be_distinct_and_pool_sizes_need_a_cluster_the_bench_starts(
