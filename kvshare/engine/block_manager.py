@@ -16,6 +16,7 @@ cannot learn from hit counts or timing what another tenant's prompts were.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -149,25 +150,32 @@ class BlockManager:
 
     def acquire(self, blocks: Sequence[int]) -> None:
         """Take a reference on cached blocks (reviving free ones)."""
+        # Per block, before a pool restore's copies are issued (8k blocks at 131k tokens),
+        # as in allocate: the loop reads the lists through locals.
+        ref_count, free = self.ref_count, self.free
         for b in blocks:
-            if self.ref_count[b] == 0:
-                del self.free[b]
-            self.ref_count[b] += 1
+            if ref_count[b] == 0:
+                del free[b]
+            ref_count[b] += 1
 
     def allocate(self, n: int) -> list[int]:
-        """n fresh, unshared blocks. Caller checks num_free_blocks first."""
+        """n fresh, unshared blocks: the n least recently freed. Caller checks
+        num_free_blocks first."""
         if n > len(self.free):
             raise RuntimeError(f"asked for {n} blocks, {len(self.free)} free")
-        out = []
-        for _ in range(n):
-            b, _ = self.free.popitem(last=False)
-            if (h := self.block_hash[b]) is not None:
+        # Per block, before a pool restore's copies are issued (8k blocks at 131k tokens):
+        # the blocks are taken in one pass and the loop reads the lists through locals.
+        out = list(itertools.islice(self.free, n))
+        free, block_hash = self.free, self.block_hash
+        ref_count, complete = self.ref_count, self.complete
+        for b in out:
+            del free[b]
+            if (h := block_hash[b]) is not None:
                 del self.hash_to_block[h]
-                self.block_hash[b] = None
+                block_hash[b] = None
                 self.events.removed(h)
-            self.ref_count[b] = 1
-            self.complete[b] = True
-            out.append(b)
+            ref_count[b] = 1
+            complete[b] = True
         return out
 
     def release(self, blocks: Sequence[int]) -> None:

@@ -68,7 +68,6 @@ class RequestOutput:
 @dataclass
 class _Request:
     seq: Sequence
-    prompt: tuple[int, ...]  # every output carries it: built once
     detokenizer: IncrementalDetokenizer | None
     generator: torch.Generator | None
     stop_ids: frozenset[int]
@@ -76,6 +75,14 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     error: str | None = None
+    # Every output carries the prompt: built once, by the first output (after the step
+    # that admitted the request: never before its pool load is issued).
+    prompt: tuple[int, ...] | None = None
+
+    def prompt_ids(self) -> tuple[int, ...]:
+        if self.prompt is None:
+            self.prompt = tuple(self.seq.token_ids[: self.seq.num_prompt_tokens])
+        return self.prompt
 
 
 # A prompt as add_request takes it: ids, or an integer array of them (the replica server's
@@ -179,8 +186,7 @@ class LLMEngine:
         prompt = prompt_array(prompt_token_ids, vocab)
         if prompt is None:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        token_ids = prompt.tolist()
-        seq = Sequence(request_id, token_ids, params, cache_salt, prompt_array=prompt)
+        seq = Sequence(request_id, None, params, cache_salt, prompt_array=prompt)
         self.scheduler.add(seq)
         generator = None
         if params.seed is not None:
@@ -189,7 +195,7 @@ class LLMEngine:
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else self._eos
         )
-        self.requests[request_id] = _Request(seq, tuple(token_ids), detok, generator, stop_ids)
+        self.requests[request_id] = _Request(seq, detok, generator, stop_ids)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False when it is unknown or already done."""
@@ -229,10 +235,13 @@ class LLMEngine:
             logits = logits[kept] if logits is not None else None
             chunks = [c for c in chunks if c.seq.request_id not in failed]
         # Before sampling, which waits for the step: registering and storing the blocks of a
-        # long restored prefix is host work that overlaps the step on the device.
+        # long restored prefix, and the prompt tuple of a first output, are host work that
+        # overlaps the step on the device.
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
         self._register_and_store(chunks)
+        for chunk in sampling:
+            self.requests[chunk.seq.request_id].prompt_ids()
         tokens = []
         if logits is not None:
             tokens = sample(
@@ -400,7 +409,7 @@ class LLMEngine:
         req.emitted_text = visible
         return RequestOutput(
             request_id=seq.request_id,
-            prompt_token_ids=req.prompt,
+            prompt_token_ids=req.prompt_ids(),
             token_ids=tuple(seq.output_token_ids),
             text=seq.text[:visible],
             new_token_ids=new_tokens,

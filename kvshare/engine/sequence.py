@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import numpy as np
 
@@ -32,10 +32,17 @@ class KVSources:
 class Sequence:
     """Invariant: the KV of token_ids[:num_computed_tokens] is in the blocks of block_table
     (a pool restore counts from its admission on: the compute stream is ordered after its
-    copies, and the step that reads them keeps its results only if the restore verifies)."""
+    copies, and the step that reads them keeps its results only if the restore verifies).
+
+    The prompt comes as a list of ids (`prompt`, which becomes token_ids), or as its int32
+    array alone (`prompt`: None, `prompt_array` given; the engine's way): token_ids is then
+    built from the array when first read, by the step that computes the prompt. Admission
+    reads only the array, so a pool restore's copies are issued before a 100k-token list
+    of Python ints exists: it costs ~2 ms to build, and about as much again in every
+    young-generation collection that still finds it there."""
 
     request_id: str
-    token_ids: list[int]
+    prompt: InitVar[list[int] | None]
     params: SamplingParams
     cache_salt: str | None = None  # seeds the block hashes and pool keys: tenant isolation
     arrival_time: float = field(default_factory=time.monotonic)
@@ -64,21 +71,36 @@ class Sequence:
     # counts) at which its state is snapshotted; prefill steps end exactly on them.
     state_slot: int | None = None
     snapshot_boundaries: tuple[int, ...] = ()
-    # The prompt as int32, converted once (None: from token_ids at construction): block
+    # The prompt as int32, converted once (None: from `prompt` at construction): block
     # hashes and pool keys read it instead of converting a 100k-token list each time.
     prompt_array: np.ndarray | None = None
+    # The prompt's ids then the generated ones; None until token_ids is first read when
+    # the prompt came as prompt_array alone (nothing can be generated before that read).
+    _token_ids: list[int] | None = field(default=None, init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        self.num_prompt_tokens = len(self.token_ids)
-        if self.prompt_array is None:
-            self.prompt_array = np.fromiter(
-                self.token_ids, dtype=np.int32, count=len(self.token_ids)
-            )
+    def __post_init__(self, prompt: list[int] | None) -> None:
+        if prompt is None:
+            if self.prompt_array is None:
+                raise ValueError("a sequence needs its prompt: a list of ids or prompt_array")
+            self.num_prompt_tokens = len(self.prompt_array)
+        else:
+            self._token_ids = prompt
+            self.num_prompt_tokens = len(prompt)
+            if self.prompt_array is None:
+                self.prompt_array = np.fromiter(prompt, dtype=np.int32, count=len(prompt))
         if (
             self.prompt_array.shape != (self.num_prompt_tokens,)
             or self.prompt_array.dtype != np.int32
         ):
             raise ValueError("prompt_array must be the prompt's token ids as int32")
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The prompt's ids, then the generated ones: the list that tokens are appended to."""
+        if self._token_ids is None:
+            assert self.prompt_array is not None
+            self._token_ids = self.prompt_array.tolist()
+        return self._token_ids
 
     def token_array(self) -> np.ndarray:
         """token_ids as an int32 array (the prompt's array while nothing was generated)."""
@@ -90,11 +112,15 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        if self._token_ids is None:
+            return self.num_prompt_tokens
+        return len(self._token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        if self._token_ids is None:
+            return []
+        return self._token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:

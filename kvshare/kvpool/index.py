@@ -471,14 +471,16 @@ class PoolIndex:
         state_at = dict(states)
         end, producer = start, None
         first: int | None = None  # the producer of the first key in progress past start
-        for i, key in enumerate(keys):
-            available, owner = self._availability(conn, key)
+        # keys[:start] are committed (available, no producer): the scan starts at start, so
+        # a lookup that hits a whole long prompt does not walk it again here.
+        for i in range(start, len(keys)):
+            available, owner = self._availability(conn, keys[i])
             if not available:
                 break
-            if i >= start and first is None:
+            if first is None:
                 first = owner
             state = state_at.get(i)
-            if state is None or i < start:
+            if state is None:
                 continue
             available, owner = self._availability(conn, state)
             if available:

@@ -25,6 +25,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -36,14 +37,17 @@ from kvshare.kvpool.layout import PageLayout
 _log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class PageCopy:
+class PageCopy(NamedTuple):
     """One page <-> one chunk's blocks. The first `nbytes` of the payload (at arena byte
     `offset`) cover the first nbytes / slot_bytes cache slots. `key` is the page's key,
     which keys its checksum. A load leaves the blocks before `first_block` untouched (the
     engine already has them). A copy past the global part (nbytes > global_bytes) moves
     the sliding-window slots between the page and `sliding_blocks` of the sliding cache,
-    from `sliding_first` on."""
+    from `sliding_first` on.
+
+    A NamedTuple rather than a frozen dataclass (immutable either way): a load plans one
+    per page before its first copy is issued, 512 at 131k tokens, and a frozen dataclass
+    costs ~0.6 us more each (0.3 ms per load)."""
 
     offset: int
     nbytes: int

@@ -1,6 +1,7 @@
 """The host's work on a long prompt, done once and out of the device's way: the prompt is
-converted to int32 once (validation, block hashes and pool keys read that array), and a
-step registers its blocks before sampling waits for the device."""
+converted to int32 once (validation, block hashes and pool keys read that array; its list
+of Python ints is built by the step that computes it, not before), and a step registers
+its blocks and builds its outputs' prompt tuple before sampling waits for the device."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import kvshare.engine.llm_engine as llm_engine
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.llm_engine import LLMEngine
 from kvshare.engine.sampling_params import SamplingParams
+from kvshare.engine.sequence import Sequence
 from kvshare.models.loader import load_model
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
@@ -69,3 +71,42 @@ def test_blocks_are_registered_before_sampling_waits_for_the_step(
     assert run(engine, "ordered", prompt) == expected
     # The prompt's full blocks, before the first sample.
     assert registered[0] == len(prompt) // engine.config.block_size > 0
+
+
+def test_the_prompt_tuple_is_built_before_sampling_waits_for_the_step(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompt = list(range(200, 240))
+    expected = run(engine, "reference", prompt)
+    sample, built = llm_engine.sample, []
+
+    def recording(*args: object, **kwargs: object) -> list[int | None]:
+        built.append(engine.requests["tuple"].prompt)
+        return sample(*args, **kwargs)
+
+    monkeypatch.setattr(llm_engine, "sample", recording)
+    engine.reset_prefix_cache()
+    engine.add_request("tuple", prompt, GREEDY)
+    outputs = [out for _ in range(3) for out in engine.step()]
+    assert built[0] == tuple(prompt)
+    assert all(out.prompt_token_ids == tuple(prompt) for out in outputs)
+    assert outputs[-1].finished and outputs[-1].token_ids == expected
+
+
+def test_a_sequence_of_its_prompt_array_alone_is_the_sequence_of_its_list() -> None:
+    """The engine's sequences get the prompt's array only; their token ids, counts, block
+    hashes and appended tokens are those of a sequence given the list."""
+    prompt = list(range(7, 47))
+    from_list = Sequence("list", list(prompt), GREEDY)
+    from_array = Sequence("array", None, GREEDY, prompt_array=np.asarray(prompt, np.int32))
+    for seq in (from_list, from_array):
+        assert (seq.num_prompt_tokens, seq.num_tokens, seq.output_token_ids) == (40, 40, [])
+        assert seq.token_array().tolist() == prompt
+        seq.update_block_hashes(16)
+    assert from_array.block_hashes == from_list.block_hashes and len(from_list.block_hashes) == 2
+    assert from_array.token_ids == from_list.token_ids == prompt
+    from_array.token_ids.append(3)
+    assert (from_array.num_tokens, from_array.output_token_ids) == (41, [3])
+    assert from_array.token_array().tolist() == [*prompt, 3]
+    with pytest.raises(ValueError, match="needs its prompt"):
+        Sequence("none", None, GREEDY)

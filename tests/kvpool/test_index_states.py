@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 from kvshare.kvpool.arena import ArenaGeometry
 from kvshare.kvpool.index import PoolIndex
-from tests.kvpool.test_index import SLAB, SLOT, A, B, keys, make_index, store
+from tests.kvpool.test_index import PAYLOAD, SLAB, SLOT, A, B, keys, make_index, store
 
 
 def test_run_is_cut_back_to_the_last_chunk_with_a_state() -> None:
@@ -81,3 +83,44 @@ def test_over_its_quota_a_lookup_ends_at_an_earlier_state_that_fits() -> None:
     assert index.stats()["quota_cut_keys"] == 3 + 6
     index.release(A, lease)
     assert index.held_bytes(A) == 0
+
+
+def _in_progress_by_definition(chunks: list[str], snapshots: list[str]) -> int:
+    """How many chunks past the resumable committed run another connection produces, by
+    the definition: the run ends after the last chunk of the committed run whose state is
+    committed (0: none); from the first chunk on, every chunk up to a gap is available
+    (committed or in progress elsewhere), and the count ends after the last chunk at or
+    past the run's end whose state is available too."""
+    run = next((i for i, status in enumerate(chunks) if status != "committed"), len(chunks))
+    start = next((i + 1 for i in reversed(range(run)) if snapshots[i] == "committed"), 0)
+    end = start
+    for i, status in enumerate(chunks):
+        if status == "absent":
+            break
+        if i >= start and snapshots[i] != "absent":
+            end = i + 1
+    return end - start
+
+
+def test_in_progress_with_states_agrees_with_its_definition() -> None:
+    """Random mixes of committed, claimed, reserved and absent chunks and states: the
+    index's count (which scans from the end of the resumable run) is the definition's
+    (which scans from the first chunk)."""
+    rng = random.Random(7)
+    for _ in range(300):
+        index = PoolIndex(ArenaGeometry(8 * SLAB, SLAB), clock=lambda: 100.0)
+        ks, ss = keys(*range(1, 9)), keys(*range(101, 109))
+        chunks = [rng.choice(("committed", "claimed", "reserved", "absent")) for _ in ks]
+        snapshots = [rng.choice(("committed", "claimed", "absent")) for _ in ss]
+        for key, status in zip([*ks, *ss], [*chunks, *snapshots]):
+            if status == "committed":
+                store(index, [key])
+            elif status == "claimed":
+                index.claim(A, [key])
+            elif status == "reserved":
+                index.reserve(A, [key], PAYLOAD)
+        expected = _in_progress_by_definition(chunks, snapshots)
+        assert index.in_progress(B, ks, list(enumerate(ss))) == (expected, 0.0), (
+            chunks,
+            snapshots,
+        )
