@@ -90,19 +90,35 @@ def token_array(data: bytes, start: int) -> tuple[np.ndarray, int] | None:
     if stop < 0:
         return None
     inner = data[start + 1 : stop]
-    punctuation = inner.translate(None, b"0123456789")
-    if punctuation.translate(None, b", \t\n\r") or len(punctuation) == len(inner):
+    digits, commas, spaces = _character_counts(inner)
+    if digits == 0 or digits + commas + spaces != len(inner):
         return None
     try:
         ids = np.fromstring(inner, dtype=np.int64, sep=",")  # raises on a malformed list
     except ValueError:
         return None
-    if len(ids) != punctuation.count(b",") + 1 or ids.max() >= _ID_LIMIT:
+    if len(ids) != commas + 1 or ids.max() >= _ID_LIMIT:
         return None
-    digits = len(ids) + sum(int(np.count_nonzero(ids >= power)) for power in _DIGIT_POWERS)
-    if digits != len(inner) - len(punctuation):
+    read = len(ids) + sum(int(np.count_nonzero(ids >= power)) for power in _DIGIT_POWERS)
+    if read != digits:
         return None
     return ids, stop + 1
+
+
+def _character_counts(text: bytes) -> tuple[int, int, int]:
+    """How many of text's bytes are ASCII digits, commas and JSON whitespace. numpy
+    compares every byte with a constant at once: five such passes over a 1 MB array
+    take a third of the time of bytes.translate and count."""
+    codes = np.frombuffer(text, dtype=np.uint8)
+
+    def count(mask: np.ndarray) -> int:
+        return int(np.count_nonzero(mask))
+
+    digits = count(codes <= ord("9")) - count(codes < ord("0"))
+    spaces = count(codes == ord(" "))
+    if count(codes < ord(" ")):  # control characters, of which JSON allows \t, \n and \r
+        spaces += sum(count(codes == ord(c)) for c in "\t\n\r")
+    return digits, count(codes == ord(",")), spaces
 
 
 def _skip_space(text: str, i: int) -> int:
@@ -110,19 +126,27 @@ def _skip_space(text: str, i: int) -> int:
     return len(text) if match is None else match.start()
 
 
-def _object_with_token_array(text: str, data: bytes | None) -> dict[str, Any] | None:
+# Where a body's text holds the token arrays read by token_array: [start, end) spans.
+ArraySpans = list[tuple[int, int]]
+
+
+def _object_with_token_array(
+    text: str, data: bytes | None
+) -> tuple[dict[str, Any], ArraySpans] | None:
     """json.loads(text) for a JSON object, with its top-level `prompt` of token ids read
     by token_array from `data` (text's bytes when they index like text: ASCII; None: no
-    fast read) as an int64 array instead of a list; None when the text is anything else
-    or anything is off (the general parser then reads it and names the error). Keys and
-    every other value go through json's own scanner, duplicate keys included."""
+    fast read) as an int64 array instead of a list, and the spans of text read so; None
+    when the text is anything else or anything is off (the general parser then reads it
+    and names the error). Keys and every other value go through json's own scanner,
+    duplicate keys included."""
     i = _skip_space(text, 0)
     if not text.startswith("{", i):
         return None
     body: dict[str, Any] = {}
+    arrays: ArraySpans = []
     i = _skip_space(text, i + 1)
     if text.startswith("}", i):
-        return body if _skip_space(text, i + 1) == len(text) else None
+        return (body, arrays) if _skip_space(text, i + 1) == len(text) else None
     while True:
         if not text.startswith('"', i):
             return None
@@ -137,11 +161,12 @@ def _object_with_token_array(text: str, data: bytes | None) -> dict[str, Any] | 
         if fast is None:
             value, i = _DECODER.scan_once(text, i)
         else:
+            arrays.append((i, fast[1]))
             value, i = fast
         body[key] = value
         i = _skip_space(text, i)
         if text.startswith("}", i):
-            return body if _skip_space(text, i + 1) == len(text) else None
+            return (body, arrays) if _skip_space(text, i + 1) == len(text) else None
         if not text.startswith(",", i):
             return None
         i = _skip_space(text, i + 1)
@@ -162,7 +187,8 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         except (ValueError, RecursionError, StopIteration):
             fast = None
         if fast is not None:
-            return _checked(fast, text)
+            body, arrays = fast
+            return _checked(body, arrays, text)
     try:
         body = json.loads(text, parse_constant=_reject_constant)
     except ValueError as exc:
@@ -171,16 +197,29 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise bad_request("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request(f"request body must be a JSON object, not {type(body).__name__}")
-    return _checked(body, text)
+    return _checked(body, [], text)
 
 
-def _checked(body: dict[str, Any], text: str) -> dict[str, Any]:
-    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(body):
+def _checked(body: dict[str, Any], arrays: ArraySpans, text: str) -> dict[str, Any]:
+    """`body`, unless a string of it holds a lone surrogate. Only a \\u escape gives one,
+    and it is looked for outside the token arrays (`arrays`: digits, commas and spaces,
+    bounded by brackets, which no escape can reach into)."""
+    if _escape_outside(text, arrays) and _has_lone_surrogate(body):
         raise bad_request(
             "request body holds a string with a lone UTF-16 surrogate (e.g. "
             "\\ud800): strings must be valid Unicode"
         )
     return body
+
+
+def _escape_outside(text: str, arrays: ArraySpans) -> bool:
+    """Whether text outside `arrays` holds a \\u escape of a UTF-16 surrogate."""
+    start = 0
+    for end, after in [*arrays, (len(text), len(text))]:
+        if _SURROGATE_ESCAPE.search(text, start, end):
+            return True
+        start = after
+    return False
 
 
 async def read_json_object(request: web.Request, *, allow_empty: bool = False) -> dict[str, Any]:

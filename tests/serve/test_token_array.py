@@ -75,6 +75,10 @@ NOT_READ = [
     "[1, null]",
     "[1,\v2]",  # not JSON whitespace
     "[1, 2",
+    "[+1, 2]",  # numpy would read a sign
+    "[1_0, 2]",
+    "[0x1F, 2]",
+    "[1, 2x]",
 ]
 
 
@@ -143,3 +147,24 @@ def test_the_replica_and_the_router_read_the_array_as_the_list() -> None:
     small = ModelInfo("m", None, 50_000, 999, "float32")  # id 999 is out of its vocabulary
     with pytest.raises(APIError, match=r"must be in \[0, 999\)"):
         parse_generate(fast, False, small)
+
+
+@pytest.mark.parametrize(
+    "members",
+    [
+        ['"s": "\\ud800"', '"prompt": IDS'],  # an escape just before the array
+        ['"prompt":IDS', '"s":"\\udfff"'],  # just after it
+        ['"prompt": IDS', '"prompt": IDS', '"s": "x\\uDBFFy"'],  # after two arrays
+    ],
+)
+def test_a_lone_surrogate_beside_a_token_array_is_still_a_400(members: list[str]) -> None:
+    ids = json.dumps(list(range(20_000)))
+    text = "{" + ", ".join([*members, '"model": "m"']).replace("IDS", ids) + "}"
+    assert len(text) >= TOKEN_ARRAY_BYTES
+    with pytest.raises(APIError, match="lone UTF-16 surrogate") as caught:
+        parse_json_object(text.encode())
+    assert caught.value.status == 400
+    paired = text.replace("\\ud800", "\\ud83d\\ude00").replace("\\udfff", "\\ud83d\\ude00")
+    paired = paired.replace("\\uDBFF", "\\ud83d\\ude00")
+    parsed = parse_json_object(paired.encode())
+    assert isinstance(parsed["prompt"], np.ndarray) and plain(parsed) == json.loads(paired)
