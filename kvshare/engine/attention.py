@@ -56,7 +56,7 @@ class StepMeta:
 
     q_lens: tuple[int, ...]
     ctx_lens: tuple[int, ...]
-    block_tables: tuple[tuple[int, ...], ...]
+    block_tables: tuple[Sequence[int] | np.ndarray, ...]  # int32 arrays or tuples of ints
     block_size: int
     device: torch.device
     slot_mapping: torch.Tensor = field(init=False)
@@ -127,7 +127,9 @@ class StepMeta:
         return self._paged
 
 
-def token_slots(table: Sequence[int], positions: np.ndarray, block_size: int) -> np.ndarray:
+def token_slots(
+    table: Sequence[int] | np.ndarray, positions: np.ndarray, block_size: int
+) -> np.ndarray:
     """The cache slots (block * block_size + offset) of a sequence's token positions, in
     ascending order. Only the blocks they touch are read: a decode step's one position
     must not convert a 128k-token context's whole table."""

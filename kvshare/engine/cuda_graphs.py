@@ -26,6 +26,7 @@ H200 below a 262,144-token context).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -81,7 +82,7 @@ class GraphStep:
     input_ids: np.ndarray
     positions: np.ndarray
     slots: np.ndarray
-    block_tables: list[tuple[int, ...]]
+    block_tables: list[np.ndarray]  # int32 (Sequence.block_table_array)
     context_lens: np.ndarray
     q_lens: tuple[int, ...]
     sliding: tuple[np.ndarray, list[tuple[int, ...]]] | None = None
@@ -300,7 +301,7 @@ class StepGraphs:
         static: _Tables,
         shape: tuple[int, int],
         slots: np.ndarray,
-        block_tables: list[tuple[int, ...]],
+        block_tables: Sequence[Sequence[int] | np.ndarray],
     ) -> None:
         batch, rows = shape
         width = max(len(t) for t in block_tables)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -207,7 +207,7 @@ class ModelRunner:
         ctx_lens = tuple(c.seq.num_computed_tokens + c.num_new_tokens for c in chunks)
         bs = self.config.block_size
         meta = StepMeta(
-            q_lens, ctx_lens, tuple(tuple(c.seq.block_table) for c in chunks), bs, self.device
+            q_lens, ctx_lens, tuple(c.seq.block_table_array() for c in chunks), bs, self.device
         )
         sliding_meta = None
         if self.layout.sliding_kv is not None:
@@ -240,12 +240,12 @@ class ModelRunner:
         bs = self.config.block_size
         bounds = np.cumsum((0, *q_lens))
 
-        def slots(tables: list[tuple[int, ...]]) -> np.ndarray:
+        def slots(tables: Sequence[Sequence[int] | np.ndarray]) -> np.ndarray:
             return np.concatenate(
                 [token_slots(t, positions[a:b], bs) for t, a, b in zip(tables, bounds, bounds[1:])]
             )
 
-        tables = [tuple(c.seq.block_table) for c in chunks]
+        tables = [c.seq.block_table_array() for c in chunks]
         sliding = None
         if self.layout.sliding_kv is not None:
             sliding_tables = [tuple(c.seq.sliding_table) for c in chunks]
