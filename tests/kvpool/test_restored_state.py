@@ -8,7 +8,9 @@ from the pool again, or recomputes it when the pool has evicted the page (on the
 with a pool smaller than the working set, a 16k-token document restored at 15.1 s was
 recomputed in full at 18.7 s on the same replica). The copy is kept only once the restore
 is verified: a restore that fails verification is recomputed, and the recompute's own
-state must be the one the boundary keeps.
+state must be the one the boundary keeps. On CUDA the copy aside must also come after
+the state's copy from the pool on the device (the load orders the compute stream after
+it): the `cuda` cases check that the kept state is the restored one there too.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kvshare.kvpool.launch import PoolProcess
 from kvshare.kvpool.page import HEADER_BYTES
 from tests.kvpool.pool_fixture import PoolFactory
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
 PREFIX = [random.Random(31).randrange(3, 512) for _ in range(600)]  # 2 chunks of 256 + 88
 
@@ -41,9 +44,10 @@ def pool() -> Iterator[PoolProcess]:
     factory.close()
 
 
-def replica(pool: PoolProcess) -> tuple[LLM, PoolConnector]:
+def replica(pool: PoolProcess, device: str) -> tuple[LLM, PoolConnector]:
     llm = LLM(
         "shape:tiny-qwen3.5",
+        device=device,
         dtype="float32",
         kv_pool=pool.address,
         kv_cache_memory=8 << 20,
@@ -63,10 +67,15 @@ def ask(llm: LLM, prompt: list[int]) -> RequestOutput:
     return out
 
 
-def without_pool(llm: LLM, connector: PoolConnector, prompt: list[int]) -> RequestOutput:
+def resumed_without_pool(llm: LLM, connector: PoolConnector, prompt: list[int]) -> RequestOutput:
+    """The answer to `prompt` resumed from the GPU snapshot the replica took when it
+    computed the prefix itself, the pool off: the same computation as a resume from a
+    restored state, so on any device the answers must agree."""
     connector.set_enabled(False)
     llm.engine.reset_prefix_cache()
+    ask(llm, question(0))
     out = ask(llm, prompt)
+    assert out.gpu_hit_tokens == 512
     llm.engine.reset_prefix_cache()
     connector.set_enabled(True)
     return out
@@ -77,9 +86,12 @@ def assert_same_answer(out: RequestOutput, reference: RequestOutput) -> None:
     assert max(abs(a - b) for a, b in zip(out.logprobs, reference.logprobs)) < 1e-4
 
 
-def test_the_next_request_after_a_restore_resumes_on_the_gpu(pool: PoolProcess) -> None:
-    llm, connector = replica(pool)
-    reference = without_pool(llm, connector, question(2))
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_next_request_after_a_restore_resumes_on_the_gpu(
+    pool: PoolProcess, device: str
+) -> None:
+    llm, connector = replica(pool, device)
+    reference = resumed_without_pool(llm, connector, question(2))
     ask(llm, question(0))  # computes the prefix and stores it (state at 512 tokens too)
     llm.engine.reset_prefix_cache()  # the replica of another conversation: only the pool
     restored = ask(llm, question(1))
@@ -91,11 +103,12 @@ def test_the_next_request_after_a_restore_resumes_on_the_gpu(pool: PoolProcess) 
     connector.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_restore_that_fails_verification_leaves_the_recomputed_state(
-    pool: PoolProcess,
+    pool: PoolProcess, device: str
 ) -> None:
-    llm, connector = replica(pool)
-    reference = without_pool(llm, connector, question(2))
+    llm, connector = replica(pool, device)
+    reference = resumed_without_pool(llm, connector, question(2))
     ask(llm, question(0))
     keys = chunk_keys(connector.namespace, PREFIX)
     found = connector.client.lookup(keys[:2], states=[(1, state_key(keys[1]))])
