@@ -9,8 +9,7 @@ import random
 import pytest
 
 from kvshare import LLM, SamplingParams
-from kvshare.kvpool.connector import PoolConnector
-from tests.kvpool.pool_fixture import PoolFactory
+from tests.kvpool.pool_fixture import PoolFactory, hybrid_replica
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
@@ -43,15 +42,7 @@ def test_a_hybrid_models_pool_restore_keeps_to_its_salt() -> None:
     pools = PoolFactory()
     try:
         pool = pools.start(pools.config(size_bytes=32 << 20, slab_bytes=4 << 20))
-        llm = LLM(
-            "shape:tiny-qwen3.5",
-            dtype="float32",
-            kv_pool=pool.address,
-            kv_cache_memory=8 << 20,
-            max_num_batched_tokens=512,
-        )
-        connector = llm.engine.connector
-        assert isinstance(connector, PoolConnector)
+        llm, connector = hybrid_replica(pool)
         prompt = [random.Random(5).randrange(3, 512) for _ in range(300)]
 
         def pool_hit(salt: str | None) -> int:

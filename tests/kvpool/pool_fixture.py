@@ -7,6 +7,8 @@ import shutil
 import tempfile
 import uuid
 
+from kvshare import LLM
+from kvshare.kvpool.connector import PoolConnector
 from kvshare.kvpool.launch import PoolProcess, PoolProcessConfig
 from kvshare.kvpool.paths import SHM_DIR
 
@@ -65,3 +67,18 @@ def child_env() -> dict[str, str]:
         os.environ,
         PYTHONPATH=os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p),
     )
+
+
+def hybrid_replica(pool: PoolProcess, device: str = "cpu") -> tuple[LLM, PoolConnector]:
+    """A tiny-qwen3.5 engine (hybrid: KV and recurrent state) on `pool`, float32."""
+    llm = LLM(
+        "shape:tiny-qwen3.5",
+        device=device,
+        dtype="float32",
+        kv_pool=pool.address,
+        kv_cache_memory=8 << 20,
+        max_num_batched_tokens=512,
+    )
+    connector = llm.engine.connector
+    assert isinstance(connector, PoolConnector)
+    return llm, connector

@@ -26,7 +26,7 @@ from kvshare.kvpool.connector import PoolConnector, state_key
 from kvshare.kvpool.keys import chunk_keys
 from kvshare.kvpool.launch import PoolProcess
 from kvshare.kvpool.page import HEADER_BYTES
-from tests.kvpool.pool_fixture import PoolFactory
+from tests.kvpool.pool_fixture import PoolFactory, hybrid_replica
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
@@ -42,21 +42,6 @@ def pool() -> Iterator[PoolProcess]:
     factory = PoolFactory()
     yield factory.start(factory.config(size_bytes=64 << 20, slab_bytes=4 << 20))
     factory.close()
-
-
-def replica(pool: PoolProcess, device: str) -> tuple[LLM, PoolConnector]:
-    llm = LLM(
-        "shape:tiny-qwen3.5",
-        device=device,
-        dtype="float32",
-        kv_pool=pool.address,
-        kv_cache_memory=8 << 20,
-        max_num_batched_tokens=512,
-        weights_seed=3,
-    )
-    connector = llm.engine.connector
-    assert isinstance(connector, PoolConnector)
-    return llm, connector
 
 
 def ask(llm: LLM, prompt: list[int]) -> RequestOutput:
@@ -90,7 +75,7 @@ def assert_same_answer(out: RequestOutput, reference: RequestOutput) -> None:
 def test_the_next_request_after_a_restore_resumes_on_the_gpu(
     pool: PoolProcess, device: str
 ) -> None:
-    llm, connector = replica(pool, device)
+    llm, connector = hybrid_replica(pool, device)
     reference = resumed_without_pool(llm, connector, question(2))
     ask(llm, question(0))  # computes the prefix and stores it (state at 512 tokens too)
     llm.engine.reset_prefix_cache()  # the replica of another conversation: only the pool
@@ -107,7 +92,7 @@ def test_the_next_request_after_a_restore_resumes_on_the_gpu(
 def test_a_restore_that_fails_verification_leaves_the_recomputed_state(
     pool: PoolProcess, device: str
 ) -> None:
-    llm, connector = replica(pool, device)
+    llm, connector = hybrid_replica(pool, device)
     reference = resumed_without_pool(llm, connector, question(2))
     ask(llm, question(0))
     keys = chunk_keys(connector.namespace, PREFIX)
