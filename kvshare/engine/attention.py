@@ -49,6 +49,42 @@ class KeyRange:
     max_len: int
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's host inputs, built once for the eager path and the graph path:
+    `q_lens[i]` new tokens of sequence i, packed in `input_ids` and `positions`;
+    `context_lens[i]` its keys after the step; `block_tables[i]` its table (int32,
+    Sequence.block_table_array); `sliding_tables`: the sliding layers' tables, for a
+    sliding-window model; `state_slots`: the recurrent-state slots, for a hybrid model."""
+
+    q_lens: tuple[int, ...]
+    input_ids: np.ndarray
+    positions: np.ndarray
+    context_lens: tuple[int, ...]
+    block_tables: list[np.ndarray]
+    sliding_tables: list[tuple[int, ...]] | None = None
+    state_slots: np.ndarray | None = None
+
+    def slots(self, tables: Sequence[Sequence[int] | np.ndarray], block_size: int) -> np.ndarray:
+        """The cache slots of the new tokens, packed, through `tables` (one per sequence)."""
+        bounds = np.cumsum((0, *self.q_lens))
+        return np.concatenate(
+            [
+                token_slots(t, self.positions[a:b], block_size)
+                for t, a, b in zip(tables, bounds, bounds[1:])
+            ]
+        )
+
+
+def padded_tables(tables: Sequence[Sequence[int] | np.ndarray], rows: int, fill: int) -> np.ndarray:
+    """Block tables as one int32 [rows, longest table] array, `fill` past each table's end
+    and in rows past the last table."""
+    out = np.full((rows, max(len(t) for t in tables)), fill, dtype=np.int32)
+    for i, table in enumerate(tables):
+        out[i, : len(table)] = table
+    return out
+
+
 @dataclass
 class StepMeta:
     """One step's batch. Sequence i has q_lens[i] new tokens at positions
@@ -116,10 +152,7 @@ class StepMeta:
     def paged(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(block_tables [B, max_blocks] int32, context lengths [B] int32) for paged kernels."""
         if self._paged is None:
-            width = max(len(t) for t in self.block_tables)
-            tables = np.zeros((self.num_seqs, width), dtype=np.int32)
-            for i, t in enumerate(self.block_tables):
-                tables[i, : len(t)] = t
+            tables = padded_tables(self.block_tables, self.num_seqs, 0)
             self._paged = (
                 host_to_device(tables, self.device),
                 host_to_device(np.asarray(self.ctx_lens, dtype=np.int32), self.device),

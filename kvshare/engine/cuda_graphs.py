@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvshare.engine.attention import AttentionBackend, PagedAttention
+from kvshare.engine.attention import AttentionBackend, PagedAttention, StepInputs, padded_tables
 from kvshare.engine.connector import KVCacheLayout
 from kvshare.engine.memory import SHORT_STEP_TOKENS
 from kvshare.engine.recurrent_state import RecurrentStates
@@ -70,23 +70,6 @@ class GraphStepMeta:
 
     def paged(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.block_tables, self.context_lens
-
-
-@dataclass(frozen=True)
-class GraphStep:
-    """One step's host inputs: `q_lens[i]` new tokens of sequence i, packed in `input_ids`,
-    `positions` and `slots`; `context_lens` = each sequence's keys after the step.
-    `sliding`: the sliding layers' (slots, tables), for a sliding-window model;
-    `state_slots`: the sequences' recurrent-state slots, for a hybrid model."""
-
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slots: np.ndarray
-    block_tables: list[np.ndarray]  # int32 (Sequence.block_table_array)
-    context_lens: np.ndarray
-    q_lens: tuple[int, ...]
-    sliding: tuple[np.ndarray, list[tuple[int, ...]]] | None = None
-    state_slots: np.ndarray | None = None
 
 
 def graph_buckets(max_batch: int, exact: bool = False) -> list[int]:
@@ -267,7 +250,7 @@ class StepGraphs:
         graph.replay()
         return hidden
 
-    def run(self, step: GraphStep) -> torch.Tensor:
+    def run(self, step: StepInputs) -> torch.Tensor:
         """The step's hidden states, one row per new token (ValueError: no captured shape
         holds it)."""
         shape = self.shape_for(step.q_lens)
@@ -281,12 +264,12 @@ class StepGraphs:
         self._upload(
             self.context_lens[:batch], np.pad(step.context_lens, (0, pad_seqs), constant_values=1)
         )
-        self._upload_tables(self.global_tables, shape, step.slots, step.block_tables)
+        self._upload_tables(self.global_tables, shape, step, step.block_tables)
         if self.sliding_tables is not None:
-            assert step.sliding is not None, (
+            assert step.sliding_tables is not None, (
                 "a sliding-window model's step needs its sliding tables"
             )
-            self._upload_tables(self.sliding_tables, shape, *step.sliding)
+            self._upload_tables(self.sliding_tables, shape, step, step.sliding_tables)
         if self.state_slots is not None:
             assert step.state_slots is not None and pad_seqs == 0, "a hybrid step: its own slots"
             self._upload(self.state_slots[:batch], step.state_slots)
@@ -300,19 +283,19 @@ class StepGraphs:
         self,
         static: _Tables,
         shape: tuple[int, int],
-        slots: np.ndarray,
+        step: StepInputs,
         block_tables: Sequence[Sequence[int] | np.ndarray],
     ) -> None:
+        """One cache's slots of the step's new tokens and its block tables, padding rows
+        and sequences pointing at the trash block."""
         batch, rows = shape
-        width = max(len(t) for t in block_tables)
-        tables = np.full((batch, width), static.trash_block, dtype=np.int32)
-        for i, table in enumerate(block_tables):
-            tables[i, : len(table)] = table
+        slots = step.slots(block_tables, self.block_size)
         pad = rows - len(slots)
         self._upload(
             static.slots[:rows], np.pad(slots, (0, pad), constant_values=static.trash_slot)
         )
-        self._upload(static.tables[:batch, :width], tables)
+        tables = padded_tables(block_tables, batch, static.trash_block)
+        self._upload(static.tables[:batch, : tables.shape[1]], tables)
 
     @staticmethod
     def _upload(dest: torch.Tensor, array: np.ndarray) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -13,14 +13,14 @@ from kvshare.engine.attention import (
     AttentionBackend,
     PagedAttention,
     SDPABackend,
+    StepInputs,
     StepMeta,
     VarlenBackend,
     host_to_device,
-    token_slots,
 )
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.connector import KVCacheLayout, SlotFences
-from kvshare.engine.cuda_graphs import GraphStep, StepGraphs
+from kvshare.engine.cuda_graphs import StepGraphs
 from kvshare.engine.memory import (
     DeviceMemoryPlan,
     KVCacheSplit,
@@ -173,6 +173,23 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
         """Run one step; return float32 logits for the chunks that sample, in order."""
+        step = self._inputs(chunks)
+        ends = np.cumsum(step.q_lens)
+        sample_rows = [int(end) - 1 for c, end in zip(chunks, ends) if c.samples]
+        if self.graphs is not None and self.graphs.shape_for(step.q_lens) is not None:
+            self.fences.drain()  # a graph's layers do not call before(slot)
+            hidden = self.graphs.run(step)
+        else:
+            hidden = self._forward(step)
+        if not sample_rows:
+            return None
+        if len(sample_rows) == len(step.input_ids):  # decode: every row samples
+            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(
+            hidden[host_to_device(np.asarray(sample_rows), self.device)]
+        )
+
+    def _inputs(self, chunks: list[ScheduledChunk]) -> StepInputs:
         q_lens = tuple(c.num_new_tokens for c in chunks)
         starts = [c.seq.num_computed_tokens for c in chunks]
         input_ids = np.concatenate(
@@ -181,86 +198,40 @@ class ModelRunner:
                 for c, a, n in zip(chunks, starts, q_lens)
             ]
         )
-        positions = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, q_lens)])
-        ends = np.cumsum(q_lens)
-        sample_rows = [int(end) - 1 for c, end in zip(chunks, ends) if c.samples]
-        if self.graphs is not None and self.graphs.shape_for(q_lens) is not None:
-            hidden = self._replay(chunks, q_lens, input_ids, positions)
-        else:
-            hidden = self._forward(chunks, q_lens, input_ids, positions)
-        if not sample_rows:
-            return None
-        if len(sample_rows) == len(input_ids):  # decode: every row samples
-            return self.model.compute_logits(hidden)
-        return self.model.compute_logits(
-            hidden[host_to_device(np.asarray(sample_rows), self.device)]
-        )
-
-    def _forward(
-        self,
-        chunks: list[ScheduledChunk],
-        q_lens: tuple[int, ...],
-        input_ids: np.ndarray,
-        positions: np.ndarray,
-    ) -> torch.Tensor:
-        """The step run eagerly, layer by layer (pool loads waited for per cache slot)."""
-        ctx_lens = tuple(c.seq.num_computed_tokens + c.num_new_tokens for c in chunks)
-        bs = self.config.block_size
-        meta = StepMeta(
-            q_lens, ctx_lens, tuple(c.seq.block_table_array() for c in chunks), bs, self.device
-        )
-        sliding_meta = None
-        if self.layout.sliding_kv is not None:
-            sliding_tables = tuple(tuple(c.seq.sliding_table) for c in chunks)
-            sliding_meta = StepMeta(q_lens, ctx_lens, sliding_tables, bs, self.device)
         state_slots = None
         if self.states is not None:
-            state_slots = host_to_device(
-                np.asarray([c.seq.state_slot for c in chunks], dtype=np.int64), self.device
+            state_slots = np.asarray([c.seq.state_slot for c in chunks], dtype=np.int64)
+        return StepInputs(
+            q_lens,
+            input_ids,
+            np.concatenate([np.arange(a, a + n) for a, n in zip(starts, q_lens)]),
+            tuple(a + n for a, n in zip(starts, q_lens)),
+            [c.seq.block_table_array() for c in chunks],
+            None
+            if self.layout.sliding_kv is None
+            else [tuple(c.seq.sliding_table) for c in chunks],
+            state_slots,
+        )
+
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        """The step run eagerly, layer by layer (pool loads waited for per cache slot)."""
+        bs = self.config.block_size
+        meta = StepMeta(step.q_lens, step.context_lens, tuple(step.block_tables), bs, self.device)
+        sliding_meta = None
+        if step.sliding_tables is not None:
+            sliding_meta = StepMeta(
+                step.q_lens, step.context_lens, tuple(step.sliding_tables), bs, self.device
             )
+        state_slots = None
+        if step.state_slots is not None:
+            state_slots = host_to_device(step.state_slots, self.device)
         ctx = PagedAttention(
             self.layout, meta, self.backend, self.states, state_slots, sliding_meta, self.fences
         )
         hidden = self.model(
-            host_to_device(input_ids, self.device), host_to_device(positions, self.device), ctx
+            host_to_device(step.input_ids, self.device),
+            host_to_device(step.positions, self.device),
+            ctx,
         )
         self.fences.drain()  # slots this step did not touch: the next user must not race
         return hidden
-
-    def _replay(
-        self,
-        chunks: list[ScheduledChunk],
-        q_lens: tuple[int, ...],
-        input_ids: np.ndarray,
-        positions: np.ndarray,
-    ) -> torch.Tensor:
-        """The step from a captured graph (a decode step or a short prefill step)."""
-        assert self.graphs is not None
-        self.fences.drain()  # a graph's layers do not call before(slot)
-        bs = self.config.block_size
-        bounds = np.cumsum((0, *q_lens))
-
-        def slots(tables: Sequence[Sequence[int] | np.ndarray]) -> np.ndarray:
-            return np.concatenate(
-                [token_slots(t, positions[a:b], bs) for t, a, b in zip(tables, bounds, bounds[1:])]
-            )
-
-        tables = [c.seq.block_table_array() for c in chunks]
-        sliding = None
-        if self.layout.sliding_kv is not None:
-            sliding_tables = [tuple(c.seq.sliding_table) for c in chunks]
-            sliding = (slots(sliding_tables), sliding_tables)
-        state_slots = None
-        if self.states is not None:
-            state_slots = np.asarray([c.seq.state_slot for c in chunks], dtype=np.int64)
-        step = GraphStep(
-            input_ids,
-            positions,
-            slots(tables),
-            tables,
-            np.asarray([c.seq.num_computed_tokens + c.num_new_tokens for c in chunks]),
-            q_lens,
-            sliding,
-            state_slots,
-        )
-        return self.graphs.run(step)
