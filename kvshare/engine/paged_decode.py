@@ -232,10 +232,12 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of a step's new tokens over the paged cache, keys read in place.
 
-    q [T, Hq, D], sequence i's tokens at rows cu_seqlens_q[i]:cu_seqlens_q[i + 1] (None: one
-    token per sequence, T = B; rows past cu_seqlens_q[B] are padding and come out zero), the last of its context_lens[i] keys, already in the cache
-    [slots, Hkv, D] (or packed fp8 [slots, Hkv, D + 4], kv_fp8.py); max_q >= every sequence's token count (<= MAX_QUERY), sizing the grid.
-    max_context (host int, default the tables' width) sizes the splits. Returns [T, Hq, D].
+    q [T, Hq, D], sequence i's tokens at rows cu_seqlens_q[i]:cu_seqlens_q[i + 1] (None:
+    one token per sequence, T = B; rows past cu_seqlens_q[B] are padding and come out
+    zero), the last of its context_lens[i] keys, already in the cache [slots, Hkv, D] (or
+    packed fp8 [slots, Hkv, D + 4], kv_fp8.py); max_q >= every sequence's token count
+    (<= MAX_QUERY) sizes the grid; max_context (host int, default the tables' width) sizes
+    the splits. Returns [T, Hq, D].
     """
     assert 1 <= max_q <= MAX_QUERY and (cu_seqlens_q is not None or max_q == 1)
     num_tokens, num_heads, head_dim = q.shape
