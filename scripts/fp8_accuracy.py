@@ -28,10 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvshare.engine.attention import PagedAttention, StepMeta, host_to_device
+from kvshare.engine.attention import PagedAttention, StepMeta
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.llm_engine import LLMEngine
 from kvshare.models.loader import LoadedModel, load_model
+from kvshare.uploads import host_to_device
 
 TEXT = Path(__file__).resolve().parents[1] / "LICENSE"
 

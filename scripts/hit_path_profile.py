@@ -189,7 +189,7 @@ def build_engine(args: argparse.Namespace, address: str) -> LLMEngine:
         loaded,
         chunk_tokens=args.chunk_tokens,
         kv_cache_dtype=config.kv_cache_dtype,
-        layer_groups=layer_groups(args.layer_groups),
+        layer_groups=layer_groups(args.layer_groups, args.layer_group_min_mib),
     )
     engine = LLMEngine(loaded, config, connector)
     if connector.bind_failure is not None:
@@ -199,8 +199,10 @@ def build_engine(args: argparse.Namespace, address: str) -> LLMEngine:
     return engine
 
 
-def layer_groups(max_groups: int) -> LayerGroups | None:
-    return LayerGroups(max_groups=max_groups) if max_groups > 1 else None
+def layer_groups(max_groups: int, min_mib: float) -> LayerGroups | None:
+    if max_groups == 1:
+        return None
+    return LayerGroups(min_bytes=int(min_mib * (1 << 20)), max_groups=max_groups)
 
 
 def alternate(
@@ -233,11 +235,13 @@ def compare_layer_groups(
     assert transfer is not None
 
     def setting(groups: int) -> Callable[[], None]:
-        return lambda: setattr(transfer, "layer_groups", layer_groups(groups))
+        return lambda: setattr(
+            transfer, "layer_groups", layer_groups(groups, args.layer_group_min_mib)
+        )
 
     settings = {f"layer groups {g}": setting(g) for g in args.compare_layer_groups}
     results = alternate(engine, served, args, settings)
-    transfer.layer_groups = layer_groups(args.layer_groups)
+    transfer.layer_groups = layer_groups(args.layer_groups, args.layer_group_min_mib)
     return results
 
 
@@ -391,6 +395,12 @@ def main() -> int:
         type=int,
         default=1,
         help="at most this many groups of layers per load (1: whole pages, the default)",
+    )
+    parser.add_argument(
+        "--layer-group-min-mib",
+        type=float,
+        default=LayerGroups.min_bytes / (1 << 20),
+        help="each group's part of a page at least this many MiB (default LayerGroups')",
     )
     parser.add_argument(
         "--compare-layer-groups",

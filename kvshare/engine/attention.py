@@ -33,6 +33,7 @@ from kvshare.engine import kv_fp8
 from kvshare.engine.connector import KVCacheLayout, SlotFences
 from kvshare.engine.memory import DEQUANT_CHUNK_TOKENS
 from kvshare.engine.recurrent_state import RecurrentStates
+from kvshare.uploads import host_to_device
 
 if TYPE_CHECKING:
     from kvshare.models.gdn_triton import PrefillTables
@@ -171,14 +172,6 @@ def token_slots(
     first = int(positions[0]) // block_size
     blocks = np.asarray(table[first : int(positions[-1]) // block_size + 1], dtype=np.int64)
     return blocks[positions // block_size - first] * block_size + positions % block_size
-
-
-def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on `device`; on CUDA through pinned memory, without blocking the host."""
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor
 
 
 class AttentionBackend(ABC):

@@ -38,6 +38,7 @@ from kvshare.engine.connector import KVCacheLayout
 from kvshare.engine.memory import SHORT_STEP_TOKENS
 from kvshare.engine.recurrent_state import RecurrentStates
 from kvshare.models.decoder import CausalLM
+from kvshare.uploads import copy_into
 
 if TYPE_CHECKING:
     from kvshare.models.gdn_triton import PrefillTables
@@ -258,10 +259,10 @@ class StepGraphs:
             raise ValueError(f"no captured graph for a step of {step.q_lens} new tokens")
         batch, rows = shape
         n, pad_rows = len(step.input_ids), rows - len(step.input_ids)
-        self._upload(self.input_ids[:rows], np.pad(step.input_ids, (0, pad_rows)))
-        self._upload(self.positions[:rows], np.pad(step.positions, (0, pad_rows)))
+        copy_into(self.input_ids[:rows], np.pad(step.input_ids, (0, pad_rows)))
+        copy_into(self.positions[:rows], np.pad(step.positions, (0, pad_rows)))
         pad_seqs = batch - len(step.q_lens)
-        self._upload(
+        copy_into(
             self.context_lens[:batch], np.pad(step.context_lens, (0, pad_seqs), constant_values=1)
         )
         self._upload_tables(self.global_tables, shape, step, step.block_tables)
@@ -272,9 +273,9 @@ class StepGraphs:
             self._upload_tables(self.sliding_tables, shape, step, step.sliding_tables)
         if self.state_slots is not None:
             assert step.state_slots is not None and pad_seqs == 0, "a hybrid step: its own slots"
-            self._upload(self.state_slots[:batch], step.state_slots)
+            copy_into(self.state_slots[:batch], step.state_slots)
         if batch != rows:
-            self._upload(self.cu_seqlens_q[: batch + 1], np.cumsum((0, *step.q_lens)))
+            copy_into(self.cu_seqlens_q[: batch + 1], np.cumsum((0, *step.q_lens)))
             if shape in self.prefill:
                 self.prefill[shape].upload(step.q_lens)
         return self._replay(shape)[:n]
@@ -291,15 +292,6 @@ class StepGraphs:
         batch, rows = shape
         slots = step.slots(block_tables, self.block_size)
         pad = rows - len(slots)
-        self._upload(
-            static.slots[:rows], np.pad(slots, (0, pad), constant_values=static.trash_slot)
-        )
+        copy_into(static.slots[:rows], np.pad(slots, (0, pad), constant_values=static.trash_slot))
         tables = padded_tables(block_tables, batch, static.trash_block)
-        self._upload(static.tables[:batch, : tables.shape[1]], tables)
-
-    @staticmethod
-    def _upload(dest: torch.Tensor, array: np.ndarray) -> None:
-        src = torch.from_numpy(
-            np.ascontiguousarray(array).astype(np.int64 if dest.dtype == torch.int64 else np.int32)
-        )
-        dest.copy_(src.pin_memory() if dest.is_cuda else src, non_blocking=True)
+        copy_into(static.tables[:batch, : tables.shape[1]], tables)

@@ -16,7 +16,6 @@ from kvshare.engine.attention import (
     StepInputs,
     StepMeta,
     VarlenBackend,
-    host_to_device,
 )
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.connector import KVCacheLayout, SlotFences
@@ -33,6 +32,7 @@ from kvshare.engine.memory import (
 from kvshare.engine.recurrent_state import RecurrentStates
 from kvshare.engine.scheduler import ScheduledChunk
 from kvshare.models.loader import LoadedModel
+from kvshare.uploads import host_to_device
 
 _CPU_KV_CACHE_BYTES = 1 << 30
 _log = logging.getLogger(__name__)
@@ -176,8 +176,9 @@ class ModelRunner:
         step = self._inputs(chunks)
         ends = np.cumsum(step.q_lens)
         sample_rows = [int(end) - 1 for c, end in zip(chunks, ends) if c.samples]
-        if self.graphs is not None and self.graphs.shape_for(step.q_lens) is not None:
-            self.fences.drain()  # a graph's layers do not call before(slot)
+        # A load in groups of layers leaves fences: the step runs eagerly, each attention
+        # layer waiting for its own group only (a graph would wait for the whole load).
+        if self.graphs is not None and not self.fences and self.graphs.shape_for(step.q_lens):
             hidden = self.graphs.run(step)
         else:
             hidden = self._forward(step)

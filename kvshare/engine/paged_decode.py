@@ -26,6 +26,9 @@ MAX_QUERY = (
     64  # most new tokens per sequence the paged path serves; longer chunks go to varlen flash
 )
 MAX_ROWS = 64  # query rows (token x group head) per program when several tokens per sequence
+# An fp8 cache's keys and values meet the query in float16 dots (below, in the kernel);
+# False: in the query's dtype.
+FP8_DOT_F16 = True
 
 
 @triton.jit
@@ -56,6 +59,7 @@ def _split_kernel(
     KV_ROW: tl.constexpr,
     SCALE_ROW: tl.constexpr,
     KV_FP8: tl.constexpr,
+    FP8_F16: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -101,6 +105,14 @@ def _split_kernel(
         out_row = q_start * (NUM_KV_HEADS * GROUP) + kv_head * GROUP + r
     out_row = out_row.to(tl.int64)
     q = tl.load(Q + out_row[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0)
+    dot_dtype = Q.dtype.element_ty
+    if KV_FP8 and FP8_F16 and Q.dtype.element_ty != tl.float32:
+        # e4m3 -> float16 is one conversion, -> bfloat16 three (through float32): with
+        # every key and value converted in every program, they set the kernel's time. A
+        # bfloat16 query is exact in float16 up to its range, which it is clamped to (a
+        # float32 query, on the CPU, keeps float32).
+        dot_dtype = tl.float16
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(dot_dtype)
     q_pos = ctx - q_len + tok
     q_lo = tl.where(window > 0, q_pos - window + 1, 0)  # the engine's window: key > pos - W
 
@@ -119,10 +131,10 @@ def _split_kernel(
         k = tl.load(K + offs, mask=valid[:, None], other=0)
         v = tl.load(V + offs, mask=valid[:, None], other=0)
         if KV_FP8:
-            # e4m3 -> the query's dtype is exact; each key's scale multiplies its score
+            # e4m3 -> the dot's dtype is exact; each key's scale multiplies its score
             # column, each value's its column of p (below).
-            k = k.to(tl.float8e4nv, bitcast=True).to(Q.dtype.element_ty)
-            v = v.to(tl.float8e4nv, bitcast=True).to(Q.dtype.element_ty)
+            k = k.to(tl.float8e4nv, bitcast=True).to(dot_dtype)
+            v = v.to(tl.float8e4nv, bitcast=True).to(dot_dtype)
             k_scale = tl.load(K_SCALE + kv_row * SCALE_ROW, mask=valid, other=0.0)
             v_scale = tl.load(V_SCALE + kv_row * SCALE_ROW, mask=valid, other=0.0)
             scores = tl.dot(q, tl.trans(k)).to(tl.float32) * (k_scale[None, :] * scale)
@@ -285,6 +297,7 @@ def paged_attention(
         KV_ROW=k_cache.shape[-1],
         SCALE_ROW=k_cache.shape[-1] // kv_fp8.SCALE_BYTES if fp8 else 1,
         KV_FP8=fp8,
+        FP8_F16=FP8_DOT_F16,
         num_warps=split_warps(rows, head_dim, cu_seqlens_q is not None),
     )
     out = torch.empty_like(q)

@@ -254,6 +254,33 @@ def span_groups(
     return groups
 
 
+def strided_groups(
+    copies: Sequence[PageCopy], first_byte: int, width: int, max_pages: int
+) -> list[SpanGroup]:
+    """Bytes [first_byte, first_byte + width) of every copy's payload, in order, as runs
+    of at most max_pages copies whose offsets advance by one stride: a strided copy
+    (width-byte rows `stride` apart in the arena) brings each run."""
+    groups: list[SpanGroup] = []
+    start = 0
+    while start < len(copies):
+        stop = start + 1
+        stride = copies[stop].offset - copies[start].offset if stop < len(copies) else width
+        while (
+            stride >= width  # rows of a strided copy may not overlap
+            and stop < len(copies)
+            and stop - start < max_pages
+            and copies[stop].offset == copies[start].offset + (stop - start) * stride
+        ):
+            stop += 1
+        if stop - start == 1:
+            stride = width
+        groups.append(
+            SpanGroup(range(start, stop), copies[start].offset + first_byte, width, stride)
+        )
+        start = stop
+    return groups
+
+
 def fill_span(buffer: torch.Tensor, arena: torch.Tensor, group: SpanGroup) -> torch.Tensor:
     """Copy a group's span of the arena into the front of `buffer` (uint8; asynchronous
     on a CUDA buffer); returns the group's page rows, a [pages, nbytes] view of `buffer`."""

@@ -26,6 +26,7 @@ from kvshare.engine.memory import STAGING_BUFFERS, staging_buffer_bytes
 from kvshare.kvpool.faults import FaultInjection, breaks, injected_delay
 from kvshare.kvpool.layout import PageLayout, checksum_constants
 from kvshare.kvpool.page import HEADER_BYTES, PAGE_ALIGN
+from kvshare.kvpool.strided_copy import StridedCopy
 from kvshare.kvpool.transfer import (
     LayerGroups,
     PageCopy,
@@ -37,6 +38,7 @@ from kvshare.kvpool.transfer import (
     page_groups,
     span_groups,
     staged_rows,
+    strided_groups,
 )
 
 if TYPE_CHECKING:
@@ -119,6 +121,8 @@ class CudaTransfer(Transfer):
         if sliding_kv is not None:
             self.sliding_blocks = BlockCopy(sliding_kv, layout.blocks_per_page)
         self.checksum_rows = checksum_rows
+        # None: one host copy per page's part of a layer group (strided_copy.py).
+        self.strided_copy = StridedCopy.find()
 
     def warm_up(self, raw_bytes: Sequence[int] = ()) -> None:
         """Compile the scatter, gather and checksum kernels for this layout now: Triton
@@ -330,12 +334,15 @@ class CudaTransfer(Transfer):
         first_byte = slots.start * self.layout.slot_bytes
 
         def fill(buffer: torch.Tensor, group: SpanGroup) -> torch.Tensor:
+            if self.strided_copy is not None:
+                src = arena.data_ptr() + group.offset
+                return self.strided_copy(buffer, src, group.stride, width, len(group.pages))
             for row, i in enumerate(group.pages):
                 start = copies[i].offset + first_byte
                 buffer[row * width : (row + 1) * width].copy_(
                     arena[start : start + width], non_blocking=True
                 )
-            return staged_rows(buffer, group)
+            return buffer[: len(group.pages) * width].view(-1, width)
 
         def drain(rows: torch.Tensor, group: range) -> None:
             t = tables[0]
@@ -345,10 +352,7 @@ class CudaTransfer(Transfer):
             )
             self.blocks(rows, t.pairs(group), group.start, True, slots.start)
 
-        groups = [
-            SpanGroup(g, 0, width, width)
-            for g in page_groups(copies, self.staging_bytes, self.staging_bytes // width, width)
-        ]
+        groups = strided_groups(copies, first_byte, width, self.staging_bytes // width)
         first_fill = None if tables else upload_tables
         self._pipeline(
             "load",

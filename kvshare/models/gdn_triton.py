@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvshare.uploads import copy_into, host_to_device
+
 CHUNK = 64
 
 
@@ -279,20 +281,6 @@ def _causal_conv(
     )
 
 
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on `device` without making the host wait for the device.
-
-    torch.tensor(..., device="cuda") and repeat_interleave over a device tensor synchronize
-    the host with the stream: in the step after a pool restore, whose stream waits for the
-    copy, every linear-attention layer would hold the host until the copy ends, and the
-    rest of the step would then be issued kernel by kernel behind the GPU. A pinned,
-    asynchronous copy lets the whole step be queued while the copy runs."""
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type != "cuda":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
 def conv_indices(seq_lens: tuple[int, ...], width: int) -> tuple[np.ndarray, ...]:
     """Host index arrays of the causal conv over packed sequences (state width K-1):
     per token its sequence and its position in it; per sequence (rows [B, width]) the
@@ -345,7 +333,7 @@ class PrefillTables:
         self.num_chunks = len(chunk_table(seq_lens)[0])
         self.may_pad = rows is not None
         small, wide = self._host(seq_lens)
-        self.small, self.wide = to_device(small, device), to_device(wide, device)
+        self.small, self.wide = host_to_device(small, device), host_to_device(wide, device)
 
     def _host(self, seq_lens: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
         """(int32: seq, pos, chunk starts, chunk lengths, cu_seqlens; int64: back, x_rows,
@@ -363,8 +351,7 @@ class PrefillTables:
     def upload(self, seq_lens: tuple[int, ...]) -> None:
         """A new step's lengths into the same device tensors (a captured graph reads them)."""
         for dest, host in zip((self.small, self.wide), self._host(seq_lens), strict=True):
-            src = torch.from_numpy(host)
-            dest.copy_(src.pin_memory() if dest.is_cuda else src, non_blocking=True)
+            copy_into(dest, host)
 
     @property
     def conv(self) -> tuple[torch.Tensor, ...]:

@@ -52,12 +52,13 @@ print(json.dumps(errors))
 """
 
 
-def interpret(script: str, cases: list) -> object:
-    """Run script in Triton's interpreter (set before triton is imported: a subprocess)."""
+def interpret(script: str, cases: list, *args: str) -> object:
+    """Run script in Triton's interpreter (set before triton is imported: a subprocess),
+    with the JSON of `cases` and `args` as its arguments."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run(
-        [sys.executable, "-c", script, json.dumps(cases)],
+        [sys.executable, "-c", script, json.dumps(cases), *args],
         env=env,
         capture_output=True,
         text=True,

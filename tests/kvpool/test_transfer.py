@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from itertools import pairwise
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from kvshare.engine.connector import KVCacheLayout
 from kvshare.kvpool.faults import FaultInjection
 from kvshare.kvpool.layout import PageLayout, checksum_constants, payload_checksum, payload_words
-from kvshare.kvpool.transfer import PageCopy, page_groups
+from kvshare.kvpool.transfer import PageCopy, page_groups, strided_groups
 from kvshare.kvpool.transfer_cpu import ThreadTransfer
 from kvshare.models.presets import shape_preset
 
@@ -41,6 +42,40 @@ def test_page_groups_cover_every_copy_in_order(
         size = copies[g.start].nbytes
         assert (
             len(g) == max_pages or (len(g) + 1) * size > staging or copies[nxt.start].nbytes != size
+        )
+
+
+@given(
+    st.lists(st.sampled_from([0, 1, 2, 5]), min_size=1, max_size=40),
+    st.integers(0, 3),
+    st.integers(1, 4),
+    st.integers(1, 9),
+)
+def test_strided_groups_read_each_copys_part_once_in_order(
+    slot_steps: list[int], first: int, width: int, max_pages: int
+) -> None:
+    """Pages sit in arena slots of 8 bytes (a gap of 0 slots repeats a page, as a load
+    of the same page twice would); each group's strided read (rows of `width` bytes,
+    `stride` apart from `offset`) gives every copy's bytes [first, first + width)."""
+    slots = np.cumsum(slot_steps)
+    arena = np.arange(8 * (int(slots[-1]) + 2), dtype=np.int64)
+    copies = [PageCopy(8 * int(s), 8, (), bytes(16)) for s in slots]
+    groups = strided_groups(copies, first, width, max_pages)
+    assert [i for g in groups for i in g.pages] == list(range(len(copies)))
+    read = []
+    for g in groups:
+        assert 1 <= len(g.pages) <= max_pages and g.nbytes == width and g.stride >= width
+        assert g.offset == copies[g.pages.start].offset + first
+        read += [arena[g.offset + r * g.stride :][:width] for r in range(len(g.pages))]
+    expected = [arena[c.offset + first :][:width] for c in copies]
+    assert all(np.array_equal(a, b) for a, b in zip(read, expected, strict=True))
+    # Maximal runs: a group ends when full, at the end, or where the stride changes.
+    for g, nxt in pairwise(groups):
+        last, after = copies[g.pages.stop - 1], copies[nxt.pages.start]
+        assert (
+            len(g.pages) == max_pages
+            or after.offset - last.offset != g.stride
+            or (len(g.pages) == 1 and after.offset - last.offset < width)
         )
 
 
