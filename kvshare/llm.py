@@ -13,6 +13,7 @@ from kvshare.engine.llm_engine import LLMEngine, RequestOutput
 from kvshare.engine.sampling_params import SamplingParams
 from kvshare.kvpool.connector import PoolConnector
 from kvshare.kvpool.faults import FaultInjection
+from kvshare.kvpool.transfer import LayerGroups
 from kvshare.models.loader import LoadedModel, load_model
 from kvshare.spec import DEFAULT_CHUNK_TOKENS
 
@@ -64,6 +65,7 @@ class LLM:
                 cache_salt=cache_salt,
                 faults=kv_pool_faults,
                 kv_cache_dtype=self.config.kv_cache_dtype,
+                layer_groups=LayerGroups.at_most(self.config.pool_load_layer_groups),
             )
         self.engine = LLMEngine(self.loaded, self.config, pool or kv_pool)  # binds the connector
         if pool is not None:

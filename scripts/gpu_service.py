@@ -5,6 +5,7 @@ python3 scripts/gpu_service.py bench27b --out $OUT [--lengths 32768,130816] [--p
 python3 scripts/gpu_service.py two-replicas --out $OUT [--sessions 2] [--context 32768]
 python3 scripts/gpu_service.py sessions --out $OUT [--sessions 2] [--context 32768]
 python3 scripts/gpu_service.py hit --out $OUT --runs auto:131072:2,fp8:131072:2 [--budget-s 560]
+    [--layer-groups 4]
 
 `validate` runs `kvshare validate all` on CUDA against two float32 replicas of `kvshare up`;
 `sessions` starts two replicas of shape:qwen3-8b on the one GPU (0.45 of its memory each)
@@ -132,9 +133,10 @@ def bench27b(out: Path, lengths: str, per_block: int, pool_size: str) -> int:
         stop_cluster(up)
 
 
-def hit_run(out: Path, port: int, run: str, deadline: float) -> dict:
-    """One cluster, one cross-replica bench for `run` (DTYPE:TOKENS:PER_BLOCK[:FRACTION]);
-    returns the ON/OFF medians, the bytes loaded per hit and the replicas' GPU memory."""
+def hit_run(out: Path, port: int, run: str, deadline: float, layer_groups: int) -> dict:
+    """One cluster, one cross-replica bench for `run` (DTYPE:TOKENS:PER_BLOCK[:FRACTION]),
+    pool restores in at most `layer_groups` groups of layers; returns the ON/OFF medians,
+    the bytes loaded per hit and the replicas' GPU memory."""
     dtype, tokens, blocks, *fraction = run.split(":")
     length, per_block = int(tokens), int(blocks)
     name = f"hit_{dtype}_{length}"
@@ -159,6 +161,8 @@ def hit_run(out: Path, port: int, run: str, deadline: float) -> dict:
         dtype,
         "--pool-size",
         "40GiB",
+        "--pool-load-layer-groups",
+        str(layer_groups),
     )
     try:
         memory = {"after start": gpu_memory_by_process()}
@@ -169,13 +173,14 @@ def hit_run(out: Path, port: int, run: str, deadline: float) -> dict:
     return {
         "dtype": dtype,
         "tokens": length,
+        "layer_groups": layer_groups,
         "returncode": done.returncode,
         **hit_medians(out / f"{name}.json"),
         "gpu_memory_mib": memory,
     }
 
 
-def hit(out: Path, runs: str, budget_s: float) -> int:
+def hit(out: Path, runs: str, budget_s: float, layer_groups: int) -> int:
     deadline = time.monotonic() + budget_s
     import torch
 
@@ -187,7 +192,7 @@ def hit(out: Path, runs: str, budget_s: float) -> int:
     results = []
     for index, run in enumerate(runs.split(",")):
         try:
-            result = hit_run(out, 8380 + 10 * index, run, deadline)
+            result = hit_run(out, 8380 + 10 * index, run, deadline, layer_groups)
         except (subprocess.TimeoutExpired, RuntimeError, TimeoutError, FileNotFoundError) as exc:
             print(f"{run}: {exc!r}", flush=True)
             results.append({"run": run, "error": repr(exc)})
@@ -289,6 +294,9 @@ def main() -> int:
         "--runs", default="auto:131072:2", help="hit: DTYPE:TOKENS:PER_BLOCK[:GPU_FRACTION],..."
     )
     parser.add_argument("--budget-s", type=float, default=560.0, help="hit: stop starting runs")
+    parser.add_argument(
+        "--layer-groups", type=int, default=1, help="hit: kvshare up --pool-load-layer-groups"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.what == "validate":
@@ -296,7 +304,7 @@ def main() -> int:
     if args.what == "two-replicas":
         return two_replicas(args.out, args.sessions, args.context, args.pool_size)
     if args.what == "hit":
-        return hit(args.out, args.runs, args.budget_s)
+        return hit(args.out, args.runs, args.budget_s, args.layer_groups)
     if args.what == "sessions":
         return sessions_bench(args.out, args.sessions, args.context, args.pool_size)
     return bench27b(args.out, args.lengths, args.per_block, args.pool_size)

@@ -85,6 +85,13 @@ class EngineConfig:
         choices=KV_CACHE_DTYPES,
     )
     cuda_graphs: bool = flag(True, "capture decode steps as CUDA graphs (CUDA only)")
+    pool_load_layer_groups: int = flag(
+        1,
+        "bring a pool restore in at most this many groups of layers, so that the step's "
+        "first layers compute while the last are still copied (1: whole pages; global "
+        "attention layers only, each group's part of a page at least 4 MiB)",
+        parse=int,
+    )
     seed: int = 0
     # Hybrid (linear-attention) models: recurrent-state snapshots kept on the device for
     # prefix reuse, and how often a long prefill leaves one (besides its last chunk boundary).
@@ -109,6 +116,10 @@ class EngineConfig:
         if self.num_state_snapshots < 0 or self.snapshot_interval_tokens < self.block_size:
             raise ValueError(
                 "num_state_snapshots must be >= 0 and snapshot_interval_tokens >= block_size"
+            )
+        if self.pool_load_layer_groups < 1:
+            raise ValueError(
+                f"pool_load_layer_groups must be >= 1, got {self.pool_load_layer_groups}"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {self.attention_backend!r}")

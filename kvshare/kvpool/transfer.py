@@ -6,13 +6,16 @@
 Ordering: a store waits for the compute work that produced its blocks
 (an event recorded on the compute stream, or a fence on the CPU); a load is done only
 when its last scatter has completed, and the compute stream waits on it before reading.
-A load of global layers only may come in groups of layers (`LayerGroups`, opt-in): it
-then hands the compute side one wait per group (`SlotFences`) instead of one for the
-whole load, and a step's first layers compute while its last layers are still copied.
-On the H200 this did not pay yet (docs/results/2026-12-04-h200-session.md): every
-page's part of a group is its own host copy (2,048 copies at 131k tokens: ~85 ms of
-host time against ~22 ms for whole pages), and the step's block-table upload queues
-behind the load's copies on the copy engine, so the step still waits for the last one.
+A load of global layers only may come in groups of layers (`LayerGroups`, opt-in: the
+engine flag --pool-load-layer-groups): it then hands the compute side one wait per group
+(`SlotFences`) instead of one for the whole load, and a step's first layers compute while
+its last layers are still copied; the step runs eagerly then (a captured graph would wait
+for the whole load). The first try did not pay on the H200
+(docs/results/2026-12-04-h200-session.md): each page's part of a group was its own host
+copy (2,048 copies at 131k tokens, ~85 ms of host time), and the step's block-table
+upload queued behind the load's copies on the copy engine. Both are mended (one strided
+copy per staging fill, kvshare.kvpool.strided_copy; small uploads inline,
+kvshare.uploads); whether groups now pay is not measured yet, so they stay opt-in.
 An injected `FaultInjection` (kvshare.kvpool.faults, checks and tests only) may remove one of
 these waits, so that the byte checks can show they catch a missing dependency.
 """
@@ -71,6 +74,11 @@ class LayerGroups:
     def __post_init__(self) -> None:
         if self.min_bytes < 1 or self.max_groups < 1:
             raise ValueError("min_bytes and max_groups must be >= 1")
+
+    @classmethod
+    def at_most(cls, max_groups: int) -> LayerGroups | None:
+        """Loads in at most `max_groups` groups (default min_bytes); None for 1: whole."""
+        return cls(max_groups=max_groups) if max_groups > 1 else None
 
     def ranges(self, layout: PageLayout, copies: Sequence[PageCopy]) -> list[range]:
         """Slot ranges of a load, in copy order. One range (the whole copy) unless there

@@ -171,3 +171,13 @@ def test_a_replica_computing_behind_a_grouped_restore_answers_as_without_the_poo
         torch.tensor(out.logprobs), torch.tensor(reference.logprobs), atol=1e-4
     )
     assert same is not broken
+
+
+@pytest.mark.parametrize(("flag", "expected"), [(1, None), (3, LayerGroups(max_groups=3))])
+def test_the_engine_flag_sets_how_restores_are_grouped(
+    pool: PoolProcess, flag: int, expected: LayerGroups | None
+) -> None:
+    llm = LLM("shape:tiny-qwen3.5", kv_pool=pool.address, pool_load_layer_groups=flag)
+    connector = llm.engine.connector
+    assert isinstance(connector, PoolConnector) and connector.transfer is not None
+    assert connector.transfer.layer_groups == expected
