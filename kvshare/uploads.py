@@ -17,8 +17,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-# The largest upload the driver takes inline from pageable memory (the H200's driver:
-# measured below the copy engine's queue up to 64 KiB, scripts/gpu_copy_order.py).
+# The largest upload made from pageable memory: a 131,072-token context's block table (32
+# KiB) was measured inline on the H200 (scripts/gpu_copy_order.py); a 261,888-token one's
+# (64 KiB) is what tests/test_uploads.py checks on a GPU, not yet run there.
 INLINE_BYTES = 64 << 10
 
 
