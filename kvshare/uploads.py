@@ -5,8 +5,9 @@ A pinned asynchronous copy goes to the copy engine, which runs host-to-device co
 the order they were issued: measured on the H200, a 32 KiB block table issued on the
 compute stream 1 ms into a 79 ms pool load completed with the load, at 79 ms, so the
 step's first attention layer waited for the last of the prefix's layers even when the
-load came in groups of layers. The same upload from pageable memory completed at 1.8 ms:
-the driver copies a small pageable source into the stream's own command queue. So arrays
+load came in groups of layers. The same upload from pageable memory completed at 1.8 ms,
+outside the copy engine's queue (how the driver moves a small pageable source is its own
+business; that it does not wait is what was measured). So arrays
 of at most INLINE_BYTES come from pageable memory; larger ones through pinned memory.
 Either way the call returns at once (torch.tensor(..., device="cuda") would synchronize
 the host with the stream, which may be waiting for the load).
