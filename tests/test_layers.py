@@ -1,7 +1,7 @@
 """The package's layers hold: no module imports one above it, and no two files import each other.
 
 Layers, bottom to top; a module may import modules of its own layer and of layers below:
-  pure helpers (sizes, cli_env, version, spec, tables) < models < engine and preflight < kvpool
+  pure helpers (sizes, cli_env, version, spec, tables, uploads) < models < engine and preflight < kvpool
   < llm (the offline facade: engine + pool connector), integrations (other engines' connectors) < serve < bench, validate, generate_cli
   < cli, __main__, the package's own __init__ (the public re-exports).
 
@@ -25,7 +25,14 @@ import pytest
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "kvshare"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("kvshare.sizes", "kvshare.cli_env", "kvshare.version", "kvshare.spec", "kvshare.tables"),
+    (
+        "kvshare.sizes",
+        "kvshare.cli_env",
+        "kvshare.version",
+        "kvshare.spec",
+        "kvshare.tables",
+        "kvshare.uploads",
+    ),
     ("kvshare.models",),
     ("kvshare.engine", "kvshare.preflight"),
     ("kvshare.kvpool",),
