@@ -16,6 +16,9 @@ from pathlib import Path
 import torch
 
 _HOST_TO_DEVICE = 1  # cudaMemcpyKind
+# The largest source pitch a strided copy is given: CUDA refuses a pitch past the device's
+# cudaDevAttrMaxPitch (2**31 - 1 on current GPUs); pages further apart are copied alone.
+MAX_PITCH = (1 << 31) - 1
 
 
 class StridedCopy:

@@ -263,18 +263,18 @@ def span_groups(
 
 
 def strided_groups(
-    copies: Sequence[PageCopy], first_byte: int, width: int, max_pages: int
+    copies: Sequence[PageCopy], first_byte: int, width: int, max_pages: int, max_stride: int
 ) -> list[SpanGroup]:
     """Bytes [first_byte, first_byte + width) of every copy's payload, in order, as runs
-    of at most max_pages copies whose offsets advance by one stride: a strided copy
-    (width-byte rows `stride` apart in the arena) brings each run."""
+    of at most max_pages copies whose offsets advance by one stride of at most max_stride:
+    a strided copy (width-byte rows `stride` apart in the arena) brings each run."""
     groups: list[SpanGroup] = []
     start = 0
     while start < len(copies):
         stop = start + 1
         stride = copies[stop].offset - copies[start].offset if stop < len(copies) else width
         while (
-            stride >= width  # rows of a strided copy may not overlap
+            width <= stride <= max_stride  # rows may not overlap; the copy's pitch limit
             and stop < len(copies)
             and stop - start < max_pages
             and copies[stop].offset == copies[start].offset + (stop - start) * stride

@@ -26,7 +26,7 @@ from kvshare.engine.memory import STAGING_BUFFERS, staging_buffer_bytes
 from kvshare.kvpool.faults import FaultInjection, breaks, injected_delay
 from kvshare.kvpool.layout import PageLayout, checksum_constants
 from kvshare.kvpool.page import HEADER_BYTES, PAGE_ALIGN
-from kvshare.kvpool.strided_copy import StridedCopy
+from kvshare.kvpool.strided_copy import MAX_PITCH, StridedCopy
 from kvshare.kvpool.transfer import (
     LayerGroups,
     PageCopy,
@@ -352,7 +352,7 @@ class CudaTransfer(Transfer):
             )
             self.blocks(rows, t.pairs(group), group.start, True, slots.start)
 
-        groups = strided_groups(copies, first_byte, width, self.staging_bytes // width)
+        groups = strided_groups(copies, first_byte, width, self.staging_bytes // width, MAX_PITCH)
         first_fill = None if tables else upload_tables
         self._pipeline(
             "load",

@@ -50,32 +50,36 @@ def test_page_groups_cover_every_copy_in_order(
     st.integers(0, 3),
     st.integers(1, 4),
     st.integers(1, 9),
+    st.sampled_from([8, 16, 1 << 20]),
 )
 def test_strided_groups_read_each_copys_part_once_in_order(
-    slot_steps: list[int], first: int, width: int, max_pages: int
+    slot_steps: list[int], first: int, width: int, max_pages: int, max_stride: int
 ) -> None:
     """Pages sit in arena slots of 8 bytes (a gap of 0 slots repeats a page, as a load
-    of the same page twice would); each group's strided read (rows of `width` bytes,
+    of the same page twice would; a small max_stride stands for the pitch limit of a
+    strided copy); each group's strided read (rows of `width` bytes,
     `stride` apart from `offset`) gives every copy's bytes [first, first + width)."""
     slots = np.cumsum(slot_steps)
     arena = np.arange(8 * (int(slots[-1]) + 2), dtype=np.int64)
     copies = [PageCopy(8 * int(s), 8, (), bytes(16)) for s in slots]
-    groups = strided_groups(copies, first, width, max_pages)
+    groups = strided_groups(copies, first, width, max_pages, max_stride)
     assert [i for g in groups for i in g.pages] == list(range(len(copies)))
     read = []
     for g in groups:
-        assert 1 <= len(g.pages) <= max_pages and g.nbytes == width and g.stride >= width
+        assert 1 <= len(g.pages) <= max_pages and g.nbytes == width
+        assert width <= g.stride <= max_stride or len(g.pages) == 1
         assert g.offset == copies[g.pages.start].offset + first
         read += [arena[g.offset + r * g.stride :][:width] for r in range(len(g.pages))]
     expected = [arena[c.offset + first :][:width] for c in copies]
     assert all(np.array_equal(a, b) for a, b in zip(read, expected, strict=True))
-    # Maximal runs: a group ends when full, at the end, or where the stride changes.
+    # Maximal runs: a group ends when full, at the end, where the stride changes, or
+    # (a group of one) where the next page is too close or too far for a strided copy.
     for g, nxt in pairwise(groups):
-        last, after = copies[g.pages.stop - 1], copies[nxt.pages.start]
+        gap = copies[nxt.pages.start].offset - copies[g.pages.stop - 1].offset
         assert (
             len(g.pages) == max_pages
-            or after.offset - last.offset != g.stride
-            or (len(g.pages) == 1 and after.offset - last.offset < width)
+            or gap != g.stride
+            or (len(g.pages) == 1 and not width <= gap <= max_stride)
         )
 
 
