@@ -1,5 +1,4 @@
-"""A step's small uploads do not queue behind a pool load's copies on the copy engine, and
-a strided copy brings exactly each page's part of a layer group."""
+"""A step's small uploads do not queue behind a pool load's copies on the copy engine."""
 
 from __future__ import annotations
 
@@ -7,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from kvshare.kvpool.strided_copy import StridedCopy
 from kvshare.uploads import INLINE_BYTES, copy_into, host_to_device
 
 MIB = 1 << 20
@@ -51,16 +49,3 @@ def test_a_steps_upload_completes_while_a_load_still_copies() -> None:
     for nbytes in (32 << 10, INLINE_BYTES):
         upload_ms, load_ms = _load_then_upload(nbytes)
         assert load_ms > 20 and upload_ms < load_ms / 4, (nbytes, upload_ms, load_ms)
-
-
-@pytest.mark.cuda
-def test_a_strided_copy_brings_each_pages_part_of_a_group() -> None:
-    copy = StridedCopy.find()
-    assert copy is not None, "torch's CUDA runtime library was not found in the process"
-    pages, page, part, first = 12, 3 * MIB, MIB, MIB // 2
-    host = torch.randint(0, 256, (pages * page,), dtype=torch.uint8).pin_memory()
-    dest = torch.zeros(pages * part + 7, dtype=torch.uint8, device="cuda")
-    rows = copy(dest, host.data_ptr() + first, page, part, pages)
-    expected = host.view(pages, page)[:, first : first + part]
-    assert torch.equal(rows.cpu(), expected)
-    assert not dest[pages * part :].any()  # nothing past the rows written
