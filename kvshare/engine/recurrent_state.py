@@ -74,8 +74,8 @@ class RecurrentStates:
 
     def allocate(self) -> int:
         """A zeroed slot for a sequence starting fresh; evicts a snapshot when none is free."""
-        if not self.free:
-            self._evict_snapshot()
+        if not self.free and not self._evict_snapshot():
+            raise RuntimeError("no free recurrent-state slot: every slot is held")
         slot = self.free.pop()
         self.rows[slot].zero_()
         return slot
@@ -83,13 +83,14 @@ class RecurrentStates:
     def release(self, slot: int) -> None:
         self.free.append(slot)
 
-    def _evict_snapshot(self) -> None:
+    def _evict_snapshot(self) -> bool:
+        """Free the least recently used unpinned snapshot; False when every one is pinned."""
         for key, slot in self.snapshots.items():
             if not self.pins.get(slot):
                 del self.snapshots[key]
                 self.free.append(slot)
-                return
-        raise RuntimeError("no free recurrent-state slot: every slot is held")
+                return True
+        return False
 
     # ------------------------------------------------------------------ snapshots
 
@@ -114,9 +115,8 @@ class RecurrentStates:
         """Copy a sequence's state (on the current stream) into a snapshot slot that is not
         found until `keep`. None when snapshots are disabled or none can be made room for."""
         while len(self.snapshots) + len(self.aside) >= self.max_snapshots or not self.free:
-            if not any(not self.pins.get(s) for s in self.snapshots.values()):
+            if not self._evict_snapshot():
                 return None
-            self._evict_snapshot()
         slot = self.free.pop()
         self.rows[slot].copy_(self.rows[source_slot])
         self.aside.add(slot)
