@@ -200,9 +200,7 @@ def build_engine(args: argparse.Namespace, address: str) -> LLMEngine:
 
 
 def layer_groups(max_groups: int, min_mib: float) -> LayerGroups | None:
-    if max_groups == 1:
-        return None
-    return LayerGroups(min_bytes=int(min_mib * (1 << 20)), max_groups=max_groups)
+    return LayerGroups.at_most(max_groups, int(min_mib * (1 << 20)))
 
 
 def alternate(
