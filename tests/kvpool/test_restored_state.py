@@ -66,6 +66,15 @@ def resumed_without_pool(llm: LLM, connector: PoolConnector, prompt: list[int]) 
     return out
 
 
+def stored_prefix(pool: PoolProcess, device: str) -> tuple[LLM, PoolConnector, RequestOutput]:
+    """A hybrid replica that has computed the prefix and stored it in the pool (its state
+    at 512 tokens too), and the reference answer to question(2)."""
+    llm, connector = hybrid_replica(pool, device)
+    reference = resumed_without_pool(llm, connector, question(2))
+    ask(llm, question(0))
+    return llm, connector, reference
+
+
 def assert_same_answer(out: RequestOutput, reference: RequestOutput) -> None:
     assert out.token_ids == reference.token_ids
     assert max(abs(a - b) for a, b in zip(out.logprobs, reference.logprobs)) < 1e-4
@@ -75,9 +84,7 @@ def assert_same_answer(out: RequestOutput, reference: RequestOutput) -> None:
 def test_the_next_request_after_a_restore_resumes_on_the_gpu(
     pool: PoolProcess, device: str
 ) -> None:
-    llm, connector = hybrid_replica(pool, device)
-    reference = resumed_without_pool(llm, connector, question(2))
-    ask(llm, question(0))  # computes the prefix and stores it (state at 512 tokens too)
+    llm, connector, reference = stored_prefix(pool, device)
     llm.engine.reset_prefix_cache()  # the replica of another conversation: only the pool
     restored = ask(llm, question(1))
     assert restored.pool_hit_tokens == 512 and restored.gpu_hit_tokens == 0
@@ -92,9 +99,7 @@ def test_the_next_request_after_a_restore_resumes_on_the_gpu(
 def test_a_restore_that_fails_verification_leaves_the_recomputed_state(
     pool: PoolProcess, device: str
 ) -> None:
-    llm, connector = hybrid_replica(pool, device)
-    reference = resumed_without_pool(llm, connector, question(2))
-    ask(llm, question(0))
+    llm, connector, reference = stored_prefix(pool, device)
     keys = chunk_keys(connector.namespace, PREFIX)
     found = connector.client.lookup(keys[:2], states=[(1, state_key(keys[1]))])
     assert len(found.pages) == 3, "the prefix's chunks and its state page are not all stored"
