@@ -25,6 +25,7 @@ import aiohttp
 
 from kvshare.bench.synthetic import Prompt
 from kvshare.serve.auth import AccessKeys
+from kvshare.serve.replica_admin import pool_switch, pool_switch_calls
 
 REPLICA_HEADER = "x-kvshare-replica"
 SESSION_HEADER = "x-session-id"
@@ -173,6 +174,25 @@ class BenchClient:
             self.session, self.url + "/admin/all/stats", self.keys.authorization(True)
         )
         return [replica["body"] for replica in answer["replicas"]]
+
+    async def pool_switches(self) -> list[bool | None]:
+        """Whether each replica uses the pool now (None: its counters do not say)."""
+        return [pool_switch(body) for body in await self.stats()]
+
+    async def set_pool_switches(
+        self, switches: Sequence[bool | None], replicas: Sequence[str]
+    ) -> None:
+        """Set each replica's pool switch to `switches` (as pool_switches read them);
+        `replicas`: their URLs, for a cluster whose replicas had different settings."""
+        for index, enabled in pool_switch_calls(switches):
+            if index is None:
+                await self.admin_all("kv_pool", {"enabled": enabled})
+                continue
+            url = f"{replicas[index]}/admin/kv_pool"
+            async with self.session.post(
+                url, json={"enabled": enabled}, headers=self.keys.authorization(True)
+            ) as resp:
+                await _check(resp, url)
 
 
 async def get_json(session: aiohttp.ClientSession, url: str, headers: Mapping[str, str]) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import platform
 import socket
@@ -27,6 +28,8 @@ from kvshare.bench.sweep import Sweep, sweep_markdown, sweep_table, write_sweep_
 from kvshare.bench.synthetic import PromptModel, load_prompt_model
 from kvshare.serve.auth import AccessKeys
 from kvshare.tables import print_table
+
+_log = logging.getLogger(__name__)
 
 # What a run can fail with that is the setup's fault, not a bug: bad parameters, a server that
 # errs or is unreachable (aiohttp's connection errors are OSErrors), a request that times out.
@@ -93,21 +96,27 @@ async def run_bench(
         if not replicas:
             raise ValueError(f"{url} lists no replicas")
         started_at = datetime.now().astimezone().isoformat(timespec="seconds")
-        warmup = ()
-        if options.warmup_tokens:
-            warmup = await warm_up(
-                client, model, len(replicas), options.warmup_tokens, options.seed
+        switches = await client.pool_switches()
+        try:
+            warmup = ()
+            if options.warmup_tokens:
+                warmup = await warm_up(
+                    client, model, len(replicas), options.warmup_tokens, options.seed
+                )
+            blocks = await run_design(
+                workload,
+                client,
+                options.design,
+                seed=options.seed,
+                model=model,
+                replicas=replicas,
+                observer=observer,
+                settle_timeout_s=options.settle_timeout_s,
             )
-        blocks = await run_design(
-            workload,
-            client,
-            options.design,
-            seed=options.seed,
-            model=model,
-            replicas=replicas,
-            observer=observer,
-            settle_timeout_s=options.settle_timeout_s,
-        )
+        except BaseException:
+            await _put_pool_back(client, switches, replicas, failed=True)
+            raise
+        await _put_pool_back(client, switches, replicas, failed=False)
     info = RunInfo(
         workload.name,
         workload.x_label,
@@ -123,6 +132,28 @@ async def run_bench(
         client_machine(),
     )
     return BenchRun(info, blocks, warmup)
+
+
+async def _put_pool_back(
+    client: BenchClient, switches: list[bool | None], replicas: tuple[str, ...], failed: bool
+) -> None:
+    """Set the pool switches back to what the run found (its blocks switch the pool off and
+    on; OFF-ON-ON-OFF ends with it off). If that fails, the run fails (BenchError), or, when
+    it failed already, a warning says so beside the run's own error."""
+    try:
+        await client.set_pool_switches(switches, replicas)
+    except BENCH_ERRORS as exc:
+        found = ", ".join(
+            f"replica {i}: {'unknown' if on is None else 'on' if on else 'off'}"
+            for i, on in enumerate(switches)
+        )
+        message = (
+            f"the bench could not set the pool switches back to what it found ({found}): "
+            f"{exc}; set them with POST /admin/all/kv_pool"
+        )
+        if not failed:
+            raise BenchError(message) from exc
+        _log.warning("%s", message)
 
 
 def run_with_progress(

@@ -19,7 +19,7 @@ import asyncio
 import json
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import aiohttp
@@ -158,6 +158,28 @@ class VLLMReplicaAdmin(ReplicaAdmin):
     async def close(self) -> None:
         if self.pool is not None:
             await asyncio.to_thread(self.pool.close)
+
+
+def pool_switch(stats: Mapping[str, Any]) -> bool | None:
+    """Whether a replica uses the pool, from its /admin/all/stats body: a kvshare replica's
+    own switch, else (vLLM replicas) the shared daemon's; None when the body has neither."""
+    for part, key in (("engine", "kv_pool_enabled"), ("pool", "enabled")):
+        section = stats.get(part)
+        if isinstance(section, Mapping) and isinstance(section.get(key), bool):
+            return section[key]
+    return None
+
+
+def pool_switch_calls(switches: Sequence[bool | None]) -> list[tuple[int | None, bool]]:
+    """The kv_pool calls that set the replicas' switches back to `switches` (per replica in
+    router order; None: unknown, left as it is), as (replica index, enabled): one call for
+    every replica (index None) when all had the same known setting, else one per replica
+    whose setting is known. A bench or check that switches the pool puts it back with
+    these, so that it never leaves a cluster serving with its pool off."""
+    known = set(switches)
+    if len(known) == 1 and None not in known:
+        return [(None, known.pop())]
+    return [(i, enabled) for i, enabled in enumerate(switches) if enabled is not None]
 
 
 def replica_admin(engine: str, pool_address: str | None) -> ReplicaAdmin:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import httpx
 
 from kvshare.serve.auth import AccessKeys
+from kvshare.serve.replica_admin import pool_switch, pool_switch_calls
 from kvshare.validate.result import CheckResult
 
 PIN = "x-kvshare-replica"
@@ -106,6 +107,19 @@ class _Service:
             f"{self.url}/admin/all/{path}", json=body or {}, headers=self.admin
         ).raise_for_status()
 
+    def pool_switches(self) -> list[bool | None]:
+        answer = self.http.get(f"{self.url}/admin/all/stats", headers=self.admin)
+        answer.raise_for_status()
+        return [pool_switch(replica["body"]) for replica in answer.json()["replicas"]]
+
+    def set_pool_switches(self, switches: list[bool | None], urls: list[str]) -> None:
+        """Each replica's switch as pool_switches read it; `urls` for differing ones."""
+        for index, enabled in pool_switch_calls(switches):
+            url = f"{self.url}/admin/all" if index is None else urls[index].rstrip("/") + "/admin"
+            self.http.post(
+                f"{url}/kv_pool", json={"enabled": enabled}, headers=self.admin
+            ).raise_for_status()
+
     def clear_pool(self, attempts: int = 10) -> None:
         """Clear the shared pool; a replica whose pool client is reconnecting answers 503."""
         for _ in range(attempts - 1):
@@ -175,6 +189,25 @@ def run_regression_check(
         return result
     entry = service.model_entry()
     prompts = prompts or prompts_for(entry, max_tokens)
+    # The check switches the pool off and on; it leaves each replica's switch as it found it.
+    switches = service.pool_switches()
+    try:
+        _compare(service, entry, prompts, max_tokens, result)
+    finally:
+        try:
+            service.set_pool_switches(switches, [r["url"] for r in replicas])
+        except httpx.HTTPError as exc:
+            result.fail(
+                f"could not set the pool switches back to {switches} (per replica): {exc}; "
+                "set them with POST /admin/all/kv_pool"
+            )
+    return result
+
+
+def _compare(
+    service: _Service, entry: dict, prompts: list[Prompt], max_tokens: int, result: CheckResult
+) -> None:
+    """Every prompt's answers with the pool on against its answers with the pool off."""
     service.admin_all("kv_pool", {"enabled": False})
     reference = {p.name: _run(service, p, max_tokens, None) for p in prompts}
     service.admin_all("kv_pool", {"enabled": True})
@@ -207,7 +240,6 @@ def run_regression_check(
         "answers_equal": equal,
         "pool_hit_tokens": pool_hits,
     }
-    return result
 
 
 def _run(

@@ -43,16 +43,18 @@ class FakeCluster:
     first_content_delay_s: float = 0.03  # after the empty first chunk
     per_token_s: float = 2e-4  # per computed (not cached) prompt token
     fail_admin: str | None = None  # this admin action answers HTTP 502
+    refuse_pool_on: bool = False  # kv_pool {"enabled": true} answers HTTP 502
     commit_delay_s: float = 0.05  # a stored prefix is reserved this long, then committed
     ignore_pins: bool = False  # a broken router: x-kvshare-replica is not obeyed
     events: list[Event] = field(default_factory=list)
     pool: dict[tuple[Any, ...], float] = field(default_factory=dict)  # prefix -> visible from
     max_in_flight: int = 0
+    switches: tuple[bool, ...] = ()  # each replica's pool switch at start; (): all on
     _in_flight: int = 0
     _next: int = 0
 
     def __post_init__(self) -> None:
-        self.enabled = [False] * self.replicas
+        self.enabled = list(self.switches or (True,) * self.replicas)
         self.gpu: list[set[tuple[Any, ...]]] = [set() for _ in range(self.replicas)]
         self.loaded = [0] * self.replicas
         self.stored = [0] * self.replicas
@@ -101,7 +103,9 @@ class FakeCluster:
 
     def _apply(self, replica: int, action: str, body: dict[str, Any], via_router: bool) -> None:
         self.events.append(Event("admin", replica, action, body, via_router=via_router))
-        if action == self.fail_admin:
+        if action == self.fail_admin or (
+            self.refuse_pool_on and action == "kv_pool" and body["enabled"]
+        ):
             raise web.HTTPBadGateway(text="injected failure")
         if action == "kv_pool":
             self.enabled[replica] = bool(body["enabled"])
@@ -130,7 +134,8 @@ class FakeCluster:
         }
         now = time.monotonic()
         pool = {"reserved": sum(visible > now for visible in self.pool.values())}
-        return {"engine": {"replica": i}, "kv_pool": kv_pool, "pool": pool}
+        engine = {"replica": i, "kv_pool_enabled": self.enabled[i]}
+        return {"engine": engine, "kv_pool": kv_pool, "pool": pool}
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

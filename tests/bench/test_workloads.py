@@ -93,8 +93,14 @@ def test_cross_replica_prefills_on_a_and_measures_b_with_resets_between(
     result = run(workload, fake, smollm2, observer=observer)
     design = Design.parse("OFF-ON-ON-OFF")
 
-    blocks = split_blocks(fake.cluster.events)
+    *blocks, after = split_blocks(fake.cluster.events)
     assert len(blocks) == 4
+    # The run ends OFF; then it puts the pool back on, as it found it, in one call.
+    assert [(e.replica, e.path, e.body, e.via_router) for e in after] == [
+        (0, "kv_pool", {"enabled": True}, True),
+        (1, "kv_pool", {"enabled": True}, True),
+    ]
+    assert fake.cluster.enabled == [True, True]
     contexts = []
     for block, events in zip(design.blocks, blocks):
         rest = check_block_setup(events, block.pool_enabled)
@@ -280,6 +286,40 @@ def test_setup_errors_stop_the_run_with_their_message(smollm2: PromptModel) -> N
     for fake in serve_in_thread(FakeCluster(ignore_pins=True)):
         with pytest.raises(BenchError, match="pinned to replica 0, but replica 1 served it"):
             run(CrossReplica((16,), 1), fake, smollm2)
+
+
+def test_a_run_sets_the_pool_switches_back_as_it_found_them(
+    smollm2: PromptModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvshare.bench.client import BenchError
+    from tests.bench.fake_server import serve_in_thread
+
+    # Replicas set differently: each is set back at its own URL, not through the router.
+    for fake in serve_in_thread(FakeCluster(switches=(False, True))):
+        run(CrossReplica((16,), 1), fake, smollm2)
+        assert fake.cluster.enabled == [False, True]
+        assert [(e.replica, e.body, e.via_router) for e in fake.cluster.events[-2:]] == [
+            (0, {"enabled": False}, False),
+            (1, {"enabled": True}, False),
+        ]
+    # A run that fails inside its first block, after switching the pool off, still puts it
+    # back, and its own error is the one raised.
+    for fake in serve_in_thread(FakeCluster(fail_admin="clear_pool")):
+        with pytest.raises(BenchError, match="clear_pool: HTTP 502"):
+            run(CrossReplica((16,), 1), fake, smollm2)
+        assert fake.cluster.enabled == [True, True]
+    # A pool that cannot be switched back on fails a run that measured everything ...
+    for fake in serve_in_thread(FakeCluster(refuse_pool_on=True)):
+        with pytest.raises(
+            BenchError, match=r"could not set the pool switches back .*replica 0: on"
+        ):
+            run(CrossReplica((16,), 1), fake, smollm2, design="OFF")
+        assert fake.cluster.enabled == [False, False]
+    # ... and is a warning beside the error of a run that failed already.
+    for fake in serve_in_thread(FakeCluster(refuse_pool_on=True)):
+        with caplog.at_level("WARNING"), pytest.raises(BenchError, match="kv_pool: HTTP 502"):
+            run(CrossReplica((16,), 1), fake, smollm2, design="OFF-ON")
+        assert "could not set the pool switches back" in caplog.text
 
 
 def test_demo_headlines_name_the_longest_context_and_the_session_time(

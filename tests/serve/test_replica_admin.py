@@ -11,6 +11,7 @@ import httpx
 from aiohttp import web
 
 from kvshare.kvpool.client import PoolClient
+from kvshare.serve.replica_admin import pool_switch, pool_switch_calls
 from kvshare.serve.router import RouterConfig, build_router_app
 from kvshare.serve.routing_keys import RoutingKeys
 from tests.kvpool.pool_fixture import PoolFactory
@@ -77,6 +78,12 @@ def test_vllm_replicas_switch_clear_and_read_the_shared_pool_and_reset_through_v
             stats = client.get("/admin/all/stats").json()["replicas"]
             assert [s["body"]["pool"]["committed"] for s in stats] == [1, 1]
             assert all(s["body"]["kv_pool"] is None for s in stats)
+            # The switch a bench reads before it runs is the shared daemon's.
+            assert [pool_switch(s["body"]) for s in stats] == [True, True]
+            client.post("/admin/all/kv_pool", json={"enabled": False})
+            stats = client.get("/admin/all/stats").json()["replicas"]
+            assert [pool_switch(s["body"]) for s in stats] == [False, False]
+            client.post("/admin/all/kv_pool", json={"enabled": True})
             cleared = client.post("/admin/all/clear_pool").json()["replicas"]
             assert sum(c["body"]["cleared"] for c in cleared) == 1
             assert pool.lookup(stored).pages == ()
@@ -104,3 +111,15 @@ def test_a_vllm_replica_is_healthy_and_without_dev_mode_or_pool_gets_a_clear_ans
         assert "VLLM_SERVER_DEV_MODE=1" in reset.json()["replicas"][0]["body"]["error"]
         switch = client.post("/admin/all/kv_pool", json={"enabled": False})
         assert "without a pool" in switch.json()["replicas"][0]["body"]["error"]
+
+
+def test_pool_switches_are_read_from_either_engine_and_set_back_with_the_fewest_calls() -> None:
+    kvshare_on = {"engine": {"kv_pool_enabled": True}, "pool": {"enabled": False}}
+    assert pool_switch(kvshare_on) is True  # the replica's own switch, not the daemon's
+    assert pool_switch({"kv_pool": None, "pool": {"enabled": False}}) is False  # vLLM
+    assert pool_switch({"engine": {"running": 0}, "pool": None}) is None
+    assert pool_switch_calls([True, True]) == [(None, True)]
+    assert pool_switch_calls([False, False, False]) == [(None, False)]
+    assert pool_switch_calls([False, True]) == [(0, False), (1, True)]
+    assert pool_switch_calls([True, None]) == [(0, True)]  # unknown: left as it is
+    assert pool_switch_calls([None, None]) == pool_switch_calls([]) == []

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import httpx
+
 from kvshare.serve.launcher import Cluster, UpConfig
 from kvshare.validate.regression import (
     CHAT_TURN_TOKENS,
@@ -90,9 +92,19 @@ def test_token_prompts_follow_what_v1_models_says() -> None:
     assert max(i for p in prompts for turn in p.turns for i in turn) < 300
 
 
+def pool_switches(url: str) -> list[bool]:
+    stats = httpx.get(f"{url}/admin/all/stats", timeout=30).json()["replicas"]
+    return [replica["body"]["engine"]["kv_pool_enabled"] for replica in stats]
+
+
 def test_regression_check_passes_without_a_tokenizer() -> None:
     with Cluster(TOKENIZER_LESS) as running:
+        # One replica's pool switched off: the check switches both, then sets each back.
+        [replica0, _] = httpx.get(f"{running.url}/admin/replicas", timeout=30).json()
+        httpx.post(f"{replica0['url']}/admin/kv_pool", json={"enabled": False}, timeout=30)
+        assert pool_switches(running.url) == [False, True]
         result = run_regression_check(running.url, max_tokens=16)
+        assert pool_switches(running.url) == [False, True]
     assert result.passed, result.failures
     prompts = len(TOKEN_LENGTHS) + 2
     assert result.counts["prompts"] == result.counts["token_id_prompts"] == prompts
