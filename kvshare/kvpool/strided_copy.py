@@ -29,9 +29,10 @@ class StridedCopy:
     def __init__(self, library: ctypes.CDLL) -> None:
         fn = library.cudaMemcpy2DAsync
         fn.restype = ctypes.c_int
-        size = ctypes.c_size_t
-        fn.argtypes = [ctypes.c_void_p, size, ctypes.c_void_p, size, size, size, ctypes.c_int]
-        fn.argtypes.append(ctypes.c_void_p)
+        # Every argument typed, the stream too: ctypes passes an untyped int as a C int,
+        # which would cut a stream's 64-bit handle to its low 32 bits.
+        size, pointer = ctypes.c_size_t, ctypes.c_void_p
+        fn.argtypes = (pointer, size, pointer, size, size, size, ctypes.c_int, pointer)
         self._copy = fn
 
     @classmethod
@@ -55,10 +56,13 @@ class StridedCopy:
     ) -> torch.Tensor:
         assert dest.is_cuda and dest.dtype == torch.uint8 and dest.numel() >= width * rows
         stream = torch.cuda.current_stream(dest.device).cuda_stream
-        pitch = src_pitch if rows > 1 else width
-        err = self._copy(
-            dest.data_ptr(), width, src_ptr, pitch, width, rows, _HOST_TO_DEVICE, stream
-        )
+        self.issue(dest.data_ptr(), src_ptr, src_pitch if rows > 1 else width, width, rows, stream)
+        return dest[: width * rows].view(rows, width)
+
+    def issue(
+        self, dest_ptr: int, src_ptr: int, src_pitch: int, width: int, rows: int, stream: int
+    ) -> None:
+        """The runtime call itself, on the stream whose handle is `stream`."""
+        err = self._copy(dest_ptr, width, src_ptr, src_pitch, width, rows, _HOST_TO_DEVICE, stream)
         if err:
             raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {err}")
-        return dest[: width * rows].view(rows, width)
