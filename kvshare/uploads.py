@@ -9,8 +9,10 @@ load came in groups of layers. The same upload from pageable memory completed at
 outside the copy engine's queue (how the driver moves a small pageable source is its own
 business; that it does not wait is what was measured). So arrays
 of at most INLINE_BYTES come from pageable memory; larger ones through pinned memory.
-Either way the call returns at once (torch.tensor(..., device="cuda") would synchronize
-the host with the stream, which may be waiting for the load).
+Either way the call is meant to return at once (torch.tensor(..., device="cuda") would
+synchronize the host with the stream, which may be waiting for the load). CUDA allows a
+pageable copy to synchronize with its stream; that a small one does not, even behind a
+stream waiting for a load, is what tests/test_uploads.py checks on a GPU (not yet run).
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -49,3 +51,32 @@ def test_a_steps_upload_completes_while_a_load_still_copies() -> None:
     for nbytes in (32 << 10, INLINE_BYTES):
         upload_ms, load_ms = _load_then_upload(nbytes)
         assert load_ms > 20 and upload_ms < load_ms / 4, (nbytes, upload_ms, load_ms)
+
+
+@pytest.mark.cuda
+def test_an_upload_behind_a_stream_waiting_for_a_load_returns_at_once() -> None:
+    """The hit path: the compute stream waits for a whole load, then the step's inputs go
+    up. The host must return from each upload at once and go on issuing the step while the
+    load copies; a copy that synchronized with the stream would hold it for the whole load."""
+    host = torch.empty(2 << 30, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(256 * MIB, dtype=torch.uint8, device="cuda")
+    static = torch.zeros(INLINE_BYTES // 4, dtype=torch.int32, device="cuda")
+    arrays = [np.arange(n // 4, dtype=np.int32) for n in (32 << 10, INLINE_BYTES)]
+    host_to_device(arrays[0], torch.device("cuda"))  # allocator warm
+    torch.cuda.synchronize()
+    side, loaded = torch.cuda.Stream(), torch.cuda.Event()
+    with torch.cuda.stream(side):
+        for k in range(0, host.numel(), dev.numel()):
+            dev.copy_(host[k : k + dev.numel()], non_blocking=True)
+        loaded.record()
+    torch.cuda.current_stream().wait_event(loaded)
+    start = time.perf_counter()
+    outs = [host_to_device(a, torch.device("cuda")) for a in arrays]
+    copy_into(static, arrays[1])
+    host_ms = (time.perf_counter() - start) * 1e3
+    still_loading = not loaded.query()
+    torch.cuda.synchronize()
+    assert still_loading, "the load ended before the uploads were issued: nothing was measured"
+    assert host_ms < 5, f"three uploads held the host {host_ms:.1f} ms behind a waiting stream"
+    for out, array in zip([*outs, static], [*arrays, arrays[1]]):
+        assert torch.equal(out.cpu(), torch.from_numpy(array))
