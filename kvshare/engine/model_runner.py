@@ -38,6 +38,29 @@ _CPU_KV_CACHE_BYTES = 1 << 30
 _log = logging.getLogger(__name__)
 
 
+def context_length(asked: int | None, model_context: int, cache_tokens: int) -> int:
+    """The longest prompt + output served: `asked` (--max-model-len) when the model and
+    the KV cache both allow it, else a ValueError that says which does not; unasked, the
+    model's context capped at what the cache holds (a sequence that outgrew the whole
+    cache would be preempted and readmitted forever; the engine stops it with "length"
+    instead). A limit asked for is never cut silently: requests would be refused for a
+    context the operator was told they had."""
+    if asked is None:
+        return min(model_context, cache_tokens)
+    if asked > model_context:
+        raise ValueError(
+            f"--max-model-len {asked} is longer than the model's context "
+            f"({model_context} tokens); lower it"
+        )
+    if asked > cache_tokens:
+        raise ValueError(
+            f"--max-model-len {asked} does not fit the KV cache, which holds {cache_tokens} "
+            "tokens: give the cache more memory (--kv-cache-memory or "
+            "--gpu-memory-fraction) or lower --max-model-len"
+        )
+    return asked
+
+
 class ModelRunner:
     """`staging_bytes(kv bytes per token)`: the device memory the connector will allocate
     when it binds to this cache (its staging buffers); counted in the memory budget.
@@ -75,10 +98,8 @@ class ModelRunner:
                 self.device,
             )
         self.graphs: StepGraphs | None = None
-        # Capped at what the KV cache holds: a sequence that outgrew the whole cache would
-        # be preempted and readmitted forever (the engine stops it with "length" instead).
-        self.max_model_len = min(
-            config.max_model_len or loaded.config.max_position_embeddings,
+        self.max_model_len = context_length(
+            config.max_model_len,
             loaded.config.max_position_embeddings,
             self.num_blocks * config.block_size,
         )
