@@ -94,6 +94,10 @@ def gpu_memory_by_process() -> dict[str, int]:
     return {pid.strip(): int(mib) for pid, mib in rows}
 
 
+# What cross_replica_bench adds to a context: its question, then the tokens it generates.
+QUESTION_TOKENS, OUTPUT_TOKENS = 32, 8
+
+
 def cross_replica_bench(
     port: int,
     length: int,
@@ -123,9 +127,9 @@ def cross_replica_bench(
             str(replica_b),
             "--shared-context",
             "--question-tokens",
-            "32",
+            str(QUESTION_TOKENS),
             "--output-tokens",
-            "8",
+            str(OUTPUT_TOKENS),
             "--settle-timeout",
             "60",
             "--json",

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 
 from gpu_cluster import (
+    OUTPUT_TOKENS,
+    QUESTION_TOKENS,
     REPO,
     cross_replica_bench,
     env,
@@ -155,8 +157,11 @@ def hit_run(out: Path, port: int, run: str, deadline: float, layer_groups: int) 
         "8",
         "--max-num-batched-tokens",
         "8192",
+        # Exactly what the bench's requests need: an asked context must fit the KV cache
+        # (the replica refuses to start otherwise), and at 0.48 the bf16 cache holds little
+        # more than a 131,072-token context (its hits ran there with 131,112 tokens).
         "--max-model-len",
-        str(length + 1024),
+        str(length + QUESTION_TOKENS + OUTPUT_TOKENS),
         "--kv-cache-dtype",
         dtype,
         "--pool-size",
