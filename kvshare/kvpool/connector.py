@@ -496,7 +496,9 @@ class PoolConnector(KVConnector):
             pending.job = self.transfer.load(list(plan.copies))
         except Exception:  # a broken copy is a miss, never an engine crash
             _log.exception("pool load failed to start")
-            pending.wait()
+            # Copies it issued before failing may still run, and no job tracks them: they
+            # must end before the blocks are recomputed (or released) and the lease goes.
+            self.transfer.synchronize()
             self._end_load(pending, ok=False)
             return False
         for job in (pending.job, pending.state_job):

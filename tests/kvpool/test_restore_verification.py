@@ -150,3 +150,36 @@ def test_a_corrupt_page_leaves_the_pool_at_its_first_detection(
     again = answer(llm)
     assert again.pool_hit_tokens == 512 and again.token_ids == reference.token_ids
     assert connector.counters["checksum_failures"] == failures + 1
+
+
+def test_a_load_that_fails_after_issuing_copies_ends_them_before_recomputing(
+    llm: LLM, reference: RequestOutput, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transfer.load raising after it issued copies (on CUDA: a later group's copy failing
+    to start) is a miss, and the copies already issued must end before the request's
+    blocks are recomputed: a late one (here 0.3 s late, from a corrupt page) would land on
+    the recomputed bytes, which the GPU-local cache then serves to the next request."""
+    connector = connector_of(llm)
+    corrupt_chunk(connector, 0)
+    transfer = connector.transfer
+    issue = transfer.load
+
+    def issue_then_fail(copies: list) -> object:
+        issue(copies)
+        raise RuntimeError("injected: a copy failed to start")
+
+    monkeypatch.setattr(transfer, "load", issue_then_fail)
+    monkeypatch.setattr(transfer, "delay_seconds", 0.3)
+    failures = connector.counters["load_failures"]
+    out = answer(llm)
+    assert connector.counters["load_failures"] == failures + 1
+    assert out.pool_hit_tokens == 0 and out.token_ids == reference.token_ids
+    monkeypatch.undo()
+    transfer.synchronize()  # whatever was still queued has landed now
+    connector.set_enabled(False)
+    try:
+        again = llm.generate([PROMPT], GREEDY)[0]  # from the GPU-local cache
+    finally:
+        connector.set_enabled(True)
+    assert again.gpu_hit_tokens > 0
+    assert again.token_ids == reference.token_ids
