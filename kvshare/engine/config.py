@@ -64,7 +64,10 @@ class EngineConfig:
     )
     max_num_seqs: int = flag(64, "most sequences in one engine step", parse=int)
     max_model_len: int | None = flag(
-        None, "longest prompt + output in tokens (default: the model's context length)", parse=int
+        None,
+        "longest prompt + output in tokens; refused at start past the model's context or the "
+        "KV cache (default: the model's context, capped at the cache)",
+        parse=int,
     )
     kv_cache_memory: int | None = flag(None, "KV cache size, e.g. 2GiB", parse=_size)
     gpu_memory_fraction: float = flag(
