@@ -8,6 +8,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -42,6 +43,14 @@ class _ThreadJob(TransferJob):
         return self.sums
 
 
+def _run_jobs(jobs: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+    """Run jobs in order until None comes. A job is dropped once run: while the worker
+    waits for the next, nothing it ran may keep its transfer alive."""
+    while (job := jobs.get()) is not None:
+        job()
+        job = None
+
+
 class ThreadTransfer(Transfer):
     """CPU: one worker thread runs jobs in order, reading/writing the arena directly."""
 
@@ -55,13 +64,16 @@ class ThreadTransfer(Transfer):
     ) -> None:
         super().__init__(kv, layout, faults, sliding_kv, layer_groups)
         self.delay_seconds = injected_delay(faults)
-        self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self.worker = threading.Thread(target=self._run, name="kvshare-transfer", daemon=True)
+        self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        # The worker holds the queue, never this object: a thread running a bound method
+        # kept every transfer, and the engine's KV cache with it (1 GiB on a CPU), alive
+        # for the life of the process after its engine was dropped. It ends when this
+        # object is collected.
+        self.worker = threading.Thread(
+            target=_run_jobs, args=(self.jobs,), name="kvshare-transfer", daemon=True
+        )
         self.worker.start()
-
-    def _run(self) -> None:
-        while True:
-            self.jobs.get()()
+        weakref.finalize(self, self.jobs.put, None)
 
     def page_view(self, data: torch.Tensor, nbytes: int) -> torch.Tensor:
         """Bytes of a page as [slots, K|V, blocks, block_size, kv_heads, head_dim]."""

@@ -4,6 +4,8 @@ CUDA a state load lands after the compute stream's earlier writes to its slot.""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from itertools import pairwise
 
 import numpy as np
@@ -119,6 +121,24 @@ def test_cpu_transfer_checksums_each_segment_at_its_place_in_the_page() -> None:
     assert whole.checksums() == [expected]
     assert prefix.checksums() == [expected[:1]]
     assert other_key.checksums()[0][0] != expected[0] and other_key.checksums()[0][1] != expected[1]
+
+
+def test_a_dropped_cpu_transfer_frees_its_cache_and_ends_its_worker() -> None:
+    """Its worker thread must not keep it (and so the engine's KV cache, 1 GiB on a CPU by
+    default) alive once nothing else refers to it: an engine dropped by its user, or each
+    test's engine in a long suite, would hold its memory until the process exits."""
+    cache = KVCacheLayout.allocate(
+        shape_preset("tiny-llama"), 8, 16, torch.float32, torch.device("cpu")
+    )
+    transfer = ThreadTransfer(cache.kv, PageLayout.of(cache, 32))
+    transfer.set_arena(torch.zeros(PageLayout.of(cache, 32).payload_bytes, dtype=torch.uint8))
+    transfer.store([PageCopy(0, transfer.layout.payload_bytes, (5, 2), bytes(16))]).wait()
+    kv, worker = weakref.ref(cache.kv), transfer.worker
+    del cache, transfer
+    gc.collect()
+    assert kv() is None
+    worker.join(timeout=10)
+    assert not worker.is_alive()
 
 
 def test_cpu_store_of_a_global_only_page_writes_only_that_page() -> None:
