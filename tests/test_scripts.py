@@ -50,10 +50,8 @@ def test_the_hit_profile_compares_layer_groups_on_the_cpu(tmp_path: Path) -> Non
         "1,2",
         "--layer-group-min-mib",
         "0.001",
-        "--kv-cache-memory",  # small: the suite's own process holds gigabytes by now
+        "--kv-cache-memory",  # small: beside the suite's own process
         str(64 << 20),
-        "--arena-gib",
-        "1",
         "--json",
         str(out),
         timeout=300,
