@@ -22,7 +22,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def collect_engines_after_each_module() -> Iterator[None]:
     """Engines sit in reference cycles (engine, scheduler, connector), and a cycle is freed
     only when the collector runs, which counts objects, not bytes: one module's engines,
-    each with a 1 GiB CPU KV cache by default, could still be held while the next module's
-    start. A collection after each module bounds the suite's memory (CI has 24 GiB)."""
+    each with a 1 GiB CPU KV cache by default, could still be held while the next module
+    builds its own. A collection after each module bounds the suite's memory (CI has 24
+    GiB)."""
     yield
     gc.collect()
