@@ -140,4 +140,8 @@ class LLM:
             for out in self.engine.step():
                 if out.finished:
                     done[out.request_id] = out
+        # A server commits its last pool stores when it goes idle; so does this call, so
+        # that its prompts' chunks are in the pool (for every replica) when it returns.
+        if self.engine.connector is not None:
+            self.engine.connector.wait_idle()
         return [done[i] for i in ids]

@@ -77,6 +77,18 @@ def reference(llm: LLM) -> RequestOutput:
     return out
 
 
+def test_a_prompts_chunks_are_in_the_pool_when_generate_returns(llm: LLM) -> None:
+    """With one output token the prefill step is the last: no later step commits the stores
+    it issued, so generate itself must, as a server does when it goes idle."""
+    prompt = [random.Random(12).randrange(3, 512) for _ in range(600)]
+    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    connector = connector_of(llm)
+    keys = chunk_keys(connector.namespace, prompt)
+    found = connector.client.lookup(keys)
+    connector.client.release(found.lease)
+    assert len(keys) == 2 and len(found.pages) == 2
+
+
 def test_a_verified_restore_gives_the_recomputed_answer(llm: LLM, reference: RequestOutput) -> None:
     out = answer(llm)
     assert out.pool_hit_tokens == 512
