@@ -166,7 +166,10 @@ def test_smollm2_2k_prompt_restored_in_fresh_process(pool: PoolProcess, tmp_path
     assert computed["pool_hit"] == 0 and computed["computed"] == len(follow_up)
     assert restored["pool_hit"] == 2048 and restored["gpu_hit"] == 0
     assert restored["token_ids"] == computed["token_ids"]
-    assert max(abs(a - b) for a, b in zip(restored["logprobs"], computed["logprobs"])) < 1e-4
+    # The restored bytes are exact (the bytes checks); the question is computed in another
+    # batch shape, which moves float32 log-probabilities by up to 3e-4 (seen in a loaded CI
+    # run; usually under 1e-4). A wrong restore moves them by far more, and the tokens.
+    assert max(abs(a - b) for a, b in zip(restored["logprobs"], computed["logprobs"])) < 1e-3
 
 
 def test_concurrent_requests_sharing_a_restored_prefix(pool: PoolProcess, tmp_path: Path) -> None:
