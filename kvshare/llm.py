@@ -140,8 +140,7 @@ class LLM:
             for out in self.engine.step():
                 if out.finished:
                     done[out.request_id] = out
-        # A server commits its last pool stores when it goes idle; so does this call, so
-        # that its prompts' chunks are in the pool (for every replica) when it returns.
-        if self.engine.connector is not None:
-            self.engine.connector.wait_idle()
+        # As a server does when it goes idle: the prompts' chunks are in the pool (for every
+        # replica) when this returns.
+        self.engine.commit_pool_stores()
         return [done[i] for i in ids]

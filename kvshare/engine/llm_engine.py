@@ -205,6 +205,23 @@ class LLMEngine:
         self._finish(req, "abort")
         return True
 
+    def commit_pool_stores(self) -> None:
+        """The engine just went idle (a server with no request left, an offline call about
+        to return): finish the pool stores still in flight and commit them.
+
+        Stores are committed by the connector's poll, which runs only inside a step; an
+        idle engine takes none, so the last chunks of the last request would stay invisible
+        to the other replicas until the next request came. With no request unfinished, no
+        pool load can be pending for the scheduler, so polling here loses nothing. A store
+        that fails is skipped and logged: the pool never fails a request.
+        """
+        if self.connector is None:
+            return
+        try:
+            self.connector.wait_idle()
+        except Exception:
+            _log.exception("finishing pool stores failed")
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._finished_outputs)
 

@@ -234,28 +234,12 @@ class EngineThread:
             if self.engine.has_unfinished():
                 produced = self._step()
                 if not self.engine.has_unfinished():
-                    self._commit_pool_stores()
+                    self.engine.commit_pool_stores()
             self.snapshot = snapshot_of(self.engine)
             if not self.engine.has_unfinished():
                 wait = None
             else:
                 wait = 0.0 if produced else _IDLE_STEP_WAIT_S
-
-    def _commit_pool_stores(self) -> None:
-        """The engine just went idle: finish the pool stores still in flight.
-
-        Stores are committed by the connector's poll, which runs only inside a step; an
-        idle engine takes none, so the last chunks of the last request would stay
-        invisible to the other replicas until the next request came. With no request
-        unfinished, no pool load can be pending for the scheduler, so polling here loses
-        nothing.
-        """
-        connector = self.engine.connector
-        if connector is not None:
-            try:
-                connector.wait_idle()
-            except Exception:
-                _log.exception("finishing pool stores failed")
 
     def _apply(self, command: _Add | _Abort | _Call) -> None:
         if isinstance(command, _Add):
