@@ -21,21 +21,28 @@ def test_uploads_on_the_cpu_are_the_arrays_converted_to_the_destination() -> Non
     assert dest.dtype == torch.int32 and torch.equal(dest, torch.arange(10, dtype=torch.int32))
 
 
-def _load_then_upload(nbytes: int) -> tuple[float, float]:
-    """(ms until a `nbytes` upload on the current stream completed, ms until the 2 GiB
-    pinned load issued 1 ms before it on another stream completed)."""
+def _start_load(side: torch.cuda.Stream) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    """A 2 GiB pinned host->device load on `side`, issued at once: (its start, its end),
+    timing events recorded on `side`."""
     host = torch.empty(2 << 30, dtype=torch.uint8).pin_memory()
     dev = torch.empty(256 * MIB, dtype=torch.uint8, device="cuda")
-    side = torch.cuda.Stream()
-    array = np.arange(nbytes // 4, dtype=np.int32)
-    host_to_device(array, torch.device("cuda"))
     torch.cuda.synchronize()
-    start, loaded, uploaded = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    start, loaded = (torch.cuda.Event(enable_timing=True) for _ in range(2))
     with torch.cuda.stream(side):
         start.record()
         for k in range(0, host.numel(), dev.numel()):
             dev.copy_(host[k : k + dev.numel()], non_blocking=True)
         loaded.record()
+    return start, loaded
+
+
+def _load_then_upload(nbytes: int) -> tuple[float, float]:
+    """(ms until a `nbytes` upload on the current stream completed, ms until the 2 GiB
+    pinned load issued 1 ms before it on another stream completed)."""
+    array = np.arange(nbytes // 4, dtype=np.int32)
+    host_to_device(array, torch.device("cuda"))
+    start, loaded = _start_load(torch.cuda.Stream())
+    uploaded = torch.cuda.Event(enable_timing=True)
     torch.cuda._sleep(1_500_000)  # ~1 ms: the load is running when the upload is issued
     out = host_to_device(array, torch.device("cuda"))
     uploaded.record()
@@ -58,17 +65,10 @@ def test_an_upload_behind_a_stream_waiting_for_a_load_returns_at_once() -> None:
     """The hit path: the compute stream waits for a whole load, then the step's inputs go
     up. The host must return from each upload at once and go on issuing the step while the
     load copies; a copy that synchronized with the stream would hold it for the whole load."""
-    host = torch.empty(2 << 30, dtype=torch.uint8).pin_memory()
-    dev = torch.empty(256 * MIB, dtype=torch.uint8, device="cuda")
     static = torch.zeros(INLINE_BYTES // 4, dtype=torch.int32, device="cuda")
     arrays = [np.arange(n // 4, dtype=np.int32) for n in (32 << 10, INLINE_BYTES)]
     host_to_device(arrays[0], torch.device("cuda"))  # allocator warm
-    torch.cuda.synchronize()
-    side, loaded = torch.cuda.Stream(), torch.cuda.Event()
-    with torch.cuda.stream(side):
-        for k in range(0, host.numel(), dev.numel()):
-            dev.copy_(host[k : k + dev.numel()], non_blocking=True)
-        loaded.record()
+    _, loaded = _start_load(torch.cuda.Stream())
     torch.cuda.current_stream().wait_event(loaded)
     start = time.perf_counter()
     outs = [host_to_device(a, torch.device("cuda")) for a in arrays]

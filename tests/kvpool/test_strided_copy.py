@@ -4,6 +4,7 @@ part of a group, and nothing past it."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -20,33 +21,36 @@ def test_no_cuda_no_strided_copy() -> None:
     assert StridedCopy.find() is None
 
 
+def stand_in_copy(runtime: Callable[..., int]) -> StridedCopy:
+    """A StridedCopy whose cudaMemcpy2DAsync is a bare C function pointer (no argument
+    types of its own, as ctypes.CDLL gives it) to the Python `runtime`."""
+    signature = ctypes.CFUNCTYPE(
+        ctypes.c_int, *[ctypes.c_uint64] * 6, ctypes.c_int, ctypes.c_uint64
+    )
+    callback = signature(runtime)
+    bare = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.cast(callback, ctypes.c_void_p).value)
+    # The namespace keeps the callback alive as long as the copy that calls it.
+    return StridedCopy(SimpleNamespace(cudaMemcpy2DAsync=bare, callback=callback))
+
+
 def test_every_argument_reaches_the_runtime_whole() -> None:
-    """Pointers, sizes and the stream's handle reach cudaMemcpy2DAsync as 64-bit values
-    (here a C function pointer to a Python stand-in): an argument ctypes was not told the
-    type of goes as a C int, and a side stream's handle would lose its high bits."""
+    """Pointers, sizes and the stream's handle reach cudaMemcpy2DAsync as 64-bit values:
+    an argument ctypes was not told the type of goes as a C int, and a side stream's
+    handle would lose its high bits."""
     received = []
 
     def runtime(*args: int) -> int:
         received.append(args)
         return 0
 
-    signature = ctypes.CFUNCTYPE(
-        ctypes.c_int, *[ctypes.c_uint64] * 6, ctypes.c_int, ctypes.c_uint64
-    )
-    stand_in = signature(runtime)
-    bare = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.cast(stand_in, ctypes.c_void_p).value)
-    copy = StridedCopy(SimpleNamespace(cudaMemcpy2DAsync=bare))
+    copy = stand_in_copy(runtime)
     dest, src, stream = 0x7F12_3456_7000, 0x7E00_0000_1000, 0x55D4_C3A0_B2C0
     copy.issue(dest, src, 16 * MIB, 4 * MIB, 256, stream)
     assert received == [(dest, 4 * MIB, src, 16 * MIB, 4 * MIB, 256, 1, stream)]
 
 
 def test_a_runtime_error_is_raised_with_its_code() -> None:
-    failing = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_uint64] * 6, ctypes.c_int, ctypes.c_uint64)(
-        lambda *args: 400
-    )
-    bare = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.cast(failing, ctypes.c_void_p).value)
-    copy = StridedCopy(SimpleNamespace(cudaMemcpy2DAsync=bare))
+    copy = stand_in_copy(lambda *args: 400)
     with pytest.raises(RuntimeError, match="CUDA error 400"):
         copy.issue(1, 2, 3, 3, 1, 4)
 
