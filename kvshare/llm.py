@@ -65,7 +65,7 @@ class LLM:
                 cache_salt=cache_salt,
                 faults=kv_pool_faults,
                 kv_cache_dtype=self.config.kv_cache_dtype,
-                layer_groups=LayerGroups.at_most(self.config.pool_load_layer_groups),
+                layer_groups=LayerGroups.at_most(self.config.resolved_pool_load_layer_groups),
             )
         self.engine = LLMEngine(self.loaded, self.config, pool or kv_pool)  # binds the connector
         if pool is not None:

@@ -9,10 +9,13 @@ load came in groups of layers. The same upload from pageable memory completed at
 outside the copy engine's queue (how the driver moves a small pageable source is its own
 business; that it does not wait is what was measured). So arrays
 of at most INLINE_BYTES come from pageable memory; larger ones through pinned memory.
-Either way the call is meant to return at once (torch.tensor(..., device="cuda") would
-synchronize the host with the stream, which may be waiting for the load). CUDA allows a
-pageable copy to synchronize with its stream; that a small one does not, even behind a
-stream waiting for a load, is what tests/test_uploads.py checks on a GPU (not yet run).
+That holds for a stream with nothing queued: behind a running kernel the same pageable
+32 KiB upload completed with the load (78.6 ms), so a step uploads its inputs before its
+first wait for a load's layers. Either way the call returns at once
+(torch.tensor(..., device="cuda") would synchronize the host with the stream, which may
+be waiting for the load). CUDA allows a pageable copy to synchronize with its stream; that
+a small one does not, even behind a stream waiting for a load, is what
+tests/test_uploads.py checks on a GPU (passed on the H200).
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-# The largest upload made from pageable memory: a 131,072-token context's block table (32
-# KiB) was measured inline on the H200 (scripts/gpu_copy_order.py); a 261,888-token one's
-# (64 KiB) is what tests/test_uploads.py checks on a GPU, not yet run there.
+# The largest upload made from pageable memory: a 261,888-token context's block table (64
+# KiB); 32 and 64 KiB completed 1.3 ms into a 77 ms load on the H200
+# (scripts/gpu_copy_order.py, tests/test_uploads.py).
 INLINE_BYTES = 64 << 10
 
 

@@ -9,7 +9,11 @@
    compute stream complete? kvshare.uploads.host_to_device at several sizes (pageable up
    to INLINE_BYTES, pinned above), and a pinned upload of 32 KiB (what it replaced).
 
-Prints two tables; writes JSON.
+3. Which strided copies does CUDA refuse from an arena registered slab by slab (as a
+   replica registers the pool's)? Rows inside one slab, rows whose pitch runs past the
+   slab's end after the last row, rows in two slabs, wide rows.
+
+Prints three tables; writes JSON.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvshare.kvpool.strided_copy import StridedCopy
+from kvshare.kvpool.host_memory import mapped_in_slabs
+from kvshare.kvpool.strided_copy import StridedCopy, StridedCopyError
 from kvshare.uploads import INLINE_BYTES, host_to_device
 
 MIB = 1 << 20
@@ -87,9 +92,10 @@ def copy_rates(copy: StridedCopy, host: torch.Tensor, part: int) -> list[dict]:
     return rows
 
 
-def upload_under_load(host: torch.Tensor, nbytes: int, pinned: bool) -> dict:
+def upload_under_load(host: torch.Tensor, nbytes: int, pinned: bool, busy: bool = False) -> dict:
     """ms until an upload of `nbytes` on the compute stream completed, issued ~1 ms after
-    a load of `host` started on another stream, and ms until the load completed."""
+    a load of `host` started on another stream, and ms until the load completed; `busy`:
+    the compute stream runs a ~1 ms kernel when the upload is issued."""
     dev = torch.empty(STAGING, dtype=torch.uint8, device="cuda")
     side = torch.cuda.Stream()
     array = np.arange(nbytes // 4, dtype=np.int32)
@@ -108,6 +114,8 @@ def upload_under_load(host: torch.Tensor, nbytes: int, pinned: bool) -> dict:
             dev.copy_(host[k : k + STAGING], non_blocking=True)
         loaded.record()
     time.sleep(0.001)
+    if busy:
+        torch.cuda._sleep(2_000_000)
     t0 = time.perf_counter()
     out = upload()
     issue = time.perf_counter() - t0
@@ -115,14 +123,46 @@ def upload_under_load(host: torch.Tensor, nbytes: int, pinned: bool) -> dict:
     torch.cuda.synchronize()
     return {
         "upload_bytes": nbytes,
-        "how": "pinned"
-        if pinned
-        else ("pageable" if nbytes <= INLINE_BYTES else "pinned (kvshare)"),
+        "how": (
+            "pinned" if pinned else "pageable" if nbytes <= INLINE_BYTES else "pinned (kvshare)"
+        )
+        + (", busy" if busy else ""),
         "ok": torch.equal(out.cpu(), torch.from_numpy(array)),
         "issue_ms": issue * 1e3,
         "upload_done_ms": start.elapsed_time(uploaded),
         "load_done_ms": start.elapsed_time(loaded),
     }
+
+
+def refusals(copy: StridedCopy) -> list[dict]:
+    """Strided copies from three 64 MiB slabs of one mapping, each registered on its own:
+    which the runtime refuses, and that the accepted ones bring the right bytes."""
+    cases = [  # (what, first byte, pitch, width, rows)
+        ("inside one slab", 0, 8 * MIB, 4 * MIB, 8),
+        ("pitch past the slab after the last row", 2 * MIB, 8 * MIB, 4 * MIB, 8),
+        ("rows in two slabs", 60 * MIB, 8 * MIB, 4 * MIB, 2),
+        ("9 MiB rows inside one slab", 0, 16 * MIB, 9 * MIB, 3),
+        ("4 MiB + 4 KiB rows inside one slab", 0, 8 * MIB, 4 * MIB + 4096, 4),
+    ]
+    dest = torch.empty(STAGING, dtype=torch.uint8, device="cuda")
+    out = []
+    with mapped_in_slabs(3, 64 * MIB) as host:
+        host.copy_(torch.randint(0, 256, host.shape, dtype=torch.uint8))
+        for what, first, pitch, width, rows in cases:
+            try:
+                got = copy(dest, host.data_ptr() + first, pitch, width, rows)
+                torch.cuda.synchronize()
+                expected = torch.stack(
+                    [host[first + r * pitch : first + r * pitch + width] for r in range(rows)]
+                )
+                result = "ok" if torch.equal(got.cpu(), expected) else "WRONG BYTES"
+            except StridedCopyError as exc:
+                result = f"refused: {exc}"
+            out.append(
+                {"case": what, "first": first, "pitch": pitch, "width": width, "rows": rows}
+                | {"result": result}
+            )
+    return out
 
 
 def main() -> int:
@@ -144,6 +184,8 @@ def main() -> int:
     uploads += [
         upload_under_load(host, n, pinned=False) for n in (32 << 10, INLINE_BYTES, 256 << 10)
     ]
+    uploads.append(upload_under_load(host, 32 << 10, pinned=False, busy=True))
+    refused = refusals(copy)
     print("copy        part MiB     GB      ms   GB/s  host ms")
     for r in rates:
         print(
@@ -156,7 +198,10 @@ def main() -> int:
             f"{r['upload_bytes'] >> 10:10d}  {r['how']:17} {r['ok']!s:5} {r['issue_ms']:8.2f} "
             f"{r['upload_done_ms']:15.2f} {r['load_done_ms']:13.2f}"
         )
-    out = {"rates": rates, "uploads": uploads}
+    print("strided copy from slabs registered one by one          result")
+    for r in refused:
+        print(f"{r['case']:54} {r['result']}")
+    out = {"rates": rates, "uploads": uploads, "refusals": refused}
     (args.out / "copy_order.json").write_text(json.dumps(out, indent=1))
     return 0
 

@@ -189,7 +189,9 @@ def build_engine(args: argparse.Namespace, address: str) -> LLMEngine:
         loaded,
         chunk_tokens=args.chunk_tokens,
         kv_cache_dtype=config.kv_cache_dtype,
-        layer_groups=layer_groups(args.layer_groups, args.layer_group_min_mib),
+        layer_groups=layer_groups(
+            args.layer_groups or config.resolved_pool_load_layer_groups, args.layer_group_min_mib
+        ),
     )
     engine = LLMEngine(loaded, config, connector)
     if connector.bind_failure is not None:
@@ -237,9 +239,10 @@ def compare_layer_groups(
             transfer, "layer_groups", layer_groups(groups, args.layer_group_min_mib)
         )
 
+    engines_own = transfer.layer_groups
     settings = {f"layer groups {g}": setting(g) for g in args.compare_layer_groups}
     results = alternate(engine, served, args, settings)
-    transfer.layer_groups = layer_groups(args.layer_groups, args.layer_group_min_mib)
+    transfer.layer_groups = engines_own
     return results
 
 
@@ -391,8 +394,9 @@ def main() -> int:
     parser.add_argument(
         "--layer-groups",
         type=int,
-        default=1,
-        help="at most this many groups of layers per load (1: whole pages, the default)",
+        default=0,
+        help="at most this many groups of layers per load (1: whole pages; 0, the default: "
+        "the engine's, 4 on CUDA and whole on the CPU)",
     )
     parser.add_argument(
         "--layer-group-min-mib",

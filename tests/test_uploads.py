@@ -37,13 +37,16 @@ def _start_load(side: torch.cuda.Stream) -> tuple[torch.cuda.Event, torch.cuda.E
 
 
 def _load_then_upload(nbytes: int) -> tuple[float, float]:
-    """(ms until a `nbytes` upload on the current stream completed, ms until the 2 GiB
-    pinned load issued 1 ms before it on another stream completed)."""
+    """(ms until a `nbytes` upload on the current, idle stream completed, ms until the
+    2 GiB pinned load issued 1 ms before it on another stream completed). The stream is
+    idle as a step's is when the engine uploads its inputs (before any wait for a load's
+    layers): behind a running kernel the same pageable upload completed with the load on
+    the H200, so uploads come first in a step."""
     array = np.arange(nbytes // 4, dtype=np.int32)
     host_to_device(array, torch.device("cuda"))
     start, loaded = _start_load(torch.cuda.Stream())
     uploaded = torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(1_500_000)  # ~1 ms: the load is running when the upload is issued
+    time.sleep(0.001)  # the load is running when the upload is issued
     out = host_to_device(array, torch.device("cuda"))
     uploaded.record()
     torch.cuda.synchronize()

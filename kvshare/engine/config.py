@@ -21,6 +21,10 @@ ATTENTION_BACKENDS: tuple[AttentionBackendName, ...] = ("auto", "sdpa", "varlen"
 KVCacheDtype = Literal["auto", "fp8"]
 KV_CACHE_DTYPES: tuple[KVCacheDtype, ...] = ("auto", "fp8")
 _FLAG = "kvshare.flag"
+# A CUDA replica's restores by default: on the H200 a 131,072-token hit of shape:qwen3.5-27b
+# took 179 ms in 4 groups against 211 ms whole (bf16; fp8 102 against 141), 8 groups no
+# less than 4 (docs/results/2026-12-05-h200-session.md).
+CUDA_LAYER_GROUPS = 4
 
 
 @dataclass(frozen=True)
@@ -89,10 +93,11 @@ class EngineConfig:
     )
     cuda_graphs: bool = flag(True, "capture decode steps as CUDA graphs (CUDA only)")
     pool_load_layer_groups: int = flag(
-        1,
+        0,
         "bring a pool restore in at most this many groups of layers, so that the step's "
-        "first layers compute while the last are still copied (1: whole pages; global "
-        "attention layers only, each group's part of a page at least 4 MiB)",
+        "first layers compute while the last are still copied (1: whole pages; 0: "
+        f"{CUDA_LAYER_GROUPS} on CUDA, whole on the CPU; global attention layers only, "
+        "each group's part of a page at least 4 MiB)",
         parse=int,
     )
     seed: int = 0
@@ -120,9 +125,9 @@ class EngineConfig:
             raise ValueError(
                 "num_state_snapshots must be >= 0 and snapshot_interval_tokens >= block_size"
             )
-        if self.pool_load_layer_groups < 1:
+        if self.pool_load_layer_groups < 0:
             raise ValueError(
-                f"pool_load_layer_groups must be >= 1, got {self.pool_load_layer_groups}"
+                f"pool_load_layer_groups must be >= 0, got {self.pool_load_layer_groups}"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {self.attention_backend!r}")
@@ -137,6 +142,15 @@ class EngineConfig:
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+    @property
+    def resolved_pool_load_layer_groups(self) -> int:
+        """Groups of layers a restore comes in. Auto (0): CUDA_LAYER_GROUPS on CUDA, where
+        the copy engine brings the last layers while the first compute; whole on the CPU,
+        where the copies run on the cores that compute."""
+        if self.pool_load_layer_groups:
+            return self.pool_load_layer_groups
+        return CUDA_LAYER_GROUPS if self.device.startswith("cuda") else 1
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:

@@ -246,7 +246,7 @@ class PoolConnector(KVConnector):
                 return
             arena = self.client.arena
             assert self.transfer is not None
-            self.transfer.set_arena(arena.as_tensor())
+            self.transfer.set_arena(arena.as_tensor(), arena.geometry.slab_bytes)
             if self.registration is not None:
                 self.registration.register(arena)
             self._generation = self.client.generation

@@ -8,7 +8,10 @@ and copies run (correctly, only slower) from slabs not registered yet.
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -76,3 +79,24 @@ class HostRegistration:
                 cudart.cudaHostUnregister(ptr)
             self._ranges.clear()
         self._arena = None
+
+
+@contextmanager
+def mapped_in_slabs(slabs: int, slab_bytes: int) -> Iterator[torch.Tensor]:
+    """Anonymous host memory of `slabs` x `slab_bytes`, registered with CUDA one slab at a
+    time as a replica registers a pool's arena, unregistered on exit: what the checks and
+    measurements of copies from such an arena copy from (CUDA refuses a strided copy
+    whose rows lie in two registrations)."""
+    host = torch.frombuffer(mmap.mmap(-1, slabs * slab_bytes), dtype=torch.uint8)
+    cudart = torch.cuda.cudart()
+    registered = []
+    try:
+        for k in range(slabs):
+            pointer = host.data_ptr() + k * slab_bytes
+            if int(status := cudart.cudaHostRegister(pointer, slab_bytes, 0)):
+                raise RuntimeError(f"cudaHostRegister failed ({status})")
+            registered.append(pointer)
+        yield host
+    finally:
+        for pointer in registered:
+            cudart.cudaHostUnregister(pointer)

@@ -6,6 +6,15 @@ copies of a 131,072-token load on the H200 (the whole load moves in 160 ms); one
 copy per staging buffer's worth of pages moves the same bytes at the same rate (54.0 GB/s
 for 4 MiB rows, 54.7 contiguous) for 0.3 ms of host time per GiB. torch does not expose
 it, so it is called from the CUDA runtime library torch itself loaded.
+
+The runtime refuses (cudaErrorInvalidValue) a strided copy whose rows lie in two separately
+registered host ranges, even when each row lies inside one: measured on the H200
+(scripts/gpu_copy_order.py), where rows in one registered range passed, also when the pitch
+ran past its end after the last row. A replica registers the pool's arena slab by slab,
+so a group of rows never leaves its first row's slab (transfer.strided_groups).
+A refused copy raises StridedCopyError after clearing the runtime's last error: left set,
+torch's next kernel launch reports it as its own failure (on the H200 a refused copy made
+the next step's embedding fail with "invalid argument" and every request with it).
 """
 
 from __future__ import annotations
@@ -21,6 +30,10 @@ _HOST_TO_DEVICE = 1  # cudaMemcpyKind
 MAX_PITCH = (1 << 31) - 1
 
 
+class StridedCopyError(RuntimeError):
+    """The runtime refused a strided copy; nothing was issued and no error is left set."""
+
+
 class StridedCopy:
     """`copy(dest, src_ptr, src_pitch, width, rows)`: rows of `width` bytes, `src_pitch`
     apart from host address src_ptr (pinned or registered memory), packed into the front of
@@ -34,6 +47,9 @@ class StridedCopy:
         size, pointer = ctypes.c_size_t, ctypes.c_void_p
         fn.argtypes = (pointer, size, pointer, size, size, size, ctypes.c_int, pointer)
         self._copy = fn
+        self._clear_error = library.cudaGetLastError
+        self._clear_error.restype = ctypes.c_int
+        self._clear_error.argtypes = ()
 
     @classmethod
     def find(cls) -> StridedCopy | None:
@@ -65,4 +81,8 @@ class StridedCopy:
         """The runtime call itself, on the stream whose handle is `stream`."""
         err = self._copy(dest_ptr, width, src_ptr, src_pitch, width, rows, _HOST_TO_DEVICE, stream)
         if err:
-            raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {err}")
+            self._clear_error()
+            raise StridedCopyError(
+                f"cudaMemcpy2DAsync of {rows} rows of {width} bytes, {src_pitch} apart from "
+                f"host {src_ptr:#x}, failed with CUDA error {err}"
+            )

@@ -6,16 +6,16 @@
 Ordering: a store waits for the compute work that produced its blocks
 (an event recorded on the compute stream, or a fence on the CPU); a load is done only
 when its last scatter has completed, and the compute stream waits on it before reading.
-A load of global layers only may come in groups of layers (`LayerGroups`, opt-in: the
-engine flag --pool-load-layer-groups): it then hands the compute side one wait per group
-(`SlotFences`) instead of one for the whole load, and a step's first layers compute while
-its last layers are still copied; the step runs eagerly then (a captured graph would wait
-for the whole load). The first try did not pay on the H200
-(docs/results/2026-12-04-h200-session.md): each page's part of a group was its own host
-copy (2,048 copies at 131k tokens, ~85 ms of host time), and the step's block-table
-upload queued behind the load's copies on the copy engine. Both are mended (one strided
-copy per staging fill, kvshare.kvpool.strided_copy; small uploads inline,
-kvshare.uploads); whether groups now pay is not measured yet, so they stay opt-in.
+A load of global layers only may come in groups of layers (`LayerGroups`; the engine flag
+--pool-load-layer-groups, by default 4 on CUDA and whole pages on the CPU): it then hands
+the compute side one wait per group (`SlotFences`) instead of one for the whole load, and
+a step's first layers compute while its last layers are still copied; the step runs
+eagerly then (a captured graph would wait for the whole load). It pays when each staging
+fill is one strided copy (kvshare.kvpool.strided_copy: as one host copy per page's part,
+2,048 copies at 131k tokens took ~85 ms of host time) and the step's small uploads stay
+off the copy engine's queue (kvshare.uploads). On the H200 a 131,072-token hit of
+shape:qwen3.5-27b then took 179 ms in 4 groups against 211 ms whole (bf16; fp8 102
+against 141 ms; docs/results/2026-12-05-h200-session.md).
 An injected `FaultInjection` (kvshare.kvpool.faults, checks and tests only) may remove one of
 these waits, so that the byte checks can show they catch a missing dependency.
 """
@@ -150,6 +150,7 @@ class Transfer(ABC):
         self.faults = faults  # None: no fault (production)
         self.layer_groups = layer_groups
         self.arena: torch.Tensor | None = None
+        self.region_bytes = 0
 
     def slot_ranges(self, copies: Sequence[PageCopy]) -> list[range]:
         """The groups of slots a load of `copies` brings in turn (one: the whole load)."""
@@ -157,8 +158,11 @@ class Transfer(ABC):
             return [range(self.layout.num_global_slots)]
         return self.layer_groups.ranges(self.layout, copies)
 
-    def set_arena(self, arena: torch.Tensor) -> None:
+    def set_arena(self, arena: torch.Tensor, region_bytes: int | None = None) -> None:
+        """`arena`: the pool's mapped bytes; `region_bytes`: the size of the pieces it is
+        registered with CUDA in, from its start (its slabs; None: one piece)."""
         self.arena = arena
+        self.region_bytes = region_bytes or arena.numel()
 
     @abstractmethod
     def load(self, copies: Sequence[PageCopy]) -> TransferJob: ...
@@ -267,14 +271,24 @@ def span_groups(
 
 
 def strided_groups(
-    copies: Sequence[PageCopy], first_byte: int, width: int, max_pages: int, max_stride: int
+    copies: Sequence[PageCopy],
+    first_byte: int,
+    width: int,
+    max_pages: int,
+    max_stride: int,
+    region_bytes: int,
 ) -> list[SpanGroup]:
     """Bytes [first_byte, first_byte + width) of every copy's payload, in order, as runs
     of at most max_pages copies whose offsets advance by one stride of at most max_stride:
-    a strided copy (width-byte rows `stride` apart in the arena) brings each run."""
+    a strided copy (width-byte rows `stride` apart in the arena) brings each run. The
+    arena is registered with CUDA in regions of `region_bytes` from its start (slabs), and
+    a run's rows lie inside one region: a strided copy whose rows span two registrations
+    is refused."""
     groups: list[SpanGroup] = []
     start = 0
     while start < len(copies):
+        offset = copies[start].offset + first_byte
+        region_end = (offset // region_bytes + 1) * region_bytes
         stop = start + 1
         stride = copies[stop].offset - copies[start].offset if stop < len(copies) else width
         while (
@@ -282,13 +296,12 @@ def strided_groups(
             and stop < len(copies)
             and stop - start < max_pages
             and copies[stop].offset == copies[start].offset + (stop - start) * stride
+            and offset + (stop - start) * stride + width <= region_end
         ):
             stop += 1
         if stop - start == 1:
             stride = width
-        groups.append(
-            SpanGroup(range(start, stop), copies[start].offset + first_byte, width, stride)
-        )
+        groups.append(SpanGroup(range(start, stop), offset, width, stride))
         start = stop
     return groups
 

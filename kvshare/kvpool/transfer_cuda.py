@@ -14,6 +14,7 @@ table of (page, block) pairs uploaded once per load or store; so is the checksum
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from kvshare.engine.memory import STAGING_BUFFERS, staging_buffer_bytes
 from kvshare.kvpool.faults import FaultInjection, breaks, injected_delay
 from kvshare.kvpool.layout import PageLayout, checksum_constants
 from kvshare.kvpool.page import HEADER_BYTES, PAGE_ALIGN
-from kvshare.kvpool.strided_copy import MAX_PITCH, StridedCopy
+from kvshare.kvpool.strided_copy import MAX_PITCH, StridedCopy, StridedCopyError
 from kvshare.kvpool.transfer import (
     LayerGroups,
     PageCopy,
@@ -44,6 +45,8 @@ from kvshare.kvpool.transfer import (
 if TYPE_CHECKING:
     from kvshare.kvpool.block_copy import BlockCopy
 
+
+_log = logging.getLogger(__name__)
 
 # A load's pages in adjacent arena slots share one host->device copy when at most a page
 # header and its padding lie between them (copied for nothing: 8 KiB per 16 MiB page).
@@ -336,7 +339,10 @@ class CudaTransfer(Transfer):
         def fill(buffer: torch.Tensor, group: SpanGroup) -> torch.Tensor:
             if self.strided_copy is not None:
                 src = arena.data_ptr() + group.offset
-                return self.strided_copy(buffer, src, group.stride, width, len(group.pages))
+                try:
+                    return self.strided_copy(buffer, src, group.stride, width, len(group.pages))
+                except StridedCopyError as exc:  # the same bytes, one copy per row
+                    _log.warning("%s; copying the rows one by one", exc)
             for row, i in enumerate(group.pages):
                 start = copies[i].offset + first_byte
                 buffer[row * width : (row + 1) * width].copy_(
@@ -352,7 +358,9 @@ class CudaTransfer(Transfer):
             )
             self.blocks(rows, t.pairs(group), group.start, True, slots.start)
 
-        groups = strided_groups(copies, first_byte, width, self.staging_bytes // width, MAX_PITCH)
+        groups = strided_groups(
+            copies, first_byte, width, self.staging_bytes // width, MAX_PITCH, self.region_bytes
+        )
         first_fill = None if tables else upload_tables
         self._pipeline(
             "load",

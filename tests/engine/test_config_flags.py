@@ -90,7 +90,7 @@ def test_fields_without_a_flag_keep_their_defaults() -> None:
         (["--block-size", "12"], "block_size must be a power of two"),
         (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
         (["--attention-backend", "flash"], "invalid choice"),
-        (["--pool-load-layer-groups", "0"], "pool_load_layer_groups must be >= 1"),
+        (["--pool-load-layer-groups", "-1"], "pool_load_layer_groups must be >= 0"),
     ],
 )
 def test_invalid_engine_flags_say_why(argv: list[str], message: str) -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvshare import LLM, SamplingParams
+from kvshare.engine.config import CUDA_LAYER_GROUPS, EngineConfig
 from kvshare.engine.connector import KVCacheLayout, SlotFences
 from kvshare.kvpool.connector import PoolConnector
 from kvshare.kvpool.faults import FaultInjection
@@ -173,7 +174,9 @@ def test_a_replica_computing_behind_a_grouped_restore_answers_as_without_the_poo
     assert same is not broken
 
 
-@pytest.mark.parametrize(("flag", "expected"), [(1, None), (3, LayerGroups(max_groups=3))])
+@pytest.mark.parametrize(
+    ("flag", "expected"), [(0, None), (1, None), (3, LayerGroups(max_groups=3))]
+)
 def test_the_engine_flag_sets_how_restores_are_grouped(
     pool: PoolProcess, flag: int, expected: LayerGroups | None
 ) -> None:
@@ -181,3 +184,14 @@ def test_the_engine_flag_sets_how_restores_are_grouped(
     connector = llm.engine.connector
     assert isinstance(connector, PoolConnector) and connector.transfer is not None
     assert connector.transfer.layer_groups == expected
+
+
+def test_restores_come_in_groups_by_default_on_cuda_only() -> None:
+    """Auto (the default): groups where the copy engine overlaps the compute, whole pages
+    on the CPU, whose copies run on the cores that compute."""
+    assert EngineConfig().pool_load_layer_groups == 0
+    assert EngineConfig(device="cpu").resolved_pool_load_layer_groups == 1
+    assert EngineConfig(device="cuda:1").resolved_pool_load_layer_groups == CUDA_LAYER_GROUPS > 1
+    assert (
+        EngineConfig(device="cuda", pool_load_layer_groups=1).resolved_pool_load_layer_groups == 1
+    )

@@ -53,35 +53,50 @@ def test_page_groups_cover_every_copy_in_order(
     st.integers(1, 4),
     st.integers(1, 9),
     st.sampled_from([8, 16, 1 << 20]),
+    st.sampled_from([8, 24, 64, 1 << 20]),
 )
 def test_strided_groups_read_each_copys_part_once_in_order(
-    slot_steps: list[int], first: int, width: int, max_pages: int, max_stride: int
+    slot_steps: list[int],
+    first: int,
+    width: int,
+    max_pages: int,
+    max_stride: int,
+    region: int,
 ) -> None:
     """Pages sit in arena slots of 8 bytes (a gap of 0 slots repeats a page, as a load
     of the same page twice would; a small max_stride stands for the pitch limit of a
-    strided copy); each group's strided read (rows of `width` bytes,
-    `stride` apart from `offset`) gives every copy's bytes [first, first + width)."""
+    strided copy; the arena is registered in regions of `region` bytes, as a pool's
+    slabs are); each group's strided read (rows of `width` bytes, `stride` apart from
+    `offset`) gives every copy's bytes [first, first + width), and a group's rows lie
+    inside one region (CUDA refused a strided copy whose rows were in two slabs of an
+    arena registered slab by slab on the H200)."""
     slots = np.cumsum(slot_steps)
     arena = np.arange(8 * (int(slots[-1]) + 2), dtype=np.int64)
     copies = [PageCopy(8 * int(s), 8, (), bytes(16)) for s in slots]
-    groups = strided_groups(copies, first, width, max_pages, max_stride)
+    groups = strided_groups(copies, first, width, max_pages, max_stride, region)
     assert [i for g in groups for i in g.pages] == list(range(len(copies)))
     read = []
     for g in groups:
         assert 1 <= len(g.pages) <= max_pages and g.nbytes == width
         assert width <= g.stride <= max_stride or len(g.pages) == 1
         assert g.offset == copies[g.pages.start].offset + first
+        if len(g.pages) > 1:
+            last_byte = g.offset + (len(g.pages) - 1) * g.stride + width - 1
+            assert g.offset // region == last_byte // region
         read += [arena[g.offset + r * g.stride :][:width] for r in range(len(g.pages))]
     expected = [arena[c.offset + first :][:width] for c in copies]
     assert all(np.array_equal(a, b) for a, b in zip(read, expected, strict=True))
-    # Maximal runs: a group ends when full, at the end, where the stride changes, or
-    # (a group of one) where the next page is too close or too far for a strided copy.
+    # Maximal runs: a group ends when full, at the end, where the stride changes, where
+    # one more row would leave the region, or (a group of one) where the next page is
+    # too close or too far for a strided copy.
     for g, nxt in pairwise(groups):
         gap = copies[nxt.pages.start].offset - copies[g.pages.stop - 1].offset
+        stride = g.stride if len(g.pages) > 1 else gap
         assert (
             len(g.pages) == max_pages
             or gap != g.stride
             or (len(g.pages) == 1 and not width <= gap <= max_stride)
+            or (g.offset % region) + len(g.pages) * stride + width > region
         )
 
 
