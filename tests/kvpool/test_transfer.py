@@ -15,7 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvshare.engine.connector import KVCacheLayout
+from kvshare.kvpool.arena import ArenaGeometry
 from kvshare.kvpool.faults import FaultInjection
+from kvshare.kvpool.index import PoolIndex
 from kvshare.kvpool.layout import PageLayout, checksum_constants, payload_checksum, payload_words
 from kvshare.kvpool.transfer import PageCopy, page_groups, strided_groups
 from kvshare.kvpool.transfer_cpu import ThreadTransfer
@@ -253,3 +255,28 @@ def test_cuda_warm_up_writes_only_the_blocks_no_sequence_owns(shape: str) -> Non
     )
     for kv, old in zip(tensors, before):
         assert torch.equal(kv, old)
+
+
+def test_a_prefix_stored_beside_states_is_read_in_groups_inside_one_slab_each() -> None:
+    """How a strided copy came to span two slabs on the H200: a hybrid model's store puts
+    its recurrent state in a slab of its own, so the prefix's KV slabs are not adjacent;
+    where a group (7 rows a staging fill here, 31 there) starts at a slab's last page, it
+    and the first page of the next KV slab are two evenly spaced rows (a pitch of about
+    a slab). Read as a replica registers the arena (slab by slab), no group leaves its
+    slab; read as one region, one does (what CUDA refused)."""
+    slab, kv_payload = 1 << 20, 120 << 10
+    index = PoolIndex(ArenaGeometry(8 * slab, slab))
+    offsets: list[int] = []
+    for step in range(6):
+        keys = [bytes([step, i]) + bytes(14) for i in range(4)]
+        offsets += [offset for _, offset in index.reserve(1, keys, kv_payload)[0]]
+        index.reserve(1, [bytes([step, 99]) + bytes(14)], 200 << 10)  # the step's state
+    copies = [PageCopy(offset, kv_payload, (), bytes(16)) for offset in offsets]
+
+    def spanned_slabs(region: int) -> list[tuple[int, int]]:
+        groups = strided_groups(copies, 40 << 10, 40 << 10, 7, (1 << 31) - 1, region)
+        last_bytes = [g.offset + (len(g.pages) - 1) * g.stride + g.nbytes - 1 for g in groups]
+        return [(g.offset // slab, end // slab) for g, end in zip(groups, last_bytes, strict=True)]
+
+    assert all(first == last for first, last in spanned_slabs(slab))
+    assert any(first != last for first, last in spanned_slabs(8 * slab))
