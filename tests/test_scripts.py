@@ -63,3 +63,13 @@ def test_the_hit_profile_compares_layer_groups_on_the_cpu(tmp_path: Path) -> Non
     assert [groups for groups, _ in firsts] == ["1", "2"], done.stdout[-2000:]
     assert firsts[0][1] == firsts[1][1]  # a restore in two groups gives the same token
     assert out.exists()
+
+
+def test_a_packed_fp8_row_leaves_the_paged_kernel_four_byte_copies() -> None:
+    """What docs/fp8.md says of the fp8 kernel's loads, from its sm_90 PTX: 260-byte rows
+    (the packed format) come in 4-byte copies only, 272-byte rows in 16-byte ones."""
+    done = run_script("paged_kernel_ptx.py", "--rows", "260,272", timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    copies = dict(re.findall(r"^fp8, (\d+)-byte rows +(.*)$", done.stdout, re.MULTILINE))
+    assert "16 B" not in copies["260"] and "4 B" in copies["260"], done.stdout
+    assert "x 16 B" in copies["272"], done.stdout
