@@ -158,10 +158,8 @@ def refusals(copy: StridedCopy) -> list[dict]:
                 result = "ok" if torch.equal(got.cpu(), expected) else "WRONG BYTES"
             except StridedCopyError as exc:
                 result = f"refused: {exc}"
-            out.append(
-                {"case": what, "first": first, "pitch": pitch, "width": width, "rows": rows}
-                | {"result": result}
-            )
+            case = dict(case=what, first=first, pitch=pitch, width=width, rows=rows)
+            out.append({**case, "result": result})
     return out
 
 
