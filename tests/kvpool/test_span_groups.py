@@ -18,6 +18,7 @@ from kvshare.kvpool.page import HEADER_BYTES, PAGE_ALIGN, slot_bytes_for
 from kvshare.kvpool.transfer import PageCopy, SpanGroup, fill_span, span_groups
 from kvshare.kvpool.transfer_cpu import ThreadTransfer
 from kvshare.models.presets import shape_preset
+from tests.kvpool.page_copies import whole_page_copies
 
 PAYLOAD = 3 * PAGE_ALIGN  # a page's full payload (8-byte words, as the kernels read)
 SLOT = slot_bytes_for(PAYLOAD)
@@ -118,21 +119,11 @@ def test_cuda_load_of_spans_restores_the_per_page_bytes(shape: str) -> None:
         for d in ("cpu", "cuda")
     }
     layout = PageLayout.of(caches["cpu"], 32)
-    slot, bpp = slot_bytes_for(layout.payload_bytes), layout.blocks_per_page
+    slot = slot_bytes_for(layout.payload_bytes)
     slots = [*range(0, 12), 20, 14, 15, 16, *range(30, 40)]
     arena = torch.randint(0, 256, ((max(slots) + 1) * slot,), dtype=torch.uint8)
     # Whole pages of random bytes are not valid bf16 KV everywhere: compare bytes only.
-    copies = [
-        PageCopy(
-            s * slot + HEADER_BYTES,
-            layout.payload_bytes,
-            tuple(range(j * bpp, (j + 1) * bpp)),
-            s.to_bytes(16, "little"),
-            0,
-            tuple(range(j * bpp, (j + 1) * bpp)) if layout.num_segments == 2 else (),
-        )
-        for j, s in enumerate(slots)
-    ]
+    copies = whole_page_copies(layout, slots)
     cpu = ThreadTransfer(caches["cpu"].kv, layout, sliding_kv=caches["cpu"].sliding_kv)
     cpu.set_arena(arena)
     gpu = CudaTransfer(caches["cuda"].kv, layout, sliding_kv=caches["cuda"].sliding_kv)

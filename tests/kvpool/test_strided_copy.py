@@ -14,11 +14,12 @@ import torch
 from kvshare.engine.connector import KVCacheLayout
 from kvshare.kvpool.host_memory import mapped_in_slabs
 from kvshare.kvpool.layout import PageLayout
-from kvshare.kvpool.page import HEADER_BYTES, slot_bytes_for
+from kvshare.kvpool.page import slot_bytes_for
 from kvshare.kvpool.strided_copy import StridedCopy, StridedCopyError
-from kvshare.kvpool.transfer import LayerGroups, PageCopy
+from kvshare.kvpool.transfer import LayerGroups
 from kvshare.kvpool.transfer_cpu import ThreadTransfer
 from kvshare.models.presets import shape_preset
+from tests.kvpool.page_copies import whole_page_copies
 
 MIB = 1 << 20
 
@@ -115,17 +116,9 @@ def test_a_grouped_load_from_an_arena_registered_slab_by_slab_brings_every_byte(
         for d, device in (("cpu", torch.device("cpu")), ("cuda", torch.device("cuda")))
     }
     layout = PageLayout.of(caches["cpu"], 32)
-    slot, bpp = slot_bytes_for(layout.payload_bytes), layout.blocks_per_page
+    slot = slot_bytes_for(layout.payload_bytes)
     slab = 4 * slot
-    copies = [
-        PageCopy(
-            s * slot + HEADER_BYTES,
-            layout.payload_bytes,
-            tuple(range(s * bpp, (s + 1) * bpp)),
-            s.to_bytes(16, "little"),
-        )
-        for s in range(8)
-    ]
+    copies = whole_page_copies(layout, range(8))
     cpu = ThreadTransfer(caches["cpu"].kv, layout)
     gpu = CudaTransfer(caches["cuda"].kv, layout, layer_groups=LayerGroups(min_bytes=1))
     with mapped_in_slabs(2, slab) as arena:
