@@ -300,7 +300,10 @@ def main() -> int:
     )
     parser.add_argument("--budget-s", type=float, default=560.0, help="hit: stop starting runs")
     parser.add_argument(
-        "--layer-groups", type=int, default=1, help="hit: kvshare up --pool-load-layer-groups"
+        "--layer-groups",
+        type=int,
+        default=0,
+        help="hit: kvshare up --pool-load-layer-groups (0: the engine's default, 4 on CUDA)",
     )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
