@@ -183,15 +183,14 @@ def build_engine(args: argparse.Namespace, address: str) -> LLMEngine:
         gpu_memory_fraction=args.gpu_memory_fraction,
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_memory=args.kv_cache_memory,
+        pool_load_layer_groups=args.layer_groups,
     )
     connector = PoolConnector.for_model(
         address,
         loaded,
         chunk_tokens=args.chunk_tokens,
         kv_cache_dtype=config.kv_cache_dtype,
-        layer_groups=layer_groups(
-            args.layer_groups or config.resolved_pool_load_layer_groups, args.layer_group_min_mib
-        ),
+        layer_groups=layer_groups(config.resolved_pool_load_layer_groups, args.layer_group_min_mib),
     )
     engine = LLMEngine(loaded, config, connector)
     if connector.bind_failure is not None:

@@ -36,15 +36,17 @@ class HostRegistration:
 
     def register(self, arena: Arena) -> None:
         """Start registering `arena`'s slabs in the background."""
+        geometry = arena.geometry
+        self.register_slabs(arena.as_tensor(), geometry.slab_bytes, geometry.slab_count)
+
+    def register_slabs(self, host: torch.Tensor, slab_bytes: int, slab_count: int) -> None:
+        """Start registering `slab_count` slabs of `slab_bytes` from the start of `host`
+        in the background, each on its own."""
         self.unregister()
         self._stop.clear()
-        self._arena = arena.as_tensor()  # keeps the mapping alive while registered
-        base = self._arena.data_ptr()
-        geometry = arena.geometry
-        slabs = [
-            (base + geometry.slab_offset(i), geometry.slab_bytes)
-            for i in range(geometry.slab_count)
-        ]
+        self._arena = host  # keeps the mapping alive while registered
+        base = host.data_ptr()
+        slabs = [(base + i * slab_bytes, slab_bytes) for i in range(slab_count)]
         self._thread = threading.Thread(
             target=self._register_all, args=(slabs,), name="kvshare-host-register", daemon=True
         )
@@ -88,15 +90,12 @@ def mapped_in_slabs(slabs: int, slab_bytes: int) -> Iterator[torch.Tensor]:
     measurements of copies from such an arena copy from (CUDA refuses a strided copy
     whose rows lie in two registrations)."""
     host = torch.frombuffer(mmap.mmap(-1, slabs * slab_bytes), dtype=torch.uint8)
-    cudart = torch.cuda.cudart()
-    registered = []
+    registration = HostRegistration(torch.device("cuda", torch.cuda.current_device()))
+    registration.register_slabs(host, slab_bytes, slabs)
+    registration.wait()
     try:
-        for k in range(slabs):
-            pointer = host.data_ptr() + k * slab_bytes
-            if int(status := cudart.cudaHostRegister(pointer, slab_bytes, 0)):
-                raise RuntimeError(f"cudaHostRegister failed ({status})")
-            registered.append(pointer)
+        if registration.registered_bytes != host.numel():
+            raise RuntimeError("cudaHostRegister refused a slab (see the log)")
         yield host
     finally:
-        for pointer in registered:
-            cudart.cudaHostUnregister(pointer)
+        registration.unregister()
