@@ -1,14 +1,16 @@
 """How the paged attention kernel brings its K and V tiles, read from its sm_90 PTX: no GPU
 needed (Triton compiles for a target it is given).
 
-    PYTHONPATH=$PWD python3 scripts/paged_kernel_ptx.py --rows 260,272 --bf16
+    PYTHONPATH=$PWD python3 scripts/paged_kernel_ptx.py --blocks 16x4,15x3 --bf16
 
 Compiles `paged_decode._split_kernel` at shape:qwen3.5-27b's attention shape (4 KV heads,
-group 6, head dim 256, a 32-token step's 64-row query tile) for an fp8 cache whose packed
-rows are each --rows bytes apart (260: the format, 256 e4m3 values and a float32 scale;
-272: the same padded to 16 bytes), and with --bf16 for a bfloat16 cache, and counts the
-global-to-shared asynchronous copies by size: a row stride that is not a multiple of 16
-bytes leaves Triton 4-byte copies only.
+group 6, head dim 256, 16-token blocks, a 32-token step's 64-row query tile) for an fp8
+cache (blocks of value planes then scales, kv_fp8.PackedBlocks) and with --bf16 for a
+bfloat16 cache, and counts the global-to-shared asynchronous copies by size.
+A value row is 16-byte aligned when a block's bytes are a multiple of 16: with
+`--blocks 15x3` (15-token blocks of 3 KV heads: 11,700 bytes) they are only 4-byte
+aligned and Triton copies the tiles 4 bytes at a time, as it did for the token-major rows
+(256 values and their scale in one 260-byte row: 79 four-byte copies) this layout replaced.
 """
 
 from __future__ import annotations
@@ -42,23 +44,25 @@ ARGS = (
     ("num_splits", "i32"),
     ("q_blocks", "i32"),
 )
+HEAD_DIM = 256
 COPY = re.compile(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^\]]*\], \[[^\]]*\], (\w+)")
 
 
-def kernel_ptx(row_elements: int, fp8: bool) -> str:
-    """The kernel's PTX for sm_90, its cache rows `row_elements` apart."""
+def kernel_ptx(fp8: bool, block_size: int = 16, kv_heads: int = 4) -> str:
+    """The kernel's PTX for sm_90 (head dim 256, group 6, a 64-row query tile)."""
     kv_type = "*u8" if fp8 else "*bf16"
     signature = {name: kind or kv_type for name, kind in ARGS}
+    value_bytes = block_size * kv_heads * HEAD_DIM
     constants = {
         "GROUP": 6,
         "ROWS": 64,
-        "HEAD_DIM": 256,
-        "NUM_KV_HEADS": 4,
-        "BLOCK_SIZE": 16,
+        "HEAD_DIM": HEAD_DIM,
+        "NUM_KV_HEADS": kv_heads,
+        "BLOCK_SIZE": block_size,
         "TILE": paged_decode.TILE,
         "VARLEN": True,
-        "KV_ROW": row_elements,
-        "SCALE_ROW": row_elements // 4 if fp8 else 1,
+        "BLOCK_BYTES": value_bytes + block_size * kv_heads * 4 if fp8 else 0,
+        "VALUE_BYTES": value_bytes if fp8 else 0,
         "KV_FP8": fp8,
         "FP8_F16": True,
     }
@@ -81,15 +85,21 @@ def kernel_ptx(row_elements: int, fp8: bool) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default="260,272", help="fp8 row strides in bytes")
-    parser.add_argument("--bf16", action="store_true", help="also a bfloat16 cache (256)")
+    parser.add_argument(
+        "--blocks", default="16x4", help="fp8 caches: BLOCK_SIZExKV_HEADS,... (head dim 256)"
+    )
+    parser.add_argument("--bf16", action="store_true", help="also a bfloat16 cache (16x4)")
     args = parser.parse_args()
-    cases = [(f"fp8, {r}-byte rows", int(r), True) for r in args.rows.split(",")]
+    cases = []
+    for blocks in args.blocks.split(","):
+        block_size, kv_heads = (int(n) for n in blocks.split("x"))
+        cases.append((f"fp8, {blocks} blocks", True, block_size, kv_heads))
     if args.bf16:
-        cases.append(("bf16, 512-byte rows", 256, False))
+        cases.append(("bf16, 16x4 blocks", False, 16, 4))
     print("cache                 async copies by bytes (static count in the PTX)")
-    for label, row, fp8 in cases:
-        sizes = Counter(int(n, 0) for n in COPY.findall(kernel_ptx(row, fp8)))
+    for label, fp8, block_size, kv_heads in cases:
+        ptx = kernel_ptx(fp8, block_size, kv_heads)
+        sizes = Counter(int(n, 0) for n in COPY.findall(ptx))
         print(f"{label:21} " + ", ".join(f"{n} x {b} B" for b, n in sorted(sizes.items())))
     return 0
 

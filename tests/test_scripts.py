@@ -65,11 +65,17 @@ def test_the_hit_profile_compares_layer_groups_on_the_cpu(tmp_path: Path) -> Non
     assert out.exists()
 
 
-def test_a_packed_fp8_row_leaves_the_paged_kernel_four_byte_copies() -> None:
-    """What docs/fp8.md says of the fp8 kernel's loads, from its sm_90 PTX: 260-byte rows
-    (the packed format) come in 4-byte copies only, 272-byte rows in 16-byte ones."""
-    done = run_script("paged_kernel_ptx.py", "--rows", "260,272", timeout=600)
+def test_the_fp8_kernel_copies_its_tiles_in_16_byte_pieces_like_bf16() -> None:
+    """What docs/fp8.md says of the fp8 kernel's loads, from its sm_90 PTX: with the block
+    planes of 16-token, 4-head blocks the K and V tiles come in 16-byte copies, half as
+    many as bf16's (half the bytes); blocks whose bytes are not a multiple of 16 (15 x 3)
+    leave 4-byte copies only."""
+    done = run_script("paged_kernel_ptx.py", "--blocks", "16x4,15x3", "--bf16", timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    copies = dict(re.findall(r"^fp8, (\d+)-byte rows +(.*)$", done.stdout, re.MULTILINE))
-    assert "16 B" not in copies["260"] and "4 B" in copies["260"], done.stdout
-    assert "x 16 B" in copies["272"], done.stdout
+    copies = {
+        label: dict((int(b), int(n)) for n, b in re.findall(r"(\d+) x (\d+) B", sizes))
+        for label, sizes in re.findall(r"^(\w+, \d+x\d+) blocks +(.*)$", done.stdout, re.M)
+    }
+    fp8, bf16, misaligned = copies["fp8, 16x4"], copies["bf16, 16x4"], copies["fp8, 15x3"]
+    assert 2 * fp8[16] == bf16[16], done.stdout
+    assert 16 not in misaligned and misaligned[4] > fp8[4], done.stdout

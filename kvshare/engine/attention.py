@@ -186,7 +186,8 @@ class AttentionBackend(ABC):
         window: int | None,
     ) -> torch.Tensor:
         """q [T, Hq, D]; caches [num_blocks * block_size, Hkv, D] already hold this step's
-        keys, in the compute dtype or as packed fp8 rows [.., Hkv, D + 4] (kv_fp8.py)."""
+        keys, in the compute dtype or packed fp8 (bytes of [.., Hkv, D + 4], in block planes:
+        kv_fp8.PackedBlocks)."""
 
 
 class SDPABackend(AttentionBackend):
@@ -215,8 +216,8 @@ class SDPABackend(AttentionBackend):
             n, m = meta.q_lens[i], keys.lens[i]
             idx = keys.slots[k_start : k_start + m]
             qi = q[q_start : q_start + n].transpose(0, 1)[None]
-            ki = buffers.gather(k_cache, idx, buffers.keys).transpose(0, 1)[None]
-            vi = buffers.gather(v_cache, idx, buffers.values).transpose(0, 1)[None]
+            ki = buffers.gather(k_cache, idx, buffers.keys, meta.block_size).transpose(0, 1)[None]
+            vi = buffers.gather(v_cache, idx, buffers.values, meta.block_size).transpose(0, 1)[None]
             mask = _causal_mask(meta.ctx_lens[i], n, keys.starts[i], m, window, q.device)
             o = F.scaled_dot_product_attention(
                 qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True
@@ -313,8 +314,8 @@ class VarlenBackend(AttentionBackend):
         window_size = (-1 if window is None else window - 1, 0)
         groups = gather_groups(keys.lens, self.max_context_tokens)
         if len(groups) == 1:  # the whole step in one call (its cu_seqlens as they are)
-            k = buffers.gather(k_cache, keys.slots, buffers.keys)
-            v = buffers.gather(v_cache, keys.slots, buffers.values)
+            k = buffers.gather(k_cache, keys.slots, buffers.keys, meta.block_size)
+            v = buffers.gather(v_cache, keys.slots, buffers.values, meta.block_size)
             return self._varlen_attn(
                 q,
                 k,
@@ -333,8 +334,8 @@ class VarlenBackend(AttentionBackend):
             slots = keys.slots[k_at:k_end]
             out[q_at:q_end] = self._varlen_attn(
                 q[q_at:q_end],
-                buffers.gather(k_cache, slots, buffers.keys),
-                buffers.gather(v_cache, slots, buffers.values),
+                buffers.gather(k_cache, slots, buffers.keys, meta.block_size),
+                buffers.gather(v_cache, slots, buffers.values, meta.block_size),
                 meta.cu_seqlens_q[first : stop + 1] - q_at,
                 keys.cu_seqlens[first : stop + 1] - k_at,
                 max(meta.q_lens[first:stop]),
@@ -371,9 +372,13 @@ def gather_groups(lens: tuple[int, ...], max_tokens: int) -> list[tuple[int, int
     return groups
 
 
-def _to_cache(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """New keys or values [T, Hkv, D] as rows of `cache` (quantized if it is packed fp8)."""
-    return kv_fp8.quantize(x) if kv_fp8.is_packed(cache) else x.to(cache.dtype)
+def store_rows(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, block_size: int) -> None:
+    """New keys or values x [T, Hkv, D] into `slots` of `cache` (quantized into its block
+    planes if it is packed fp8, kv_fp8.PackedBlocks)."""
+    if kv_fp8.is_packed(cache):
+        kv_fp8.PackedBlocks.of(cache, block_size).store(slots, x)
+    else:
+        cache.index_copy_(0, slots, x.to(cache.dtype))
 
 
 class PagedAttention:
@@ -425,8 +430,8 @@ class PagedAttention:
         assert meta is not None, "a sliding-window layer needs the step's sliding tables"
         k_cache = cache[0].flatten(0, 1)
         v_cache = cache[1].flatten(0, 1)
-        k_cache.index_copy_(0, meta.slot_mapping, _to_cache(k, k_cache))
-        v_cache.index_copy_(0, meta.slot_mapping, _to_cache(v, v_cache))
+        store_rows(k_cache, meta.slot_mapping, k, meta.block_size)
+        store_rows(v_cache, meta.slot_mapping, v, meta.block_size)
         return self.backend.attend(q, k_cache, v_cache, meta, scale, window)
 
     def prefill_tables(self, conv_width: int) -> PrefillTables | None:

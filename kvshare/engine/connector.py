@@ -51,9 +51,10 @@ class KVCacheLayout:
     manager: graph padding rows write there, and sliding-table entries out of the window
     point there (masked, so finite garbage is harmless).
 
-    Both tensors are in the model's dtype, or with kv_cache_dtype "fp8" uint8 whose last
-    dim is a packed row of D e4m3 bytes and their float32 scale (kv_fp8.py): bytes per
-    token halve, and everything that copies blocks or pages copies the scales with them.
+    Both tensors are in the model's dtype, or with kv_cache_dtype "fp8" uint8 with D + 4
+    bytes per token and KV head (D e4m3 values and a float32 scale, each block laid out as
+    its values then its scales: kv_fp8.PackedBlocks): bytes per token halve, and
+    everything that copies blocks or pages copies the scales with them.
 
     Cache slots are numbered global layers first, then sliding-window layers, so a page's
     global part is one contiguous prefix of it. `layer_slot[i]` is the slot of model layer i.

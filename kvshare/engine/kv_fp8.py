@@ -1,9 +1,13 @@
-"""fp8 KV: e4m3 values with one float32 scale per token and KV head, packed in bytes.
+"""fp8 KV: e4m3 values with one float32 scale per token and KV head, in a byte cache.
 
-A packed cache row (one token, one KV head) is `head_dim` float8_e4m3fn bytes followed by
-the 4 bytes of its float32 scale, in one uint8 tensor whose last dim is head_dim + 4. So
-blocks, pool pages, transfers and checksums stay plain byte copies of the cache, and the
-scales travel with their values wherever the bytes go.
+A packed cache is one uint8 tensor of the same size as [slots, Hkv, D + 4] (D e4m3 bytes
+and a 4-byte float32 scale per token and KV head), so blocks, pool pages, transfers and
+checksums stay plain byte copies of the cache and the scales travel with their values
+wherever a block goes. Inside each block the bytes are two planes (`PackedBlocks`): first
+the block's values, head-major [Hkv, block_size, D], then its scales [Hkv, block_size].
+Every value row then starts on a D-byte boundary: with D a multiple of 16 the paged
+kernel brings a tile with 16-byte copies (token-major rows of D + 4 bytes are only 4-byte
+aligned, and Triton then copies them 4 bytes at a time).
 
 The scale is amax(|x|) x (1/448) over the row: a token's stored bytes are a pure function of
 its own K/V values (no calibration state, nothing shared between tokens), so a prefix
@@ -44,84 +48,151 @@ def is_packed(cache: torch.Tensor) -> bool:
 
 def kv_format(model_dtype: torch.dtype, kv_cache_dtype: KVCacheDtype) -> str:
     """The name of what the cache stores, for the pool namespace: the model dtype, or the
-    packed fp8 format together with the dtype its values were computed in (the same fp8
-    bytes follow only from the same K/V values)."""
+    packed fp8 format (with its block layout) together with the dtype its values were
+    computed in (the same fp8 bytes follow only from the same K/V values)."""
     compute = str(model_dtype).removeprefix("torch.")
     if kv_cache_dtype == "auto":
         return compute
     if kv_cache_dtype == "fp8":
-        return f"float8_e4m3fn+float32_scale_per_token_kv_head/{compute}"
+        return f"float8_e4m3fn+float32_scale_per_token_kv_head,block_planes/{compute}"
     raise ValueError(f"unknown kv cache dtype {kv_cache_dtype!r}")
 
 
-def quantize(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] (any float dtype) -> packed uint8 [..., D + 4]."""
-    head_dim = x.shape[-1]
-    packed = torch.empty(
-        (*x.shape[:-1], packed_head_bytes(head_dim)), dtype=torch.uint8, device=x.device
-    )
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] (any float dtype) -> (e4m3 values [..., D], float32 scales [...])."""
     x32 = x.float()
     # A product, not `amax / 448`: CUDA divides a tensor by a scalar as a product with the
     # scalar's reciprocal, the CPU truly divides, and the scales must be the same bits.
     scale = (x32.abs().amax(-1, keepdim=True) * _INV_FP8_MAX).clamp_min(_TINY)
     # x / scale can round just past 448; e4m3fn has no infinity and casts overflow to NaN.
-    packed[..., :head_dim] = (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
-    packed[..., head_dim:] = scale.view(torch.uint8)
-    return packed
-
-
-def values(packed: torch.Tensor) -> torch.Tensor:
-    """The e4m3 values of packed rows [..., D + 4], as a float8 view [..., D] (no copy)."""
-    return packed[..., : packed.shape[-1] - SCALE_BYTES].view(FP8)
-
-
-def scales(packed: torch.Tensor) -> torch.Tensor:
-    """The scales of packed rows [..., D + 4], as a float32 view [..., 1] (no copy)."""
-    return packed[..., packed.shape[-1] - SCALE_BYTES :].view(torch.float32)
+    values = (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return values, scale.squeeze(-1)
 
 
 def dequantize(
-    packed: torch.Tensor, dtype: torch.dtype, chunk_tokens: int = DEQUANT_CHUNK_TOKENS
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    dtype: torch.dtype,
+    chunk_tokens: int = DEQUANT_CHUNK_TOKENS,
 ) -> torch.Tensor:
-    """Packed rows [T, ..., D + 4] -> [T, ..., D] in `dtype` (values x scale, in float32),
-    `chunk_tokens` of dim 0 at a time."""
-    out = torch.empty((*packed.shape[:-1], head_dim_of(packed)), dtype=dtype, device=packed.device)
+    """values [T, ..., D] e4m3 and scales [T, ...] -> [T, ..., D] in `dtype` (values x
+    scale, in float32), `chunk_tokens` of dim 0 at a time."""
+    out = torch.empty(values.shape, dtype=dtype, device=values.device)
     products = torch.empty(
-        (min(chunk_tokens, len(packed)), *out.shape[1:]), dtype=torch.float32, device=out.device
+        (min(chunk_tokens, len(values)), *out.shape[1:]), dtype=torch.float32, device=out.device
     )
-    for start in range(0, len(packed), chunk_tokens):
+    for start in range(0, len(values), chunk_tokens):
         stop = start + chunk_tokens
-        _dequantize_chunk(packed[start:stop], out[start:stop], products)
+        _dequantize_chunk(values[start:stop], scales[start:stop], out[start:stop], products)
     return out
 
 
 def head_dim_of(cache: torch.Tensor) -> int:
-    """The head dim of rows of a cache in the compute dtype, or of packed rows."""
+    """The head dim of a cache in the compute dtype, or of a packed one."""
     return cache.shape[-1] - SCALE_BYTES if is_packed(cache) else cache.shape[-1]
 
 
-def _dequantize_chunk(packed: torch.Tensor, out: torch.Tensor, products: torch.Tensor) -> None:
-    """out = packed rows' values x scale, computed in `products` (float32, at least as many
-    rows) and rounded to out's dtype: the same operations, so the same bits, as
-    `(values.float() * scales).to(dtype)` on a whole tensor."""
-    products = products[: len(packed)]
-    products.copy_(values(packed))
-    products.mul_(scales(packed))
+def _dequantize_chunk(
+    values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, products: torch.Tensor
+) -> None:
+    """out = values x scales, computed in `products` (float32, at least as many rows) and
+    rounded to out's dtype: the same operations, so the same bits, as
+    `(values.float() * scales[..., None]).to(dtype)` on a whole tensor."""
+    products = products[: len(values)]
+    products.copy_(values)
+    products.mul_(scales[..., None])
     out.copy_(products)
+
+
+@dataclass(frozen=True)
+class PackedBlocks:
+    """One layer's K (or V) packed cache seen through its two planes per block.
+
+    `values` [blocks, block_size, Hkv, D] (e4m3) and `scales` [blocks, block_size, Hkv]
+    (float32) are strided views of the cache's bytes, indexed by (block, offset), a
+    slot's `divmod(slot, block_size)`; in memory a block is its values head-major, then
+    its scales head-major (module docstring).
+    """
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    block_size: int
+
+    @classmethod
+    def of(cls, cache: torch.Tensor, block_size: int) -> PackedBlocks:
+        """The planes of `cache`, uint8 of [slots, Hkv, D + 4] bytes (or [blocks,
+        block_size, Hkv, D + 4]), contiguous, slots a multiple of `block_size`."""
+        if not is_packed(cache) or not cache.is_contiguous():
+            raise ValueError(f"not a contiguous packed cache: {cache.dtype}, {cache.shape}")
+        heads, row = cache.shape[-2], cache.shape[-1]
+        dim = row - SCALE_BYTES
+        block_bytes = block_size * heads * row
+        if cache.numel() % block_bytes:
+            raise ValueError(f"{cache.numel()} cache bytes are not whole blocks of {block_bytes}")
+        blocks = cache.reshape(-1, block_bytes)
+        plane = block_size * heads * dim
+        values = blocks[:, :plane].view(FP8).unflatten(1, (heads, block_size, dim))
+        scales = blocks[:, plane:].view(torch.float32).unflatten(1, (heads, block_size))
+        return cls(values.transpose(1, 2), scales.transpose(1, 2), block_size)
+
+    def _index(self, slots: torch.Tensor) -> list[torch.Tensor]:
+        return [slots // self.block_size, slots % self.block_size]
+
+    def store(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """Quantize x [T, Hkv, D] into `slots` [T]."""
+        values, scales = quantize(x)
+        at = self._index(slots)
+        # Written as bytes: index_put_ has no float8 kernel on every device.
+        self.values.view(torch.uint8).index_put_(at, values.view(torch.uint8))
+        self.scales.index_put_(at, scales)
+
+    def read(
+        self,
+        slots: torch.Tensor,
+        values: torch.Tensor | None = None,
+        scales: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The values [T, Hkv, D] and scales [T, Hkv] of `slots` [T], into the given
+        tensors (uint8 and float32 of those shapes) or new ones."""
+        at = self._index(slots)
+        if values is None:
+            values = self.values.view(torch.uint8)[tuple(at)]
+        else:
+            torch.ops.aten.index.Tensor_out(self.values.view(torch.uint8), at, out=values)
+        if scales is None:
+            scales = self.scales[tuple(at)]
+        else:
+            torch.ops.aten.index.Tensor_out(self.scales, at, out=scales)
+        return values.view(FP8), scales
+
+    def dequantized(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `slots` as [T, Hkv, D] in `dtype`."""
+        return dequantize(*self.read(slots), dtype)
+
+
+def packed_cache(rows: torch.Tensor, block_size: int) -> torch.Tensor:
+    """A new packed cache holding rows [slots, Hkv, D] quantized (slots whole blocks): what
+    storing them one step at a time writes."""
+    cache = torch.empty(
+        (*rows.shape[:-1], packed_head_bytes(rows.shape[-1])), dtype=torch.uint8, device=rows.device
+    )
+    PackedBlocks.of(cache, block_size).store(torch.arange(len(rows), device=rows.device), rows)
+    return cache
 
 
 @dataclass(frozen=True)
 class GatherBuffers:
     """What attention gathers one layer's cache rows into: keys and values in the compute
-    dtype for up to `tokens` tokens and, for a packed cache, one chunk of packed rows and
-    of their float32 products (reading a packed cache allocates nothing else). Allocated
-    once per backend, their size does not follow the context from step to step, so the
-    CUDA caching allocator keeps no ever-larger blocks (kvshare.engine.memory counts them
-    as the attention context)."""
+    dtype for up to `tokens` tokens and, for a packed cache, one chunk of e4m3 values, of
+    their scales and of their float32 products (reading a packed cache allocates nothing
+    else). Allocated once per backend, their size does not follow the context from step to
+    step, so the CUDA caching allocator keeps no ever-larger blocks (kvshare.engine.memory
+    counts them as the attention context)."""
 
     keys: torch.Tensor  # [tokens, Hkv, D] in the compute dtype
     values: torch.Tensor
-    packed: torch.Tensor | None  # [chunk, Hkv, D + 4] uint8; None for a cache in the compute dtype
+    chunk_values: torch.Tensor | None  # [chunk, Hkv, D] uint8; None for a compute-dtype cache
+    chunk_scales: torch.Tensor | None  # [chunk, Hkv] float32
     products: torch.Tensor | None  # [chunk, Hkv, D] float32
 
     @classmethod
@@ -137,15 +208,17 @@ class GatherBuffers:
             raise ValueError(f"gather buffers need tokens, chunk >= 1: {tokens}, {chunk_tokens}")
         heads, dev = cache.shape[1:-1], cache.device
         shape = (tokens, *heads, head_dim_of(cache))
-        packed = products = None
+        chunk_values = chunk_scales = products = None
         if is_packed(cache):
-            chunk = min(chunk_tokens, tokens)
-            packed = torch.empty((chunk, *cache.shape[1:]), dtype=torch.uint8, device=dev)
-            products = torch.empty((chunk, *shape[1:]), dtype=torch.float32, device=dev)
+            chunk = (min(chunk_tokens, tokens), *shape[1:])
+            chunk_values = torch.empty(chunk, dtype=torch.uint8, device=dev)
+            chunk_scales = torch.empty(chunk[:-1], dtype=torch.float32, device=dev)
+            products = torch.empty(chunk, dtype=torch.float32, device=dev)
         return cls(
             torch.empty(shape, dtype=dtype, device=dev),
             torch.empty(shape, dtype=dtype, device=dev),
-            packed,
+            chunk_values,
+            chunk_scales,
             products,
         )
 
@@ -155,24 +228,32 @@ class GatherBuffers:
             self.keys.dtype == dtype
             and self.keys.device == cache.device
             and self.keys.shape[1:] == (*cache.shape[1:-1], head_dim_of(cache))
-            and (self.packed is not None) == is_packed(cache)
+            and (self.chunk_values is not None) == is_packed(cache)
         )
 
-    def gather(self, cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Rows `slots` of `cache` into the first len(slots) rows of `out` (self.keys or
-        self.values), in its dtype; a packed cache is dequantized a chunk at a time."""
+    def gather(
+        self, cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, block_size: int
+    ) -> torch.Tensor:
+        """Rows `slots` of `cache` (blocks of `block_size` slots) into the first len(slots)
+        rows of `out` (self.keys or self.values), in its dtype; a packed cache is
+        dequantized a chunk at a time."""
         n = len(slots)
         if n > len(out):
             raise ValueError(f"gathering {n} keys into buffers of {len(out)}")
         out = out[:n]
-        if self.packed is None:
+        if self.chunk_values is None:
             if cache.dtype == out.dtype:
                 return torch.index_select(cache, 0, slots, out=out)
             return out.copy_(cache.index_select(0, slots))
-        assert self.products is not None
-        chunk = len(self.packed)
+        assert self.chunk_scales is not None and self.products is not None
+        blocks = PackedBlocks.of(cache, block_size)
+        chunk = len(self.chunk_values)
         for start in range(0, n, chunk):
             stop = min(start + chunk, n)
-            rows = torch.index_select(cache, 0, slots[start:stop], out=self.packed[: stop - start])
-            _dequantize_chunk(rows, out[start:stop], self.products)
+            values, scales = blocks.read(
+                slots[start:stop],
+                self.chunk_values[: stop - start],
+                self.chunk_scales[: stop - start],
+            )
+            _dequantize_chunk(values, scales, out[start:stop], self.products)
         return out

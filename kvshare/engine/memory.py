@@ -36,8 +36,8 @@ GRAPH_POOL_SLACK_BYTES = 64 << 20
 STEP_SLACK_BYTES = 128 << 20
 ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 STAGING_BUFFERS = 4  # the pool connector's CUDA transfer: two per direction
-# Tokens of packed fp8 rows dequantized at a time: the float32 products of one chunk are the
-# only float32 temporaries of reading a packed cache (kvshare.engine.kv_fp8.GatherBuffers).
+# Tokens of a packed fp8 cache dequantized at a time: the float32 products of one chunk are
+# the only float32 temporaries of reading a packed cache (kvshare.engine.kv_fp8.GatherBuffers).
 DEQUANT_CHUNK_TOKENS = 8192
 ATTENTION_CONTEXT = "attention context"
 
@@ -50,12 +50,12 @@ def kv_row_bytes(model: ModelConfig, config: EngineConfig) -> int:
     return model.head_dim * item_bytes(config.resolved_dtype)
 
 
-FP8_SCALE_BYTES = 4  # one float32 scale per packed fp8 row
+FP8_SCALE_BYTES = 4  # one float32 scale per token and KV head of a packed fp8 cache
 
 
 def packed_head_bytes(head_dim: int) -> int:
-    """Bytes of one packed fp8 row (kvshare.engine.kv_fp8); the float32 scale must sit on a
-    4-byte boundary."""
+    """Bytes of a packed fp8 cache per token and KV head (kvshare.engine.kv_fp8): head_dim
+    e4m3 values and a float32 scale, which must sit on a 4-byte boundary."""
     if head_dim % FP8_SCALE_BYTES:
         raise ValueError(f"fp8 KV needs a head dim divisible by 4, got {head_dim}")
     return head_dim + FP8_SCALE_BYTES
@@ -69,7 +69,7 @@ def longest_context(model: ModelConfig, config: EngineConfig) -> int:
 def attention_context_bytes(model: ModelConfig, config: EngineConfig) -> int:
     """The buffers attention gathers one layer's keys into (kvshare.engine.kv_fp8.GatherBuffers,
     sized for the longest context): K and V in the compute dtype, and with fp8 one chunk of
-    packed rows and of their float32 products."""
+    e4m3 values, their scales and their float32 products."""
     tokens = longest_context(model, config)
     heads, dim = model.num_kv_heads, model.head_dim
     gathered = 2 * tokens * heads * dim * item_bytes(config.resolved_dtype)

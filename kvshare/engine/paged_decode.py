@@ -56,8 +56,8 @@ def _split_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
     VARLEN: tl.constexpr,
-    KV_ROW: tl.constexpr,
-    SCALE_ROW: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
     KV_FP8: tl.constexpr,
     FP8_F16: tl.constexpr,
 ):
@@ -123,11 +123,17 @@ def _split_kernel(
         pos = t + tl.arange(0, TILE)
         valid = pos < hi
         block = tl.load(TABLES + seq * table_stride + pos // BLOCK_SIZE, mask=valid, other=0)
-        slot = (
-            block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-        )  # int64: caches pass 2**31 elements
-        kv_row = slot * NUM_KV_HEADS + kv_head  # (slot, head) row, KV_ROW elements apart
-        offs = kv_row[:, None] * KV_ROW + d[None, :]
+        block = block.to(tl.int64)  # int64: caches pass 2**31 elements
+        if KV_FP8:
+            # A packed block is its values [Hkv, BLOCK_SIZE, D] then its float32 scales
+            # [Hkv, BLOCK_SIZE] (kv_fp8.PackedBlocks): value rows D bytes apart, 16-byte
+            # aligned for D % 16 == 0, so the tile comes in 16-byte copies.
+            head_slot = kv_head * BLOCK_SIZE + pos % BLOCK_SIZE
+            offs = (block * BLOCK_BYTES + head_slot * HEAD_DIM)[:, None] + d[None, :]
+            scale_at = block * (BLOCK_BYTES // 4) + VALUE_BYTES // 4 + head_slot
+        else:
+            kv_row = (block * BLOCK_SIZE + pos % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+            offs = kv_row[:, None] * HEAD_DIM + d[None, :]
         k = tl.load(K + offs, mask=valid[:, None], other=0)
         v = tl.load(V + offs, mask=valid[:, None], other=0)
         if KV_FP8:
@@ -135,8 +141,8 @@ def _split_kernel(
             # column, each value's its column of p (below).
             k = k.to(tl.float8e4nv, bitcast=True).to(dot_dtype)
             v = v.to(tl.float8e4nv, bitcast=True).to(dot_dtype)
-            k_scale = tl.load(K_SCALE + kv_row * SCALE_ROW, mask=valid, other=0.0)
-            v_scale = tl.load(V_SCALE + kv_row * SCALE_ROW, mask=valid, other=0.0)
+            k_scale = tl.load(K_SCALE + scale_at, mask=valid, other=0.0)
+            v_scale = tl.load(V_SCALE + scale_at, mask=valid, other=0.0)
             scores = tl.dot(q, tl.trans(k)).to(tl.float32) * (k_scale[None, :] * scale)
         else:
             scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
@@ -247,9 +253,9 @@ def paged_attention(
     q [T, Hq, D], sequence i's tokens at rows cu_seqlens_q[i]:cu_seqlens_q[i + 1] (None:
     one token per sequence, T = B; rows past cu_seqlens_q[B] are padding and come out
     zero), the last of its context_lens[i] keys, already in the cache [slots, Hkv, D] (or
-    packed fp8 [slots, Hkv, D + 4], kv_fp8.py); max_q >= every sequence's token count
-    (<= MAX_QUERY) sizes the grid; max_context (host int, default the tables' width) sizes
-    the splits. Returns [T, Hq, D].
+    packed fp8: bytes of [slots, Hkv, D + 4] in block planes, kv_fp8.PackedBlocks); max_q
+    >= every sequence's token count (<= MAX_QUERY) sizes the grid; max_context (host int,
+    default the tables' width) sizes the splits. Returns [T, Hq, D].
     """
     assert 1 <= max_q <= MAX_QUERY and (cu_seqlens_q is not None or max_q == 1)
     num_tokens, num_heads, head_dim = q.shape
@@ -257,8 +263,11 @@ def paged_attention(
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     fp8 = kv_fp8.is_packed(k_cache)
-    # A packed fp8 row is D e4m3 bytes then its float32 scale: the scales are strided views.
-    k_scales, v_scales = (kv_fp8.scales(k_cache), kv_fp8.scales(v_cache)) if fp8 else (q, q)
+    # A packed cache's scales are float32 words of the same bytes (kv_fp8.PackedBlocks).
+    k_scales, v_scales = (
+        (k_cache.view(torch.float32), v_cache.view(torch.float32)) if fp8 else (q, q)
+    )
+    value_bytes = block_size * num_kv_heads * head_dim
     rows = query_rows(group, max_q)
     q_blocks = triton.cdiv(max_q * group, rows)
     if num_splits is None:
@@ -294,8 +303,8 @@ def paged_attention(
         BLOCK_SIZE=block_size,
         TILE=TILE,
         VARLEN=cu_seqlens_q is not None,
-        KV_ROW=k_cache.shape[-1],
-        SCALE_ROW=k_cache.shape[-1] // kv_fp8.SCALE_BYTES if fp8 else 1,
+        BLOCK_BYTES=value_bytes + block_size * num_kv_heads * kv_fp8.SCALE_BYTES if fp8 else 0,
+        VALUE_BYTES=value_bytes if fp8 else 0,
         KV_FP8=fp8,
         FP8_F16=FP8_DOT_F16,
         num_warps=split_warps(rows, head_dim, cu_seqlens_q is not None),

@@ -1,4 +1,5 @@
-"""fp8 KV (kv_fp8.py): the packed format, every attention path reading it, and the engine.
+"""fp8 KV (kv_fp8.py): the packed format and its block planes, every attention path reading
+it, and the engine.
 
 The Triton paged kernel runs in Triton's interpreter on the CPU (a subprocess: TRITON_INTERPRET
 must be set before triton is imported); the `cuda` tests run the same checks on a GPU,
@@ -31,33 +32,77 @@ def scaled_rows(n: int, heads: int, dim: int, seed: int) -> torch.Tensor:
     )
 
 
-def test_a_packed_row_is_its_values_then_their_float32_scale() -> None:
+def test_a_row_quantizes_to_e4m3_values_and_one_float32_scale() -> None:
     x = scaled_rows(40, 3, 16, 0)
-    packed = kv_fp8.quantize(x)
-    assert packed.dtype == torch.uint8 and packed.shape == (40, 3, 20)
-    scale = kv_fp8.scales(packed)
-    assert torch.equal(scale, x.abs().amax(-1, keepdim=True) * (1.0 / kv_fp8.FP8_MAX))
-    assert torch.equal(kv_fp8.values(packed).float().abs().amax(-1), torch.full((40, 3), 448.0))
+    values, scale = kv_fp8.quantize(x)
+    assert values.dtype == kv_fp8.FP8 and values.shape == (40, 3, 16)
+    assert torch.equal(scale, x.abs().amax(-1) * (1.0 / kv_fp8.FP8_MAX))
+    assert torch.equal(values.float().abs().amax(-1), torch.full((40, 3), 448.0))
     # e4m3 keeps 3 mantissa bits: every element within 1/16 of itself, or of its row's
     # smallest normal step.
-    error = (kv_fp8.dequantize(packed, torch.float32) - x).abs()
-    assert (error <= x.abs() / 16 + scale * 2.0**-6).all()
+    error = (kv_fp8.dequantize(values, scale, torch.float32) - x).abs()
+    assert (error <= x.abs() / 16 + scale[..., None] * 2.0**-6).all()
+
+
+def test_a_packed_block_is_its_values_then_its_scales_head_major() -> None:
+    """The byte layout the paged kernel and the pool rely on, spelled out: block b of a
+    cache with block size 4, 3 KV heads, head dim 16 is 3 x 4 rows of 16 e4m3 bytes, head
+    by head, then 3 x 4 float32 scales; each value row starts on a 16-byte boundary."""
+    bs, heads, dim = 4, 3, 16
+    rows = scaled_rows(5 * bs, heads, dim, 14)
+    cache = kv_fp8.packed_cache(rows, bs)
+    assert cache.shape == (5 * bs, heads, dim + 4) and cache.dtype == torch.uint8
+    values, scales = kv_fp8.quantize(rows)
+    flat = cache.flatten()
+    block_bytes = bs * heads * (dim + 4)
+    for slot in (0, 3, 6, 19):
+        b, t = divmod(slot, bs)
+        for h in range(heads):
+            at = b * block_bytes + (h * bs + t) * dim
+            assert at % 16 == 0
+            assert torch.equal(flat[at : at + dim], values[slot, h].view(torch.uint8))
+            at = b * block_bytes + bs * heads * dim + (h * bs + t) * 4
+            assert torch.equal(flat[at : at + 4], scales[slot, h : h + 1].view(torch.uint8))
+    read = kv_fp8.PackedBlocks.of(cache, bs).read(torch.tensor([6, 19, 0]))
+    assert torch.equal(read[0].view(torch.uint8), values[[6, 19, 0]].view(torch.uint8))
+    assert torch.equal(read[1], scales[[6, 19, 0]])
+
+
+def test_storing_a_slot_writes_its_rows_and_scales_only() -> None:
+    bs, heads, dim = 4, 2, 8
+    cache = kv_fp8.packed_cache(scaled_rows(3 * bs, heads, dim, 15), bs)
+    before = cache.clone()
+    kv_fp8.PackedBlocks.of(cache, bs).store(torch.tensor([5]), scaled_rows(1, heads, dim, 16))
+    changed = (cache != before).flatten().nonzero().flatten()
+    block = bs * heads * (dim + 4)
+    own = {block + (h * bs + 1) * dim + i for h in range(heads) for i in range(dim)} | {
+        block + bs * heads * dim + (h * bs + 1) * 4 + i for h in range(heads) for i in range(4)
+    }
+    assert changed.numel() > 0 and set(changed.tolist()) <= own
+    with pytest.raises(ValueError, match="not whole blocks"):
+        kv_fp8.PackedBlocks.of(cache[:5], bs)
 
 
 def test_a_rows_bytes_depend_on_that_row_only() -> None:
     """What makes a restored prefix byte-identical to a recomputed one: quantizing a token
     alone, in another batch or beside other tokens gives the same bytes."""
     x = scaled_rows(64, 2, 32, 1)
-    whole = kv_fp8.quantize(x)
-    assert torch.equal(torch.cat([kv_fp8.quantize(x[i : i + 1]) for i in range(64)]), whole)
-    assert torch.equal(kv_fp8.quantize(x[17:40]), whole[17:40])
-    assert torch.equal(kv_fp8.quantize(x.to(torch.float64)), whole)
+
+    def as_bytes(values_scales: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        values, scales = values_scales
+        return torch.cat([values.view(torch.uint8), scales[..., None].view(torch.uint8)], -1)
+
+    whole = as_bytes(kv_fp8.quantize(x))
+    alone = [as_bytes(kv_fp8.quantize(x[i : i + 1])) for i in range(64)]
+    assert torch.equal(torch.cat(alone), whole)
+    assert torch.equal(as_bytes(kv_fp8.quantize(x[17:40])), whole[17:40])
+    assert torch.equal(as_bytes(kv_fp8.quantize(x.to(torch.float64))), whole)
 
 
 def test_zero_rows_and_rounding_past_448_stay_finite() -> None:
     x = torch.zeros(2, 1, 8)
     x[1, 0] = torch.tensor([1e-30, -3.0, 448.0 * 1.0000001, 7.0, 0.0, 1.0, 2.0, 3.0])
-    out = kv_fp8.dequantize(kv_fp8.quantize(x), torch.float32)
+    out = kv_fp8.dequantize(*kv_fp8.quantize(x), torch.float32)
     assert torch.isfinite(out).all() and torch.equal(out[0], x[0])
     with pytest.raises(ValueError, match="divisible by 4"):
         kv_fp8.packed_head_bytes(6)
@@ -77,19 +122,28 @@ def test_the_fp8_cache_is_one_byte_tensor_of_about_half_bfloat16s_bytes() -> Non
     assert kv_fp8.kv_format(torch.bfloat16, "fp8") != kv_fp8.kv_format(torch.float32, "fp8")
 
 
-def random_packed_rows(n: int, heads: int, dim: int, seed: int) -> torch.Tensor:
-    """Packed rows of random bytes (every e4m3 pattern, NaN included) with random finite
-    scales over eight decades."""
+def random_values(n: int, heads: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random e4m3 bytes (every pattern, NaN included) with random finite scales over eight
+    decades."""
     gen = torch.Generator().manual_seed(seed)
-    packed = torch.randint(0, 256, (n, heads, dim + 4), dtype=torch.uint8, generator=gen)
-    scale = 10 ** (8 * torch.rand(n, heads, 1, generator=gen) - 4)
-    packed[..., dim:] = scale.view(torch.uint8)
-    return packed
+    values = torch.randint(0, 256, (n, heads, dim), dtype=torch.uint8, generator=gen)
+    return values.view(kv_fp8.FP8), 10 ** (8 * torch.rand(n, heads, generator=gen) - 4)
 
 
-def whole_tensor_dequantize(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def random_packed_cache(n: int, heads: int, dim: int, seed: int, block_size: int) -> torch.Tensor:
+    """A packed cache of `n` slots holding random_values."""
+    cache = torch.empty(n, heads, dim + 4, dtype=torch.uint8)
+    blocks = kv_fp8.PackedBlocks.of(cache, block_size)
+    values, scales = random_values(n, heads, dim, seed)
+    at = torch.arange(n)
+    blocks.values.view(torch.uint8)[at // block_size, at % block_size] = values.view(torch.uint8)
+    blocks.scales[at // block_size, at % block_size] = scales
+    return cache
+
+
+def whole_tensor_dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):  # type: ignore[no-untyped-def]
     """The unchunked formula: every product in float32 at once, then rounded."""
-    return (kv_fp8.values(packed).float() * kv_fp8.scales(packed)).to(dtype)
+    return (values.float() * scales[..., None]).to(dtype)
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:
@@ -98,36 +152,41 @@ def bits(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_chunked_dequantize_is_the_whole_tensor_formula_bit_for_bit(dtype: torch.dtype) -> None:
-    packed = random_packed_rows(1000, 3, 16, 4)
-    whole = whole_tensor_dequantize(packed, dtype)
+    values, scales = random_values(1000, 3, 16, 4)
+    whole = whole_tensor_dequantize(values, scales, dtype)
     for chunk in (64, 999, 1000, 4096):  # 1000 = 15 x 64 + 40
-        assert torch.equal(bits(kv_fp8.dequantize(packed, dtype, chunk)), bits(whole)), chunk
-    assert torch.equal(bits(kv_fp8.dequantize(packed[:5], dtype, 1)), bits(whole[:5]))
-    assert kv_fp8.dequantize(packed[:0], dtype, 64).shape == (0, 3, 16)
+        out = kv_fp8.dequantize(values, scales, dtype, chunk)
+        assert torch.equal(bits(out), bits(whole)), chunk
+    assert torch.equal(bits(kv_fp8.dequantize(values[:5], scales[:5], dtype, 1)), bits(whole[:5]))
+    assert kv_fp8.dequantize(values[:0], scales[:0], dtype, 64).shape == (0, 3, 16)
     if dtype != torch.float32:  # teeth: products rounded before the multiply differ
-        early = (kv_fp8.values(packed).to(dtype) * kv_fp8.scales(packed).to(dtype)).to(dtype)
+        early = (values.to(dtype) * scales[..., None].to(dtype)).to(dtype)
         assert not torch.equal(bits(early), bits(whole))
 
 
 def test_gather_buffers_dequantize_gathered_rows_a_chunk_at_a_time() -> None:
-    cache = random_packed_rows(3000, 2, 32, 5)
-    slots = torch.randperm(3000, generator=torch.Generator().manual_seed(6))[:1000]
+    cache = random_packed_cache(3008, 2, 32, 5, block_size=16)
+    slots = torch.randperm(3008, generator=torch.Generator().manual_seed(6))[:1000]
     buffers = kv_fp8.GatherBuffers.allocate(1200, cache, torch.bfloat16, chunk_tokens=64)
     assert buffers.keys.shape == (1200, 2, 32) and buffers.keys.dtype == torch.bfloat16
-    assert buffers.packed is not None and buffers.packed.shape == (64, 2, 36)
+    assert buffers.chunk_values is not None and buffers.chunk_values.shape == (64, 2, 32)
+    assert buffers.chunk_scales is not None and buffers.chunk_scales.shape == (64, 2)
     assert buffers.products is not None and buffers.products.shape == (64, 2, 32)
-    want = whole_tensor_dequantize(cache[slots], torch.bfloat16)
-    keys = buffers.gather(cache, slots, buffers.keys)
+    values, scales = random_values(3008, 2, 32, 5)
+    want = whole_tensor_dequantize(values[slots], scales[slots], torch.bfloat16)
+    keys = buffers.gather(cache, slots, buffers.keys, 16)
     assert keys.data_ptr() == buffers.keys.data_ptr()  # in place, no new tensor
     assert torch.equal(bits(keys), bits(want))
-    values = buffers.gather(cache, slots[:130], buffers.values)
-    assert torch.equal(bits(values), bits(want[:130]))
+    gathered = buffers.gather(cache, slots[:130], buffers.values, 16)
+    assert torch.equal(bits(gathered), bits(want[:130]))
+    # Teeth: the same bytes read as blocks of another size are other rows.
+    assert not torch.equal(bits(buffers.gather(cache, slots, buffers.keys, 32)), bits(want))
     with pytest.raises(ValueError, match="gathering 1300 keys into buffers of 1200"):
-        buffers.gather(cache, torch.arange(1300), buffers.keys)
-    plain = torch.randn(3000, 2, 32).to(torch.bfloat16)
+        buffers.gather(cache, torch.arange(1300), buffers.keys, 16)
+    plain = torch.randn(3008, 2, 32).to(torch.bfloat16)
     plain_buffers = kv_fp8.GatherBuffers.allocate(1200, plain, torch.bfloat16)
-    assert plain_buffers.packed is None and plain_buffers.products is None
-    assert torch.equal(plain_buffers.gather(plain, slots, plain_buffers.keys), plain[slots])
+    assert plain_buffers.chunk_values is None and plain_buffers.products is None
+    assert torch.equal(plain_buffers.gather(plain, slots, plain_buffers.keys, 16), plain[slots])
     assert not plain_buffers.fits(cache, torch.bfloat16) and buffers.fits(cache, torch.bfloat16)
 
 
@@ -167,8 +226,8 @@ def test_varlen_gathers_at_most_the_longest_context_per_call() -> None:
     the chunked fp8 gather feeds it the same values SDPA reads."""
     bs, seqs = 16, [(40, 300), (50, 120), (33, 700), (1, 90)]
     blocks = sum(-(-c // bs) for _, c in seqs)
-    pk = kv_fp8.quantize(scaled_rows(blocks * bs, 2, 16, 7))
-    pv = kv_fp8.quantize(scaled_rows(blocks * bs, 2, 16, 8))
+    pk = kv_fp8.packed_cache(scaled_rows(blocks * bs, 2, 16, 7), bs)
+    pv = kv_fp8.packed_cache(scaled_rows(blocks * bs, 2, 16, 8), bs)
     order = torch.randperm(blocks, generator=torch.Generator().manual_seed(9)).tolist()
     tables, at = [], 0
     for _, c in seqs:
@@ -198,7 +257,8 @@ def test_varlen_gathers_at_most_the_longest_context_per_call() -> None:
 
 
 class LargestFloat32(TorchDispatchMode):
-    """Records the most elements of any float32 tensor an op returns."""
+    """Records the most elements of any new float32 tensor an op returns (views of its
+    inputs, e.g. a packed cache's scales, are not new memory)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -206,8 +266,14 @@ class LargestFloat32(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
+        inputs = tree_flatten((args, kwargs))[0]
+        storages = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+            if (
+                isinstance(t, torch.Tensor)
+                and t.dtype == torch.float32
+                and t.untyped_storage().data_ptr() not in storages
+            ):
                 self.numel = max(self.numel, t.numel())
         return out
 
@@ -216,8 +282,8 @@ def test_a_long_packed_context_is_read_with_float32_products_of_one_chunk() -> N
     """The varlen path over 2,000 packed keys in bfloat16 with 64-token chunks: no float32
     tensor larger than one chunk's products (whole-context products were 2 x 13 bytes per
     element beside the bfloat16 keys, outside the memory plan)."""
-    pk = kv_fp8.quantize(scaled_rows(2048, 2, 16, 12))
-    pv = kv_fp8.quantize(scaled_rows(2048, 2, 16, 13))
+    pk = kv_fp8.packed_cache(scaled_rows(2048, 2, 16, 12), 16)
+    pv = kv_fp8.packed_cache(scaled_rows(2048, 2, 16, 13), 16)
     meta = StepMeta((100,), (2000,), (tuple(range(128)),), 16, torch.device("cpu"))
     q = torch.randn(100, 4, 16).to(torch.bfloat16)
     backend = VarlenBackend(2048, paged_decode=False, dequant_chunk_tokens=64)
@@ -242,16 +308,21 @@ def _sdpa_meta() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepMeta]:
 
 def test_sdpa_over_a_packed_cache_is_sdpa_over_its_dequantized_values() -> None:
     q, k, v, meta = _sdpa_meta()
-    pk, pv = kv_fp8.quantize(k), kv_fp8.quantize(v)
+    pk, pv = kv_fp8.packed_cache(k, 16), kv_fp8.packed_cache(v, 16)
     sdpa = SDPABackend()
     packed = sdpa.attend(q, pk, pv, meta, 0.25, None)
     dequantized = sdpa.attend(
-        q, kv_fp8.dequantize(pk, q.dtype), kv_fp8.dequantize(pv, q.dtype), meta, 0.25, None
+        q,
+        kv_fp8.dequantize(*kv_fp8.quantize(k), q.dtype),
+        kv_fp8.dequantize(*kv_fp8.quantize(v), q.dtype),
+        meta,
+        0.25,
+        None,
     )
     assert torch.equal(packed, dequantized)
     # Teeth: reading the e4m3 values without their scales is far off.
     unscaled = sdpa.attend(
-        q, kv_fp8.values(pk).float(), kv_fp8.values(pv).float(), meta, 0.25, None
+        q, kv_fp8.quantize(k)[0].float(), kv_fp8.quantize(v)[0].float(), meta, 0.25, None
     )
     assert rel_error(unscaled, packed) > 0.5
 
@@ -277,8 +348,8 @@ def scaled_rows(n, heads, dim, seed):
 errors = []
 for heads, kv_heads, dim, window, splits, seqs in json.loads(sys.argv[1]):
     bs, blocks = 16, 64
-    pk = kv_fp8.quantize(scaled_rows(blocks * bs, kv_heads, dim, heads + dim))
-    pv = kv_fp8.quantize(scaled_rows(blocks * bs, kv_heads, dim, heads * dim))
+    pk = kv_fp8.packed_cache(scaled_rows(blocks * bs, kv_heads, dim, heads + dim), bs)
+    pv = kv_fp8.packed_cache(scaled_rows(blocks * bs, kv_heads, dim, heads * dim), bs)
     order = torch.randperm(blocks, generator=torch.Generator().manual_seed(dim)).tolist()
     tables, at = [], 0
     for _, c in seqs:
@@ -375,15 +446,15 @@ def test_cuda_quantizes_like_the_cpu() -> None:
     grid = torch.unique(grid[~grid.isnan()])
     x = scaled_rows(4096, 4, 128, 5)
     for dtype in (torch.float32, torch.bfloat16):
-        cpu = kv_fp8.quantize(x.to(dtype))
-        gpu = kv_fp8.quantize(x.to(dtype).cuda()).cpu()
-        assert torch.equal(kv_fp8.scales(cpu), kv_fp8.scales(gpu))
-        differ = cpu[..., :-4] != gpu[..., :-4]
-        quotient = (x.to(dtype).double() / kv_fp8.scales(cpu).double())[differ]
+        cpu, cpu_scales = kv_fp8.quantize(x.to(dtype))
+        gpu, gpu_scales = (t.cpu() for t in kv_fp8.quantize(x.to(dtype).cuda()))
+        assert torch.equal(cpu_scales, gpu_scales)
+        differ = cpu.view(torch.uint8) != gpu.view(torch.uint8)
+        quotient = (x.to(dtype).double() / cpu_scales[..., None].double())[differ]
         above = torch.searchsorted(grid, quotient).clamp(1, len(grid) - 1)
         midpoint = (grid[above - 1] + grid[above]) / 2
         assert torch.all((quotient - midpoint).abs() <= quotient.abs() * 2**-23), dtype
-        steps = kv_fp8.values(cpu)[differ].double() - kv_fp8.values(gpu)[differ].double()
+        steps = cpu[differ].double() - gpu[differ].double()
         assert torch.all(steps.abs() <= (grid[above] - grid[above - 1])), dtype
         assert differ.float().mean() < 1e-3, (dtype, differ.float().mean())
 
@@ -397,8 +468,8 @@ def test_cuda_backends_read_packed_fp8_like_sdpa(seqs: list[tuple[int, int]]) ->
     bs, dim = 16, 128
     blocks = sum(-(-c // bs) for _, c in seqs)
     dev = torch.device("cuda")
-    pk = kv_fp8.quantize(scaled_rows(blocks * bs, 2, dim, 6).to(dev))
-    pv = kv_fp8.quantize(scaled_rows(blocks * bs, 2, dim, 7).to(dev))
+    pk = kv_fp8.packed_cache(scaled_rows(blocks * bs, 2, dim, 6).to(dev), bs)
+    pv = kv_fp8.packed_cache(scaled_rows(blocks * bs, 2, dim, 7).to(dev), bs)
     tables, at = [], 0
     for _, c in seqs:
         n = -(-c // bs)
@@ -452,7 +523,8 @@ def test_cuda_long_context_varlen_holds_only_the_planned_buffers(kv_cache_dtype:
     dev, bs, context, n = torch.device("cuda"), 16, 65536, 8192
     rows = scaled_rows(context, 4, 256, 11).to(dev)
     if kv_cache_dtype == "fp8":
-        k_cache, v_cache = kv_fp8.quantize(rows), kv_fp8.quantize(rows.flip(0))
+        k_cache = kv_fp8.packed_cache(rows, bs)
+        v_cache = kv_fp8.packed_cache(rows.flip(0), bs)
     else:
         k_cache, v_cache = rows.to(torch.bfloat16), rows.flip(0).to(torch.bfloat16)
     del rows
