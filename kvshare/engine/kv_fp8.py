@@ -142,7 +142,8 @@ class PackedBlocks:
         """Quantize x [T, Hkv, D] into `slots` [T]."""
         values, scales = quantize(x)
         at = self._index(slots)
-        # Written as bytes: index_put_ has no float8 kernel on every device.
+        # Moved as bytes, as every other copy of the cache: nothing here depends on a
+        # device's float8 kernels.
         self.values.view(torch.uint8).index_put_(at, values.view(torch.uint8))
         self.scales.index_put_(at, scales)
 
@@ -164,10 +165,6 @@ class PackedBlocks:
         else:
             torch.ops.aten.index.Tensor_out(self.scales, at, out=scales)
         return values.view(FP8), scales
-
-    def dequantized(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows `slots` as [T, Hkv, D] in `dtype`."""
-        return dequantize(*self.read(slots), dtype)
 
 
 def packed_cache(rows: torch.Tensor, block_size: int) -> torch.Tensor:
