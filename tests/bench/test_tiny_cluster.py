@@ -1,6 +1,6 @@
 """The bench against a real cluster of two tiny-llama replicas (`kvshare up`, CPU, cache-aware
-router): repeated ON blocks of shared-prefix behave alike, and a concurrency sweep runs end
-to end with its JSON and PNG."""
+router): repeated ON blocks of shared-prefix do the same work in times near each other, and a
+concurrency sweep runs end to end with its JSON and PNG."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from kvshare.bench.design import Design
 from kvshare.bench.driver import BenchOptions, run_bench
 from kvshare.bench.plots import SWEEP_PANELS, sweep_figure
 from kvshare.bench.shared_prefix import SharedPrefix
-from kvshare.bench.stats import BootstrapSpec
 from kvshare.bench.summary import block_row
 from kvshare.bench.sweep import SweepRow
 from kvshare.bench.synthetic import load_prompt_model
@@ -53,10 +52,8 @@ def cluster(
         )
 
 
-# One document of 2,048 tokens (a 0.4 s prefill on one core), each question 256 new tokens
-# (tens of ms, far above the HTTP's few), 32 users, 2 in flight over 2 replicas: after the
-# first prefill each request mostly has a replica to itself (the second one restores the
-# document from the pool once), so a block median is a steady-state hit with little spread.
+# One document of 2,048 tokens (a ~0.1 s prefill on one core), each question 256 new tokens
+# (tens of ms, far above the HTTP's few), 32 users, 2 in flight over 2 replicas.
 STEADY = SharedPrefix(
     documents=1,
     users=32,
@@ -65,8 +62,36 @@ STEADY = SharedPrefix(
     question_tokens=256,
     output_tokens=2,
 )
-DRIFT_TOLERANCE = 1.15
-ATTEMPTS = 3  # a host shared with other work can slow one block; a drift shows in every run
+# The counters of a block summary (block_row) that every ON block of STEADY has alike, and
+# why. The cache-aware router learns that the pool holds the document only when the first
+# prefill of it ends (it records a prompt once its answer begins), so until then the
+# document's requests go to the replica computing it. After that, a request that finds that
+# replica busy and the other idle goes to the idle one (pool credit 0.97 x 2,048 tokens beats
+# 2,048 less the load penalty of 64 per request in flight), which restores the document from
+# the pool; from then on both replicas hold it. So whatever the timing, the document is
+# computed once and restored once, every other request finds it in its replica's GPU cache,
+# and each computed chunk is stored once. With the pool off in a block, or a router that does
+# not learn what the pool holds, all 32 requests went to the first replica (no pool hits,
+# nothing loaded, computed still ideal); a restore that fails (and is recomputed) or a
+# document prefilled on both replicas would compute more than the ideal. Left out: which
+# replica serves each request after the restore; it follows which request in flight ends
+# first, so the split varies from block to block (seen 21/11 to 13/19).
+WORK = (
+    "requests",
+    "no_content",
+    "pool_hit_rate",
+    "computed_tokens",
+    "ideal_tokens",
+    "loaded_bytes",
+    "stored_bytes",
+)
+# The bar for block medians is within 15% of each other, judged on the block medians of the
+# H200 runs of scripts/gpu_concurrency.py. Not here: on the 2-vCPU CI VM the CPU's speed
+# varies up to 1.6x over seconds and block medians (~25 ms) follow it (correlation 0.90 with
+# the cluster's CPU time per block), so ON blocks doing identical work were more than 15%
+# apart in about a third of runs (up to 1.48x in 67 runs), while a block with the pool off
+# stayed within 15% of two ON blocks in 2 of 6 runs. This bound only catches gross stalls.
+GROSS_SPREAD = 2.0
 # Above this 1-minute load per core, other processes take most of the two cores in bursts of
 # seconds and block medians measure them, not the cluster (seen: load 10 on 2 cores, medians
 # 1.6-4.4x apart with every request's routing and cache use alike).
@@ -74,30 +99,38 @@ OVERSUBSCRIBED_LOAD_PER_CORE = 3.0
 
 
 @pytest.mark.slow
-def test_repeated_on_blocks_have_block_medians_within_15_percent(cluster: Cluster) -> None:
+def test_repeated_on_blocks_do_the_same_work_in_about_the_same_time(cluster: Cluster) -> None:
+    # The warm-up takes each replica's one-time costs (allocator growth) out of block 0.
+    options = BenchOptions(Design.parse("ON-ON-ON"), warmup_tokens=STEADY.doc_tokens)
     model = load_prompt_model(MODEL)
-    spreads = []
-    loads = []
-    for attempt in range(ATTEMPTS):
-        loads.append(round(os.getloadavg()[0], 1))
-        options = BenchOptions(
-            Design.parse("ON-ON-ON"),
-            seed=attempt,
-            bootstrap=BootstrapSpec(50),
-            warmup_tokens=STEADY.doc_tokens if attempt == 0 else 0,
-        )
-        run = asyncio.run(run_bench(STEADY, cluster.url, options, RecordingObserver(), model))
-        rows = [block_row(b) for b in run.blocks]
-        medians = [r.median_ttft_s for r in rows]
-        assert all(m is not None for m in medians) and all(r.requests == STEADY.users for r in rows)
-        spread = max(medians) / min(medians)
-        spreads.append((round(spread, 3), [round(m, 3) for m in medians]))
-        if spread <= DRIFT_TOLERANCE:
-            return
-    message = f"block medians (s) drift more than 15% in every run: {spreads}, load {loads}"
-    if min(loads) > OVERSUBSCRIBED_LOAD_PER_CORE * (os.cpu_count() or 1):
-        pytest.skip(f"host oversubscribed throughout: {message}")
-    pytest.fail(message)
+    run = asyncio.run(run_bench(STEADY, cluster.url, options, RecordingObserver(), model))
+    rows = [block_row(b) for b in run.blocks]
+    work = [{name: getattr(row, name) for name in WORK} for row in rows]
+    assert work == [work[0]] * len(work), f"the ON blocks did different work: {work}"
+    computed = STEADY.doc_tokens + STEADY.users * STEADY.question_tokens
+    prompt = STEADY.users * (STEADY.doc_tokens + STEADY.question_tokens)
+    expected = {
+        "requests": STEADY.users,
+        "no_content": 0,
+        "pool_hit_rate": STEADY.doc_tokens / prompt,  # the same division of the same ints
+        "computed_tokens": computed,
+        "ideal_tokens": computed,
+    }
+    assert {name: work[0][name] for name in expected} == expected, (
+        f"an ON block did not compute the document once and restore it once: {work[0]}"
+    )
+
+    medians = [row.median_ttft_s for row in rows]
+    assert all(m is not None for m in medians)
+    spread = max(medians) / min(medians)
+    if spread > GROSS_SPREAD:
+        load = os.getloadavg()[0]
+        message = f"block medians {[round(m, 4) for m in medians]} s, load {load:.1f}"
+        if load > OVERSUBSCRIBED_LOAD_PER_CORE * (os.cpu_count() or 1):
+            pytest.skip(
+                f"work alike in every block; host oversubscribed, times not judged: {message}"
+            )
+        pytest.fail(f"block medians {spread:.2f}x apart (over {GROSS_SPREAD}x): {message}")
 
 
 @pytest.mark.slow
