@@ -182,9 +182,10 @@ class GatherBuffers:
     """What attention gathers one layer's cache rows into: keys and values in the compute
     dtype for up to `tokens` tokens and, for a packed cache, one chunk of e4m3 values, of
     their scales and of their float32 products (reading a packed cache allocates nothing
-    else). Allocated once per backend, their size does not follow the context from step to
-    step, so the CUDA caching allocator keeps no ever-larger blocks (kvshare.engine.memory
-    counts them as the attention context)."""
+    else but each chunk's block and offset indices). Allocated once per backend, their
+    size does not follow the context from step to step, so the CUDA caching allocator
+    keeps no ever-larger blocks (kvshare.engine.memory counts them as the attention
+    context)."""
 
     keys: torch.Tensor  # [tokens, Hkv, D] in the compute dtype
     values: torch.Tensor
