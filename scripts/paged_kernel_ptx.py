@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvshare.engine import paged_decode
+from kvshare.engine import kv_fp8, paged_decode
 
 ARGS = (
     ("Q", "*bf16"),
@@ -52,7 +52,7 @@ def kernel_ptx(fp8: bool, block_size: int = 16, kv_heads: int = 4) -> str:
     """The kernel's PTX for sm_90 (head dim 256, group 6, a 64-row query tile)."""
     kv_type = "*u8" if fp8 else "*bf16"
     signature = {name: kind or kv_type for name, kind in ARGS}
-    value_bytes = block_size * kv_heads * HEAD_DIM
+    value_bytes, block_bytes = kv_fp8.plane_bytes(block_size, kv_heads, HEAD_DIM) if fp8 else (0, 0)
     constants = {
         "GROUP": 6,
         "ROWS": 64,
@@ -61,8 +61,8 @@ def kernel_ptx(fp8: bool, block_size: int = 16, kv_heads: int = 4) -> str:
         "BLOCK_SIZE": block_size,
         "TILE": paged_decode.TILE,
         "VARLEN": True,
-        "BLOCK_BYTES": value_bytes + block_size * kv_heads * 4 if fp8 else 0,
-        "VALUE_BYTES": value_bytes if fp8 else 0,
+        "BLOCK_BYTES": block_bytes,
+        "VALUE_BYTES": value_bytes,
         "KV_FP8": fp8,
         "FP8_F16": True,
     }

@@ -104,6 +104,12 @@ def _dequantize_chunk(
     out.copy_(products)
 
 
+def plane_bytes(block_size: int, kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """Bytes of a packed block's value plane and of the whole block (values, then scales)."""
+    values = block_size * kv_heads * head_dim
+    return values, values + block_size * kv_heads * SCALE_BYTES
+
+
 @dataclass(frozen=True)
 class PackedBlocks:
     """One layer's K (or V) packed cache seen through its two planes per block.
@@ -124,13 +130,11 @@ class PackedBlocks:
         block_size, Hkv, D + 4]), contiguous, slots a multiple of `block_size`."""
         if not is_packed(cache) or not cache.is_contiguous():
             raise ValueError(f"not a contiguous packed cache: {cache.dtype}, {cache.shape}")
-        heads, row = cache.shape[-2], cache.shape[-1]
-        dim = row - SCALE_BYTES
-        block_bytes = block_size * heads * row
+        heads, dim = cache.shape[-2], head_dim_of(cache)
+        plane, block_bytes = plane_bytes(block_size, heads, dim)
         if cache.numel() % block_bytes:
             raise ValueError(f"{cache.numel()} cache bytes are not whole blocks of {block_bytes}")
         blocks = cache.reshape(-1, block_bytes)
-        plane = block_size * heads * dim
         values = blocks[:, :plane].view(FP8).unflatten(1, (heads, block_size, dim))
         scales = blocks[:, plane:].view(torch.float32).unflatten(1, (heads, block_size))
         return cls(values.transpose(1, 2), scales.transpose(1, 2), block_size)

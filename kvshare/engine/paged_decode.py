@@ -267,7 +267,9 @@ def paged_attention(
     k_scales, v_scales = (
         (k_cache.view(torch.float32), v_cache.view(torch.float32)) if fp8 else (q, q)
     )
-    value_bytes = block_size * num_kv_heads * head_dim
+    value_bytes, block_bytes = (
+        kv_fp8.plane_bytes(block_size, num_kv_heads, head_dim) if fp8 else (0, 0)
+    )
     rows = query_rows(group, max_q)
     q_blocks = triton.cdiv(max_q * group, rows)
     if num_splits is None:
@@ -303,8 +305,8 @@ def paged_attention(
         BLOCK_SIZE=block_size,
         TILE=TILE,
         VARLEN=cu_seqlens_q is not None,
-        BLOCK_BYTES=value_bytes + block_size * num_kv_heads * kv_fp8.SCALE_BYTES if fp8 else 0,
-        VALUE_BYTES=value_bytes if fp8 else 0,
+        BLOCK_BYTES=block_bytes,
+        VALUE_BYTES=value_bytes,
         KV_FP8=fp8,
         FP8_F16=FP8_DOT_F16,
         num_warps=split_warps(rows, head_dim, cu_seqlens_q is not None),
