@@ -37,13 +37,19 @@ kernel or copy name (`--kernels N` names).
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import cProfile
 import dataclasses
 import io
 import json
 import pstats
+import socket
+import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -51,11 +57,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import torch
+from aiohttp import web
 
 import kvshare.engine.llm_engine as llm_engine_module
 import kvshare.engine.model_runner as model_runner_module
 import kvshare.kvpool.connector as connector_module
+from kvshare.bench.client import BenchClient, BenchError, RequestOptions
 from kvshare.bench.engine_perf import random_prompt
 from kvshare.engine.attention import AttentionBackend, StepMeta
 from kvshare.engine.config import EngineConfig
@@ -69,6 +78,7 @@ from kvshare.models.loader import load_model
 from kvshare.serve.http import parse_json_object
 from kvshare.serve.protocol import ModelInfo, parse_generate
 from kvshare.serve.routing_keys import RoutingKeys
+from kvshare.serve.server import ServeConfig, build_app
 
 
 class PhaseTimer:
@@ -372,6 +382,103 @@ def http_phases(engine: LLMEngine, prompt: list[int], name: str, repeats: int) -
     }
 
 
+class ServedEngine:
+    """`engine` behind the replica's HTTP app (kvshare serve's own) on a thread's event
+    loop, and `kvshare router` in a subprocess in front of it: the serving path of
+    `kvshare up` around this engine. The router's port is picked free."""
+
+    def __init__(self, engine: LLMEngine, name: str) -> None:
+        self._app = build_app(engine, ServeConfig(name))
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self.replica_url = ""
+        self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._serve(),))
+        self._thread.start()
+        if not self._ready.wait(60) or not self.replica_url:
+            raise SystemExit("the replica app did not start")
+        self.router_url = f"http://127.0.0.1:{free_port()}"
+        self._router = subprocess.Popen(
+            [sys.executable, "-m", "kvshare", "router", "--replica", self.replica_url,
+             "--port", self.router_url.rsplit(":", 1)[1], "--health-interval", "0.5"]
+        )  # fmt: skip
+
+    async def _serve(self) -> None:
+        runner = web.AppRunner(self._app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self.replica_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        self._stop = asyncio.Event()
+        self._ready.set()
+        await self._stop.wait()
+        await runner.cleanup()
+
+    def close(self) -> None:
+        self._router.terminate()
+        self._router.wait(30)
+        assert self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(60)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def http_hits(
+    served: ServedEngine, prompt: list[int], name: str, repeats: int, max_tokens: int
+) -> dict[str, list[dict]]:
+    """`repeats` hits sent to the router as the bench sends them (streamed, timed to the
+    first token), routed by the policy and pinned to the replica alternately, each after a
+    reset of the replica's GPU-local prefix cache: time to first token at the client and
+    the Server-Timing phases of router and replica."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        client = BenchClient(session, served.router_url, name, text_content=False)
+        deadline = time.monotonic() + 60
+        while True:  # until the router has seen the replica healthy
+            with contextlib.suppress(aiohttp.ClientError, BenchError):
+                await client.complete(prompt[:16], RequestOptions(1))
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit("the router never answered")
+            await asyncio.sleep(0.5)
+        hits: dict[str, list[dict]] = {"routed": [], "pinned": []}
+        for r in range(repeats):
+            for kind, options in (
+                ("routed", RequestOptions(max_tokens)),
+                ("pinned", RequestOptions(max_tokens, replica=0)),
+            ):
+                await client.admin_all("reset_prefix_cache")
+                result = await client.complete(prompt, options)
+                timing = dict(result.server_timing)
+                hit = {"ttft_s": result.ttft_s, "server_timing_ms": timing}
+                print(f"http hit {r}, {kind}: {hit}", flush=True)
+                hits[kind].append(hit)
+        return hits
+
+
+def print_http_hits(hits: dict[str, list[dict]], engine_ttft_s: float) -> None:
+    """Per kind of hit, medians: the client's time to first token, each phase, and the
+    serving path's time (the client's TTFT less the replica's engine phase, hit by hit)."""
+    for kind, runs in hits.items():
+        ttft = statistics.median(h["ttft_s"] for h in runs)
+        serving = statistics.median(
+            1e3 * h["ttft_s"] - h["server_timing_ms"]["engine"] for h in runs
+        )
+        print(
+            f"\n{kind} through the router and the replica's HTTP app: time to first token "
+            f"{ttft * 1e3:.1f} ms (median of {len(runs)}; engine only {engine_ttft_s * 1e3:.1f} "
+            f"ms); outside the engine {serving:.1f} ms"
+        )
+        names = dict.fromkeys(name for h in runs for name in h["server_timing_ms"])
+        for name in names:
+            values = [h["server_timing_ms"][name] for h in runs if name in h["server_timing_ms"]]
+            print(f"  {name:<22} {statistics.median(values):9.2f} ms")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="shape:tiny-qwen3.5")
@@ -427,6 +534,14 @@ def main() -> int:
     parser.add_argument("--cprofile", type=int, default=0, metavar="N")
     parser.add_argument(
         "--trace", type=Path, default=None, help="a torch profiler Chrome trace of one more hit"
+    )
+    parser.add_argument(
+        "--http",
+        type=int,
+        default=0,
+        metavar="N",
+        help="at the end, N hits through the replica's HTTP app and `kvshare router` (the "
+        "serving path of `kvshare up`), timed at the client, with their Server-Timing phases",
     )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -509,6 +624,15 @@ def main() -> int:
         result["host_before_copies_s"] = result["engine_before_copies_s"] + sum(
             seconds for label, seconds in http.items() if label != "body_bytes"
         )
+        if args.http:
+            timer.active = False
+            serving = ServedEngine(engine, args.model)
+            try:
+                result["http_hits"] = asyncio.run(
+                    http_hits(serving, follow_up, args.model, args.http, args.output_tokens)
+                )
+            finally:
+                serving.close()
         engine.connector.close()
     print(
         f"\nhit at {args.tokens} + {args.new_tokens} tokens, {result['device']}: "
@@ -535,6 +659,8 @@ def main() -> int:
             f"{name}: time to first token min {times[0] * 1e3:.1f} ms, "
             f"median {times[len(times) // 2] * 1e3:.1f} ms; first tokens {tokens}"
         )
+    if args.http:
+        print_http_hits(result["http_hits"], result["ttft_s"])
     if profile is not None:
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(args.cprofile)

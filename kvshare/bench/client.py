@@ -26,6 +26,8 @@ import aiohttp
 from kvshare.bench.synthetic import Prompt
 from kvshare.serve.auth import AccessKeys
 from kvshare.serve.replica_admin import pool_switch, pool_switch_calls
+from kvshare.serve.server_timing import HEADER as TIMING_HEADER
+from kvshare.serve.server_timing import parse_server_timing
 
 REPLICA_HEADER = "x-kvshare-replica"
 SESSION_HEADER = "x-session-id"
@@ -44,6 +46,9 @@ class StreamResult:
     usage: Mapping[str, Any] | None  # the final usage chunk (stream_options.include_usage)
     served_by: str | None  # the replica the router reports in its response header, if any
     chunks: int
+    # Milliseconds per phase from the response's Server-Timing headers (replica and router;
+    # kvshare.serve.server_timing); empty from a server that sends none.
+    server_timing: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.ttft_s is not None and not 0.0 <= self.ttft_s <= self.total_s:
@@ -150,7 +155,10 @@ class BenchClient:
                 usage = chunk.get("usage") or usage
             total = time.perf_counter() - start
             served_by = resp.headers.get(REPLICA_HEADER)
-        return StreamResult(ttft, total, "".join(texts), tuple(ids), usage, served_by, chunks)
+            timing = parse_server_timing(resp.headers.getall(TIMING_HEADER, ()))
+        return StreamResult(
+            ttft, total, "".join(texts), tuple(ids), usage, served_by, chunks, timing
+        )
 
     async def replicas(self) -> list[str]:
         """Replica base URLs, in router index order (the index that REPLICA_HEADER pins)."""

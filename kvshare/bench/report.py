@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvshare.bench.design import CONDITIONS
 from kvshare.bench.records import BenchRun, RequestRecord
 from kvshare.bench.stats import BootstrapSpec, Estimate
 from kvshare.bench.summary import SESSION, BlockRow, Comparison, block_row
@@ -120,10 +122,49 @@ def warmup_table(records: Sequence[RequestRecord]) -> Table:
     return Table("warm-up before block 0 (not in the results)", ("replica", "TTFT", "total"), cells)
 
 
+def timing_table(records: Sequence[RequestRecord]) -> Table | None:
+    """Per condition, the medians (ms) of the measured requests' client TTFT and of each
+    phase their responses' Server-Timing named; None when no response carried one."""
+    timed = [r for r in records if r.measured and r.result.server_timing]
+    if not timed:
+        return None
+    phases = list(dict.fromkeys(name for r in timed for name in r.result.server_timing))
+    cells = []
+    for condition in CONDITIONS:
+        group = [r for r in timed if r.condition == condition]
+        if not group:
+            continue
+        ttfts = [1e3 * r.result.ttft_s for r in group if r.result.ttft_s is not None]
+        values = [
+            [r.result.server_timing[p] for r in group if p in r.result.server_timing]
+            for p in phases
+        ]
+        cells.append(
+            (
+                condition,
+                str(len(group)),
+                f"{statistics.median(ttfts):.1f}" if ttfts else "-",
+                *(f"{statistics.median(v):.1f}" if v else "-" for v in values),
+            )
+        )
+    return Table(
+        "where the time to first token went (median ms; Server-Timing phases, each from the "
+        "end of the one before it on its host)",
+        ("pool", "requests", "client TTFT", *phases),
+        tuple(cells),
+    )
+
+
 def tables(run: BenchRun, comparisons: Sequence[Comparison], spec: BootstrapSpec) -> list[Table]:
     warmup = [warmup_table(run.warmup)] if run.warmup else []
     blocks = blocks_table([block_row(b) for b in run.blocks])
-    return [*warmup, comparison_table(run, comparisons, spec), blocks]
+    timing = timing_table(run.records())
+    return [
+        *warmup,
+        comparison_table(run, comparisons, spec),
+        blocks,
+        *([timing] if timing else []),
+    ]
 
 
 def unsettled_warning(run: BenchRun) -> str | None:

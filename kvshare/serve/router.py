@@ -13,7 +13,8 @@
   replica's GET /admin/cache_events (what its GPU prefix cache stored and evicted since the
   last read, a snapshot after a reset, whether it uses the pool, the pool's size and clear
   count) and hands it to the policy, so the router's view follows the replica's cache.
-- Responses are relayed chunk by chunk as they arrive (SSE is never buffered).
+- Responses are relayed chunk by chunk as they arrive (SSE is never buffered), with the
+  router's phases added to the replica's `Server-Timing` (kvshare.serve.server_timing).
 - GET /admin/replicas lists the replicas; /admin/all/<call> carries out one of the
   replicas' admin calls on every replica and returns their answers: forwarded to a kvshare
   replica's /admin/<call> with the router's admin credential, or, for `vllm serve`
@@ -52,6 +53,8 @@ from kvshare.serve.policies import (
 )
 from kvshare.serve.replica_admin import ENGINES, KVShareReplicaAdmin, replica_admin
 from kvshare.serve.routing_keys import Prefix, RoutingKeys
+from kvshare.serve.server_timing import HEADER as TIMING_HEADER
+from kvshare.serve.server_timing import PhaseClock
 from kvshare.version import __version__
 
 _log = logging.getLogger(__name__)
@@ -346,6 +349,7 @@ class Router:
     # ------------------------------------------------------------ proxy
 
     async def proxy(self, request: web.Request) -> web.StreamResponse:
+        clock = PhaseClock()
         _check_path(request)
         size = self._body_size(request)
         if not await self.bodies.acquire(size, self.config.body_wait_timeout):
@@ -356,7 +360,7 @@ class Router:
                 f"retry later",
             )
         try:
-            return await self._proxy(request)
+            return await self._proxy(request, clock)
         finally:
             await self.bodies.release(size)
 
@@ -371,8 +375,9 @@ class Router:
             )
         return limit if length is None else length
 
-    async def _proxy(self, request: web.Request) -> web.StreamResponse:
+    async def _proxy(self, request: web.Request, clock: PhaseClock) -> web.StreamResponse:
         body = await request.read()
+        clock.lap("router-read")
         pinned = self._pinned(request)
         # Parsing and hashing a 130k-token prompt take ~20 ms. A pinned request needs its
         # prefix only to record where it went: it is forwarded while the hashing runs.
@@ -380,17 +385,23 @@ class Router:
         try:
             if pinned is None:
                 await hashing
-            return await self._forward(request, body, pinned, hashing)
+            return await self._forward(request, body, pinned, hashing, clock)
         finally:
             hashing.cancel()  # still running only if the request failed before it finished
 
     async def _forward(
-        self, request: web.Request, body: bytes, pinned: int | None, hashing: asyncio.Future[Prefix]
+        self,
+        request: web.Request,
+        body: bytes,
+        pinned: int | None,
+        hashing: asyncio.Future[Prefix],
+        clock: PhaseClock,
     ) -> web.StreamResponse:
         """Send to the chosen (or pinned) replica, retrying unpinned requests elsewhere."""
         session = request.headers.get(SESSION_HEADER)
         # The policy picks by prefix (hashed already); a pinned replica is not picked.
         route = self._route(session, hashing.result() if pinned is None else Prefix())
+        clock.lap("router-route")
         tried: set[int] = set()
         while True:
             replica = self._pick(route, pinned, tried)
@@ -411,6 +422,7 @@ class Router:
                         ) from None
                     self.metrics.retries.inc()
                     continue
+                clock.lap("router-upstream")
                 # A kvshare replica sends its headers with its first output (streamed) or its
                 # whole answer: either way the prefill is over.
                 self.policy.answered(route, replica.index)
@@ -418,7 +430,7 @@ class Router:
                 self.policy.record(self._route(session, prefix), replica.index)
                 policy = "pinned" if pinned is not None else self.policy.name
                 self.metrics.decisions.labels(policy, str(replica.index)).inc()
-                return await self._relay(request, replica, upstream, prefix)
+                return await self._relay(request, replica, upstream, prefix, clock)
             finally:
                 self.policy.ended(route, replica.index)
                 replica.in_flight -= 1
@@ -493,6 +505,7 @@ class Router:
         replica: Replica,
         upstream: aiohttp.ClientResponse,
         prefix: Prefix,
+        clock: PhaseClock,
     ) -> web.StreamResponse:
         complete = False
         outcome = str(upstream.status)
@@ -503,6 +516,7 @@ class Router:
                     resp.headers.add(name, value)
             resp.headers[REPLICA_HEADER] = str(replica.index)
             resp.headers[ROUTING_TOKENS_HEADER] = str(prefix.num_tokens)
+            resp.headers.add(TIMING_HEADER, clock.header("router-total"))
             await resp.prepare(request)
             while True:
                 try:

@@ -43,6 +43,8 @@ from kvshare.serve.http import (
 )
 from kvshare.serve.metrics import CONTENT_TYPE, ServerMetrics
 from kvshare.serve.protocol import GenerateRequest, ModelInfo, ResponseFormat, parse_generate
+from kvshare.serve.server_timing import HEADER as TIMING_HEADER
+from kvshare.serve.server_timing import PhaseClock
 from kvshare.version import __version__
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -148,6 +150,16 @@ class _Choices:
                 self._thread.abort(request_id)
 
 
+def _engine_phases(clock: PhaseClock, first: RequestOutput) -> None:
+    """The first output's way through the engine thread, on the clock: waiting for the
+    thread, the engine until the first token (none when the request failed first), and
+    the hand-back to the event loop."""
+    clock.until("queue", first.arrival_time)
+    if first.first_token_time is not None:
+        clock.until("engine", first.first_token_time)
+    clock.lap("deliver")
+
+
 class ReplicaServer:
     def __init__(self, engine: LLMEngine, config: ServeConfig) -> None:
         self.engine = engine
@@ -232,7 +244,8 @@ class ReplicaServer:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         received = time.monotonic()
-        body = await read_json_object(request)
+        clock = PhaseClock(received)
+        body = await read_json_object(request, clock=clock)
         if self.config.cache_salt_required and body.get("cache_salt") is None:
             raise bad_request(
                 "this server requires a cache_salt on every request: a non-empty "
@@ -240,6 +253,7 @@ class ReplicaServer:
                 "cache_salt",
             )
         req = await asyncio.to_thread(parse_generate, body, chat, self.model)
+        clock.lap("prompt")
         if not self.thread.alive:
             raise APIError(503, "the engine thread is not running")
         fmt = ResponseFormat(
@@ -254,11 +268,15 @@ class ReplicaServer:
         try:
             # The first output comes before any byte is sent: an engine failure is a 500.
             first = await choices.next()
+            _engine_phases(clock, first[1])
             if req.stream:
-                return await self._stream(request, req, fmt, choices, first)
+                return await self._stream(request, req, fmt, choices, first, clock)
             while not choices.all_finished:
                 await choices.next()
-            return web.json_response(fmt.full(choices.latest))
+            clock.lap("answer")
+            return web.json_response(
+                fmt.full(choices.latest), headers={TIMING_HEADER: clock.header()}
+            )
         finally:
             choices.abort_unfinished()  # cancelled (client gone), write failed, or failed
 
@@ -269,8 +287,9 @@ class ReplicaServer:
         fmt: ResponseFormat,
         choices: _Choices,
         first: tuple[int, RequestOutput],
+        clock: PhaseClock,
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(headers=SSE_HEADERS)
+        resp = web.StreamResponse(headers={**SSE_HEADERS, TIMING_HEADER: clock.header()})
         await resp.prepare(request)
         if fmt.chat:
             for index in range(req.n):

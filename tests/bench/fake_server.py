@@ -197,14 +197,18 @@ class FakeCluster:
         self._in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self._in_flight)
         try:
+            delay_s = self.first_content_delay_s + kv["computed_tokens"] * self.per_token_s
             resp = web.StreamResponse(
-                headers={"content-type": "text/event-stream", "x-kvshare-replica": str(replica)}
+                headers={
+                    "content-type": "text/event-stream",
+                    "x-kvshare-replica": str(replica),
+                    # What the delay stands for, as a replica reports it.
+                    "server-timing": f"engine;dur={1e3 * delay_s:.3f}",
+                }
             )
             await resp.prepare(request)
             await _send(resp, _chunk(chat, "", None))  # role-only: not content
-            await asyncio.sleep(
-                self.first_content_delay_s + kv["computed_tokens"] * self.per_token_s
-            )
+            await asyncio.sleep(delay_s)
             self._store(replica, tokens)
             n = body["max_tokens"]
             for k in range(n):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import statistics
 
 import pytest
 
@@ -11,7 +12,7 @@ from kvshare.bench.cross_replica import CrossReplica
 from kvshare.bench.design import Block, Design
 from kvshare.bench.driver import BenchOptions, run_bench
 from kvshare.bench.records import PREFILL, BenchRun, BlockResult, RequestRecord
-from kvshare.bench.report import markdown, to_json
+from kvshare.bench.report import markdown, timing_table, to_json
 from kvshare.bench.runner import Workload
 from kvshare.bench.sessions import Sessions
 from kvshare.bench.shared_prefix import SharedPrefix
@@ -128,6 +129,8 @@ def test_cross_replica_prefills_on_a_and_measures_b_with_resets_between(
         assert record.result.ttft_s >= fake.cluster.first_content_delay_s
         assert record.result.ttft_s < record.result.total_s
         assert record.result.text.startswith(f" w{record.replica}x0")
+        engine_s = record.result.server_timing["engine"] / 1e3
+        assert fake.cluster.first_content_delay_s <= engine_s <= record.result.ttft_s
     follow_ups = [r for r in result.records() if r.measured]
     assert all(
         (r.usage_int("kv", "pool_hit_tokens") > 0) == (r.condition == "ON") for r in follow_ups
@@ -148,6 +151,14 @@ def test_cross_replica_prefills_on_a_and_measures_b_with_resets_between(
 
     comparisons = compare(result.blocks, design, BootstrapSpec(200))
     assert [(c.metric, c.x) for c in comparisons] == [(TTFT, 40), (TTFT, 80)]
+    # The report's timing table: per condition, the medians of the follow-ups' phases.
+    timing = timing_table(result.records())
+    assert timing is not None and timing.headers == ("pool", "requests", "client TTFT", "engine")
+    for row, condition in zip(timing.rows, ("OFF", "ON")):
+        group = [r for r in follow_ups if r.condition == condition]
+        engine_ms = statistics.median(r.result.server_timing["engine"] for r in group)
+        assert row[:2] == (condition, str(len(group))) and row[3] == f"{engine_ms:.1f}"
+    assert float(timing.rows[1][3]) < float(timing.rows[0][3])  # ON computes less
     assert all(c.ratio is not None and c.ratio.value < 1.0 for c in comparisons)
     assert all(c.hit_rates[0] == 0.0 and (c.hit_rates[1] or 0.0) > 0.5 for c in comparisons)
 
