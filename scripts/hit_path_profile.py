@@ -454,7 +454,12 @@ async def http_hits(
                 await client.admin_all("reset_prefix_cache")
                 result = await client.complete(prompt, options)
                 timing = dict(result.server_timing)
-                hit = {"ttft_s": result.ttft_s, "server_timing_ms": timing}
+                kv = (result.usage or {}).get("kv") or {}
+                hit = {
+                    "ttft_s": result.ttft_s,
+                    "pool_hit_tokens": kv.get("pool_hit_tokens"),
+                    "server_timing_ms": timing,
+                }
                 print(f"http hit {r}, {kind}: {hit}", flush=True)
                 hits[kind].append(hit)
         return hits

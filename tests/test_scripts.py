@@ -1,9 +1,10 @@
 """The GPU session scripts start: they import and parse their flags on a machine without a
 GPU (a script that fails there fails on the lent GPU too, and costs its device time), and
-the engine-only hit profile runs its layer-group comparison on the CPU."""
+the hit profile runs its layer-group comparison and its hits through HTTP on the CPU."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -36,7 +37,9 @@ def test_every_script_imports_and_parses_its_flags(name: str) -> None:
     assert done.stdout.startswith("usage: "), done.stdout[:500]
 
 
-def test_the_hit_profile_compares_layer_groups_on_the_cpu(tmp_path: Path) -> None:
+def test_the_hit_profile_compares_layer_groups_and_goes_through_http_on_the_cpu(
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "groups.json"
     done = run_script(
         "hit_path_profile.py",
@@ -52,11 +55,19 @@ def test_the_hit_profile_compares_layer_groups_on_the_cpu(tmp_path: Path) -> Non
         "0.001",
         "--kv-cache-memory",  # small: beside the suite's own process
         str(64 << 20),
+        "--http",
+        "1",
         "--json",
         str(out),
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    # Through the router and the replica's app, routed and pinned: pool hits, timed in both.
+    http = json.loads(out.read_text())["http_hits"]
+    assert sorted(http) == ["pinned", "routed"]
+    for (hit,) in http.values():
+        assert hit["pool_hit_tokens"] == 2048
+        assert {"router-upstream", "engine", "total"} <= set(hit["server_timing_ms"])
     firsts = re.findall(
         r"^layer groups (\d+): time to first token .*first tokens (\[.*\])$", done.stdout, re.M
     )
