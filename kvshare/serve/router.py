@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -427,10 +429,14 @@ class Router:
                 # whole answer: either way the prefill is over.
                 self.policy.answered(route, replica.index)
                 prefix = await self._finished(hashing, upstream)
-                self.policy.record(self._route(session, prefix), replica.index)
                 policy = "pinned" if pinned is not None else self.policy.name
                 self.metrics.decisions.labels(policy, str(replica.index)).inc()
-                return await self._relay(request, replica, upstream, prefix, clock)
+                # Recording a long prefix takes milliseconds (8k hashes at 130k tokens):
+                # after the first chunk is on its way, not in the client's wait for it.
+                record = functools.partial(
+                    self.policy.record, self._route(session, prefix), replica.index
+                )
+                return await self._relay(request, replica, upstream, prefix, clock, record)
             finally:
                 self.policy.ended(route, replica.index)
                 replica.in_flight -= 1
@@ -506,9 +512,13 @@ class Router:
         upstream: aiohttp.ClientResponse,
         prefix: Prefix,
         clock: PhaseClock,
+        relayed: Callable[[], None],
     ) -> web.StreamResponse:
+        """Stream the upstream response to the client; `relayed` is called once, after
+        the first chunk is written (or when the relay ends without one)."""
         complete = False
         outcome = str(upstream.status)
+        recorded = False
         try:
             resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for name, value in upstream.headers.items():
@@ -528,6 +538,9 @@ class Router:
                     complete = True
                     break
                 await resp.write(chunk)  # a client that left raises here: upstream closes below
+                if not recorded:
+                    relayed()
+                    recorded = True
             with contextlib.suppress(ConnectionResetError):
                 await resp.write_eof()  # a client that closed after the last byte has it all
             return resp
@@ -535,6 +548,8 @@ class Router:
             outcome = "499"  # the client went away before the end
             raise
         finally:
+            if not recorded:
+                relayed()
             self.metrics.requests.labels(str(replica.index), outcome).inc()
             if complete:
                 upstream.release()

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvshare.engine.block_manager import block_hashes
 from kvshare.serve.policies import (
@@ -20,6 +22,7 @@ from kvshare.serve.policies import (
     RouteRequest,
     Session,
     StepShape,
+    common_blocks,
     make_policy,
     pool_credit,
 )
@@ -378,3 +381,69 @@ def test_make_policy_knows_every_name() -> None:
         make_policy("random", 2, CONFIG)
     with pytest.raises(ValueError):
         PolicyConfig(pool_credit=1.5)
+
+
+def naive_gpu_tokens(request: RouteRequest, gpu: set[bytes], computing: list[RouteRequest]) -> int:
+    """The definition: leading blocks each in the GPU cache or in a prefix in flight."""
+    in_flight = {h for r in computing for h in r.prefix}
+    blocks = 0
+    for h in request.prefix:
+        if h not in gpu and h not in in_flight:
+            break
+        blocks += 1
+    return blocks * request.block_tokens
+
+
+# Prompts of a few shapes that share prefixes of every length: token i is 0 up to a
+# branch point, then the prompt's own.
+PROMPT_SHAPES = st.tuples(st.integers(0, 12), st.integers(0, 3), st.integers(0, 12))
+
+
+def branched(shape: tuple[int, int, int]) -> RouteRequest:
+    shared, branch, length = shape
+    ids = [0] * min(shared, length) + [branch + 1] * max(0, length - shared)
+    return RouteRequest(prefix=tuple(block_hashes(ids, 1)), block_tokens=1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(PROMPT_SHAPES, min_size=1, max_size=6),
+    st.lists(st.integers(0, 5), max_size=8),
+    st.lists(st.tuples(st.integers(0, 5), st.integers(0, 12)), max_size=20),
+    st.lists(st.integers(0, 5), max_size=4),
+)
+def test_gpu_tokens_counts_blocks_cached_or_in_flight_as_defined(
+    shapes: list[tuple[int, int, int]],
+    started: list[int],
+    cached: list[tuple[int, int]],
+    ended: list[int],
+) -> None:
+    """Against the definition, with GPU caches holding holes (blocks evicted from a
+    chain's middle) and the same prompt in flight more than once."""
+    prompts = [branched(s) for s in shapes]
+    policy = CacheAware(1, CONFIG)
+    flying = [prompts[i % len(prompts)] for i in started]
+    for request in flying:
+        policy.started(request, 0)
+    for i in ended:  # end some of them (each once)
+        if i < len(flying):
+            policy.ended(flying.pop(i), 0)
+    gpu = {
+        prompts[p % len(prompts)].prefix[b]
+        for p, b in cached
+        if b < len(prompts[p % len(prompts)].prefix)
+    }
+    policy.observe(0, CacheUpdate(snapshot=True, stored=tuple(gpu)))
+    for request in prompts:
+        assert policy.gpu_tokens(request, 0) == naive_gpu_tokens(request, gpu, flying)
+
+
+@given(PROMPT_SHAPES, PROMPT_SHAPES)
+def test_common_blocks_is_the_shared_run_of_two_chains(
+    a: tuple[int, int, int], b: tuple[int, int, int]
+) -> None:
+    x, y = branched(a).prefix, branched(b).prefix
+    run = 0
+    while run < min(len(x), len(y)) and x[run] == y[run]:
+        run += 1
+    assert common_blocks(x, y) == run

@@ -251,6 +251,63 @@ def test_a_pinned_request_is_forwarded_while_its_prompt_is_hashed() -> None:
     assert isinstance(policy, CacheAware) and policy.gpu_tokens(route, 0) == 64
 
 
+@pytest.mark.parametrize("client_stays", [True, False])
+def test_a_placement_is_recorded_after_the_first_chunk_and_even_if_the_client_left(
+    client_stays: bool,
+) -> None:
+    """Recording a long prefix takes milliseconds: the router relays the first chunk
+    before it, and a client gone before that chunk does not lose the record (the replica
+    computed the prefix all the same)."""
+    first_chunk = threading.Event()
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        while not first_chunk.is_set():
+            await asyncio.sleep(0.01)
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write(b"data: {}\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"instance": "a"})
+
+    replica_app = web.Application()
+    replica_app.router.add_get("/health", health)
+    replica_app.router.add_post("/v1/completions", completions)
+    replica = BackgroundServer(replica_app)
+    app = build_router_app(RouterConfig((replica.url,), "cache-aware"), RoutingKeys(None, 16))
+    router = BackgroundServer(app)
+    ids = list(range(64))
+    route = RouteRequest(prefix=tuple(block_hashes(ids, 16)))
+    policy = app[ROUTER_KEY].policy
+    assert isinstance(policy, CacheAware)
+
+    def recorded() -> int:
+        deadline = time.monotonic() + 5
+        while policy.gpu_tokens(route, 0) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return policy.gpu_tokens(route, 0)
+
+    try:
+        with httpx.Client(base_url=router.url, timeout=10) as client:
+            body = {"model": "m", "prompt": ids, "stream": True}
+            pinned = {"x-kvshare-replica": "0"}  # a pinned request is not in flight by prefix
+            with client.stream("POST", "/v1/completions", json=body, headers=pinned) as resp:
+                assert resp.status_code == 200
+                time.sleep(0.2)  # the router holds the upstream headers, not the first chunk
+                assert policy.gpu_tokens(route, 0) == 0
+                if client_stays:
+                    first_chunk.set()
+                    assert next(resp.iter_lines()) == "data: {}"
+        first_chunk.set()
+        assert recorded() == 64
+    finally:
+        router.close()
+        replica.close()
+
+
 def test_an_oversized_body_is_a_413_naming_the_limit(fakes: Fakes) -> None:
     with routed(fakes.urls[:1], max_body_bytes=4096, max_buffered_bytes=8192) as (client, _):
         resp = post(client, prompt="x" * 5000)
