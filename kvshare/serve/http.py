@@ -14,6 +14,8 @@ import numpy as np
 from aiohttp import web
 
 from kvshare.serve.errors import APIError, bad_request
+from kvshare.serve.packed_request import CONTENT_TYPE as PACKED_TYPE
+from kvshare.serve.packed_request import unpack_request
 from kvshare.serve.server_timing import PhaseClock
 
 _log = logging.getLogger(__name__)
@@ -226,17 +228,20 @@ def _escape_outside(text: str, arrays: ArraySpans) -> bool:
 async def read_json_object(
     request: web.Request, *, allow_empty: bool = False, clock: PhaseClock | None = None
 ) -> dict[str, Any]:
-    """The body as a JSON object (see parse_json_object): 415 for another content type, 413
-    over the app's size limit. A large body is parsed off the event loop. `clock` gets the
-    phases `read` and `parse`."""
+    """The body as a JSON object (see parse_json_object), or a request the router packed
+    (kvshare.serve.packed_request); 415 for another content type, 413 over the app's size
+    limit. A large JSON body is parsed off the event loop. `clock` gets the phases `read`
+    and `parse`."""
     raw = await request.read()
     if clock is not None:
         clock.lap("read")
     if not raw and allow_empty:
         return {}
-    if request.content_type != "application/json":
+    if request.content_type == PACKED_TYPE:
+        body = unpack_request(raw)
+    elif request.content_type != "application/json":
         raise APIError(415, f"Content-Type must be application/json, got {request.content_type!r}")
-    if len(raw) > PARSE_ON_LOOP_BYTES:
+    elif len(raw) > PARSE_ON_LOOP_BYTES:
         body = await asyncio.to_thread(parse_json_object, raw)
     else:
         body = parse_json_object(raw)

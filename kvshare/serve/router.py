@@ -45,6 +45,8 @@ from kvshare.serve.auth import AccessKeys, access_middleware
 from kvshare.serve.errors import APIError, bad_request
 from kvshare.serve.http import error_middleware, parse_json_object, sse_event
 from kvshare.serve.metrics import CONTENT_TYPE, RouterMetrics
+from kvshare.serve.packed_request import CONTENT_TYPE as PACKED_TYPE
+from kvshare.serve.packed_request import pack_request
 from kvshare.serve.policies import (
     POLICIES,
     CacheUpdate,
@@ -136,6 +138,15 @@ class RouterConfig:
             raise ValueError("body_wait_timeout must be >= 0")
 
 
+@dataclass(frozen=True)
+class Parsed:
+    """What the router read from a request body: the prompt's routing prefix, and the body
+    packed for replicas that take it (None: forward it as received)."""
+
+    prefix: Prefix = field(default_factory=Prefix)
+    packed: bytes | None = None
+
+
 class BodyBudget:
     """Bytes of request bodies held at once; touched on the event loop only."""
 
@@ -180,6 +191,8 @@ class Replica:
     # One read of the event log at a time: an answer applied after a later one would roll
     # the position back, and the next read would wipe what the policy learned since.
     cache_read: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Its /health lists the packed request type (kvshare.serve.packed_request).
+    takes_packed: bool = False
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -253,6 +266,8 @@ class Router:
                 self.policy.forget_replica(replica.index)
             replica.instance = info.get("instance")
             replica.cache_generation = None
+        if healthy:
+            replica.takes_packed = PACKED_TYPE in (info.get("request_types") or ())
         if healthy and self.policy.uses_prefix and self.admin.cache_events:
             await self._read_cache_events(replica)
         replica.failed_checks = 0 if healthy else replica.failed_checks + 1
@@ -383,7 +398,7 @@ class Router:
         pinned = self._pinned(request)
         # Parsing and hashing a 130k-token prompt take ~20 ms. A pinned request needs its
         # prefix only to record where it went: it is forwarded while the hashing runs.
-        hashing = asyncio.ensure_future(self._prefix(request, body))
+        hashing = asyncio.ensure_future(self._parsed(request, body))
         try:
             if pinned is None:
                 await hashing
@@ -396,23 +411,27 @@ class Router:
         request: web.Request,
         body: bytes,
         pinned: int | None,
-        hashing: asyncio.Future[Prefix],
+        hashing: asyncio.Future[Parsed],
         clock: PhaseClock,
     ) -> web.StreamResponse:
         """Send to the chosen (or pinned) replica, retrying unpinned requests elsewhere."""
         session = request.headers.get(SESSION_HEADER)
-        # The policy picks by prefix (hashed already); a pinned replica is not picked.
-        route = self._route(session, hashing.result() if pinned is None else Prefix())
-        clock.lap("router-route")
+        # The policy picks by prefix (hashed already); a pinned replica is not picked, and
+        # its body went before it was parsed.
+        parsed = hashing.result() if pinned is None else Parsed()
+        route = self._route(session, parsed.prefix)
         tried: set[int] = set()
         while True:
             replica = self._pick(route, pinned, tried)
             replica.in_flight += 1
             self.metrics.in_flight.labels(str(replica.index)).set(replica.in_flight)
             self.policy.started(route, replica.index)
+            if not tried:  # a retry's pick is part of its wait for a replica
+                clock.lap("router-route")
             try:
                 try:
-                    upstream = await self._send(replica, request, body)
+                    packed = parsed.packed if replica.takes_packed else None
+                    upstream = await self._send(replica, request, body, packed)
                 except _UPSTREAM_ERRORS as exc:
                     tried.add(replica.index)
                     self._failed(replica, exc)
@@ -456,27 +475,28 @@ class Router:
             )
         return int(value)
 
-    async def _prefix(self, request: web.Request, body: bytes) -> Prefix:
+    async def _parsed(self, request: web.Request, body: bytes) -> Parsed:
         if not self.policy.uses_prefix or request.method != "POST" or not body:
-            return Prefix()
+            return Parsed()
+        pack = any(r.takes_packed for r in self.replicas)
         # Parsing and tokenizing a long prompt take milliseconds: off the event loop.
-        return await asyncio.to_thread(self._prefix_of, request.path, body)
+        return await asyncio.to_thread(self._parse, request.path, body, pack)
 
-    def _prefix_of(self, path: str, body: bytes) -> Prefix:
+    def _parse(self, path: str, body: bytes, pack: bool) -> Parsed:
         try:
             parsed = parse_json_object(body)
         except APIError:
-            return Prefix()  # the replica answers the 400
-        return self.keys.prefix_of(path, parsed)
+            return Parsed()  # the replica answers the 400
+        return Parsed(self.keys.prefix_of(path, parsed), pack_request(parsed) if pack else None)
 
     @staticmethod
     async def _finished(
-        hashing: asyncio.Future[Prefix], upstream: aiohttp.ClientResponse
+        hashing: asyncio.Future[Parsed], upstream: aiohttp.ClientResponse
     ) -> Prefix:
         """The prefix, once hashed; a failure or cancellation meanwhile closes `upstream`
         (which makes the replica abort the request)."""
         try:
-            return await hashing
+            return (await hashing).prefix
         except BaseException:
             upstream.close()
             raise
@@ -490,13 +510,17 @@ class Router:
         return self.replicas[self.policy.choose(route, candidates)]
 
     async def _send(
-        self, replica: Replica, request: web.Request, body: bytes
+        self, replica: Replica, request: web.Request, body: bytes, packed: bytes | None
     ) -> aiohttp.ClientResponse:
+        """Forward the request with its body as received, or `packed` in its place."""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+        if packed is not None:
+            headers = {k: v for k, v in headers.items() if k.lower() != "content-type"}
+            headers["Content-Type"] = PACKED_TYPE
         return await self.session.request(
             request.method,
             replica.url + request.rel_url.path_qs,
-            data=body or None,
+            data=(body if packed is None else packed) or None,
             headers=headers,
             allow_redirects=False,
         )

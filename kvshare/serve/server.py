@@ -42,6 +42,7 @@ from kvshare.serve.http import (
     sse_event,
 )
 from kvshare.serve.metrics import CONTENT_TYPE, ServerMetrics
+from kvshare.serve.packed_request import CONTENT_TYPE as PACKED_TYPE
 from kvshare.serve.protocol import GenerateRequest, ModelInfo, ResponseFormat, parse_generate
 from kvshare.serve.server_timing import HEADER as TIMING_HEADER
 from kvshare.serve.server_timing import PhaseClock
@@ -203,6 +204,8 @@ class ReplicaServer:
                 "status": "ok" if alive else "engine thread is not running",
                 "model": self.model.name,
                 "instance": self.instance,
+                # What generate requests may be sent as: the router packs for such a replica.
+                "request_types": ["application/json", PACKED_TYPE],
             },
             status=200 if alive else 503,
         )
