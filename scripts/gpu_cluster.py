@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -157,4 +158,15 @@ def hit_medians(report_path: Path) -> dict:
         "on_interval_s": [comparison["on"]["low"], comparison["on"]["high"]],
         "block_medians_s": comparison["block_medians"],
         "bytes_per_hit": sum(b["loaded_bytes"] for b in on_blocks) / max(1, len(hits)),
+        "on_timing_ms": median_phases(hits),
     }
+
+
+def median_phases(requests: list[dict]) -> dict[str, float]:
+    """Per Server-Timing phase (router and replica), its median over `requests` (bench
+    records), and `client TTFT`."""
+    phases = {"client TTFT": [1e3 * r["ttft_s"] for r in requests if r["ttft_s"] is not None]}
+    for r in requests:
+        for name, ms in (r.get("server_timing") or {}).items():
+            phases.setdefault(name, []).append(ms)
+    return {name: statistics.median(values) for name, values in phases.items() if values}

@@ -217,6 +217,10 @@ def hit(out: Path, runs: str, budget_s: float, layer_groups: int) -> int:
             f"{r['bytes_per_hit'] / 1e9:.2f} | {r['floor_s']:.3f} | "
             f"{r['on_s'] / r['floor_s']:.2f} | {r['off_s'] / r['on_s']:.0f} |"
         )
+    for r in results:  # where an ON hit's time went, hop by hop (Server-Timing medians)
+        if "error" not in r:
+            phases = ", ".join(f"{k} {v:.1f}" for k, v in r["on_timing_ms"].items())
+            print(f"{r['dtype']} {r['tokens']} ON, ms: {phases}")
     return sum(1 for r in results if "error" in r or r["returncode"])
 
 

@@ -82,7 +82,9 @@ class CrossReplica:
                 rng = prompt_rng(ctx.seed, self.name, ctx.block.index, length, "shared")
                 shared[length] = ctx.model.prompt(length, rng)
                 if ctx.block.pool_enabled:
-                    prefill = Tag(self.name, length, PREFILL, f"L{length}/prefill")
+                    prefill = Tag(
+                        self.name, length, PREFILL, f"L{length}/prefill", group=f"L{length}"
+                    )
                     records.append(
                         await ctx.complete(shared[length], RequestOptions(1, self.source), prefill)
                     )
@@ -91,13 +93,16 @@ class CrossReplica:
             context = shared[length] if self.shared_context else ctx.model.prompt(length, rng)
             question = ctx.model.prompt(self.question_tokens, rng)
             label = f"L{length}-{i}"
+            # computed/ideal: a follow-up shares its context with the prefill (or, with a
+            # shared context, with every request of that length in the block).
+            group = f"L{length}" if self.shared_context else label
             if not self.shared_context:
-                prefill = Tag(self.name, length, PREFILL, f"{label}/prefill")
+                prefill = Tag(self.name, length, PREFILL, f"{label}/prefill", group=group)
                 records.append(await ctx.complete(context, RequestOptions(1, self.source), prefill))
             settled = await ctx.settle()
             await ctx.reset_prefix_caches()
             follow_up = ctx.model.follow_up(context, question)
             options = RequestOptions(self.output_tokens, self.target)
-            tag = Tag(self.name, length, MEASURE, label)
+            tag = Tag(self.name, length, MEASURE, label, group=group, shared_tokens=length)
             records.append(await ctx.complete(follow_up, options, tag, settle_s=settled))
         return records

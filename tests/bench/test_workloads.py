@@ -17,7 +17,7 @@ from kvshare.bench.runner import Workload
 from kvshare.bench.sessions import Sessions
 from kvshare.bench.shared_prefix import SharedPrefix
 from kvshare.bench.stats import BootstrapSpec
-from kvshare.bench.summary import SESSION, TTFT, block_row, compare
+from kvshare.bench.summary import SESSION, TTFT, block_row, compare, prompt_shares
 from kvshare.bench.synthetic import PromptModel, load_prompt_model
 from tests.bench.fake_server import Event, FakeCluster, RunningFake
 
@@ -142,6 +142,10 @@ def test_cross_replica_prefills_on_a_and_measures_b_with_resets_between(
     for b in result.blocks:
         moved = (b.pool_bytes("loaded_bytes") or 0, b.pool_bytes("stored_bytes") or 0)
         assert (moved[0] > 0 and moved[1] > 0) if b.block.pool_enabled else moved == (0, 0)
+        # computed/ideal: each follow-up shares its context with its prefill, no more.
+        ordered = sorted(b.records, key=lambda r: r.start_s)
+        shared = [share.shared_tokens for share in prompt_shares(ordered)]
+        assert shared == [r.tag.x if r.measured else 0 for r in ordered]
 
     # Randomized order within blocks, same set of lengths in each.
     orders = [[r.tag.x for r in b.records if r.measured] for b in result.blocks]
@@ -369,8 +373,20 @@ def test_cross_replica_shared_context_prefills_once_per_length_in_pool_on_blocks
         target=0,
         shared_context=True,
     )
-    run(workload, fake, smollm2, observer=RecordingObserver())
+    result = run(workload, fake, smollm2, observer=RecordingObserver())
     design = Design.parse("OFF-ON-ON-OFF")
+    for b in result.blocks:  # computed/ideal: each length's context is shared, once computed
+        ordered = sorted(b.records, key=lambda r: r.start_s)
+        shared = [share.shared_tokens for share in prompt_shares(ordered)]
+        firsts = [r.tag.x for r in ordered if r.tag.role == PREFILL] or [40, 80]
+        expected = []
+        for r in ordered:
+            first = r.tag.x in firsts
+            # (the fake counts a text prompt's tokens by its own rule: at most what it says)
+            expected.append(0 if first else min(r.tag.x, r.usage_int("prompt_tokens")))
+            if first:
+                firsts.remove(r.tag.x)
+        assert shared == expected
     for block, events in zip(design.blocks, split_blocks(fake.cluster.events)):
         requests = [e for e in check_block_setup(events, block.pool_enabled) if e.kind == "request"]
         prefills = [e for e in requests if e.body["max_tokens"] == 1]
