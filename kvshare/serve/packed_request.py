@@ -51,7 +51,8 @@ def unpack_request(raw: bytes) -> dict[str, Any]:
     try:
         body = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several types for malformed input
-        raise bad_request(f"request body is not valid {CONTENT_TYPE}: {exc}") from None
+        reason = f"{type(exc).__name__}: {exc}".rstrip(": ")
+        raise bad_request(f"request body is not valid {CONTENT_TYPE}: {reason}") from None
     if not isinstance(body, dict):
         raise bad_request(f"request body must be a map, not {type(body).__name__}")
     prompt = body.get(PROMPT_KEY)

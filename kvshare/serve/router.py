@@ -267,7 +267,8 @@ class Router:
             replica.instance = info.get("instance")
             replica.cache_generation = None
         if healthy:
-            replica.takes_packed = PACKED_TYPE in (info.get("request_types") or ())
+            types = info.get("request_types")
+            replica.takes_packed = isinstance(types, list) and PACKED_TYPE in types
         if healthy and self.policy.uses_prefix and self.admin.cache_events:
             await self._read_cache_events(replica)
         replica.failed_checks = 0 if healthy else replica.failed_checks + 1

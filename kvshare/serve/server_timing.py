@@ -1,19 +1,18 @@
 """The `Server-Timing` response header (W3C Server Timing): where a generate request's
 time went before its response headers, hop by hop.
 
-A replica reports, in milliseconds, each phase from the end of the one before it:
-`read` (the body received), `parse` (JSON), `prompt` (the request's checks and token ids),
-`queue` (handed to the engine thread until the engine made its sequence), `engine` (the engine's
-add_request to its first token: admission, pool load, the step), `deliver` (that token
-back on the event loop), for an answer that is not streamed `answer` (the rest of it),
-and `total` (the handler's start to its response headers: the phases and the few lines
-after the last). The
-router appends its own: `router-read`, `router-route` (parsing and hashing the prompt for
-the policy, and the pick), `router-upstream` (sending to the replica until the replica's
-headers came back: the replica's total plus both transfers), `router-total`. A streamed
-response's headers go out with its first output, so for a streamed request the sums are
-its time to first token as each hop saw it; the client's own TTFT minus `router-total` is
-the client's side of the connection.
+A replica reports, in milliseconds, each phase from the end of the one before it: `read`
+(the body received), `parse` (JSON, or the router's packed body), `prompt` (the request's
+checks and token ids), `queue` (handed to the engine thread until the engine made its
+sequence), `engine` (add_request to the first token: admission, pool load, the step),
+`deliver` (that token back on the event loop), for an answer that is not streamed `answer`
+(the rest of it), and `total` (the handler's start to its response headers: the phases and
+the few lines after the last). The router appends its own: `router-read`, `router-route`
+(parsing and hashing the prompt, the policy's pick), `router-upstream` (sending to the
+replica until the replica's headers came back: the replica's total plus both transfers),
+`router-total`. A streamed response's headers go out with its first output, so for a
+streamed request the totals are its time to first token as each hop saw it; the client's
+own TTFT less `router-total` is the client's side of the connection.
 
 Timing tells a tenant no more than its own TTFT and its usage's cached-token counts do.
 """
