@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
+
+from kvshare.serve.router import Router
 
 
 class BackgroundServer:
@@ -51,3 +56,28 @@ class BackgroundServer:
         if self._stop is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(30)
+
+
+def stand_in_replica(
+    completions: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    health: dict[str, Any] | None = None,
+) -> BackgroundServer:
+    """A replica stand-in for router tests: GET /health answers `health` (by default an
+    instance id), POST /v1/completions runs `completions`."""
+
+    async def answer_health(request: web.Request) -> web.Response:
+        return web.json_response({"instance": "a"} if health is None else health)
+
+    app = web.Application()
+    app.router.add_get("/health", answer_health)
+    app.router.add_post("/v1/completions", completions)
+    return BackgroundServer(app)
+
+
+def wait_checked(router: Router, timeout: float = 10.0) -> None:
+    """Until a health check of every replica has passed (the router then knows what each
+    said of itself)."""
+    deadline = time.monotonic() + timeout
+    while not all(replica.answered for replica in router.replicas):
+        assert time.monotonic() < deadline, "the router's health checks never passed"
+        time.sleep(0.02)

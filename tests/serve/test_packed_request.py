@@ -5,7 +5,6 @@ parsed from the JSON, refuses what JSON could not hold, and answers the same."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +23,7 @@ from kvshare.serve.packed_request import CONTENT_TYPE, pack_request, unpack_requ
 from kvshare.serve.router import ROUTER_KEY, RouterConfig, build_router_app
 from kvshare.serve.routing_keys import RoutingKeys
 from kvshare.serve.server import ServeConfig, build_app
-from tests.serve.inprocess import BackgroundServer
+from tests.serve.inprocess import BackgroundServer, stand_in_replica, wait_checked
 
 PAD = "x" * TOKEN_ARRAY_BYTES  # a body past TOKEN_ARRAY_BYTES: its prompt is read as an array
 
@@ -132,18 +131,12 @@ def test_a_replica_answers_a_packed_request_as_its_json(replica: BackgroundServe
 
 
 def recording_replica(seen: list[tuple[str, bytes]], takes_packed: bool) -> BackgroundServer:
-    async def health(request: web.Request) -> web.Response:
-        types = ["application/json", CONTENT_TYPE] if takes_packed else None
-        return web.json_response({"instance": "r", "request_types": types})
-
     async def completions(request: web.Request) -> web.Response:
         seen.append((request.content_type, await request.read()))
         return web.json_response({"ok": True})
 
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_post("/v1/completions", completions)
-    return BackgroundServer(app)
+    types = ["application/json", CONTENT_TYPE] if takes_packed else None
+    return stand_in_replica(completions, {"instance": "r", "request_types": types})
 
 
 @pytest.mark.parametrize("takes_packed", [True, False])
@@ -157,10 +150,7 @@ def test_the_router_packs_a_token_id_prompt_only_for_a_replica_that_takes_it(
     )
     router = BackgroundServer(app)
     try:
-        deadline = time.monotonic() + 10
-        while not app[ROUTER_KEY].replicas[0].answered:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_checked(app[ROUTER_KEY])
         ids = list(range(20000))  # past TOKEN_ARRAY_BYTES as JSON
         bodies = [
             {"model": "m", "prompt": ids, "max_tokens": 2},

@@ -23,7 +23,7 @@ from kvshare.engine.block_manager import block_hashes
 from kvshare.serve.policies import CacheAware, RouteRequest
 from kvshare.serve.router import ROUTER_KEY, Router, RouterConfig, build_router_app
 from kvshare.serve.routing_keys import Prefix, RoutingKeys
-from tests.serve.inprocess import BackgroundServer
+from tests.serve.inprocess import BackgroundServer, stand_in_replica
 
 STREAM_GAP_S = 0.4
 
@@ -222,13 +222,7 @@ def test_a_pinned_request_is_forwarded_while_its_prompt_is_hashed() -> None:
         received.set()
         return web.json_response({"served_by": "a"})
 
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"instance": "a"})
-
-    replica_app = web.Application()
-    replica_app.router.add_get("/health", health)
-    replica_app.router.add_post("/v1/completions", completions)
-    replica = BackgroundServer(replica_app)
+    replica = stand_in_replica(completions)
     keys = GatedKeys(received)
     app = build_router_app(RouterConfig((replica.url,), "cache-aware"), keys)
     router = BackgroundServer(app)
@@ -270,13 +264,7 @@ def test_a_placement_is_recorded_after_the_first_chunk_and_even_if_the_client_le
             await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"instance": "a"})
-
-    replica_app = web.Application()
-    replica_app.router.add_get("/health", health)
-    replica_app.router.add_post("/v1/completions", completions)
-    replica = BackgroundServer(replica_app)
+    replica = stand_in_replica(completions)
     app = build_router_app(RouterConfig((replica.url,), "cache-aware"), RoutingKeys(None, 16))
     router = BackgroundServer(app)
     ids = list(range(64))

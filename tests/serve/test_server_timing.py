@@ -16,7 +16,7 @@ from kvshare.serve.router import ROUTER_KEY, RouterConfig, build_router_app
 from kvshare.serve.routing_keys import RoutingKeys
 from kvshare.serve.server import ServeConfig, build_app
 from kvshare.serve.server_timing import HEADER, PhaseClock, parse_server_timing
-from tests.serve.inprocess import BackgroundServer
+from tests.serve.inprocess import BackgroundServer, wait_checked
 
 PROMPT = list(range(3, 51))
 REPLICA_PHASES = ["read", "parse", "prompt", "queue", "engine", "deliver"]
@@ -109,10 +109,7 @@ def test_the_router_adds_its_phases_to_the_replicas(replica: BackgroundServer) -
     app = build_router_app(config, RoutingKeys(None, 16))
     router = BackgroundServer(app)
     try:
-        deadline = time.monotonic() + 10
-        while not app[ROUTER_KEY].replicas[0].healthy:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_checked(app[ROUTER_KEY])  # then the router sends the replica packed bodies
         start = time.perf_counter()
         response = generate(router.url, stream=True)
         elapsed_ms = 1e3 * (time.perf_counter() - start)
