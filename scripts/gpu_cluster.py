@@ -7,13 +7,14 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from kvshare.serve.server_timing import median_phases
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -158,15 +159,11 @@ def hit_medians(report_path: Path) -> dict:
         "on_interval_s": [comparison["on"]["low"], comparison["on"]["high"]],
         "block_medians_s": comparison["block_medians"],
         "bytes_per_hit": sum(b["loaded_bytes"] for b in on_blocks) / max(1, len(hits)),
-        "on_timing_ms": median_phases(hits),
+        "on_timing_ms": on_timing(hits),
     }
 
 
-def median_phases(requests: list[dict]) -> dict[str, float]:
-    """Per Server-Timing phase (router and replica), its median over `requests` (bench
-    records), and `client TTFT`."""
-    phases = {"client TTFT": [1e3 * r["ttft_s"] for r in requests if r["ttft_s"] is not None]}
-    for r in requests:
-        for name, ms in (r.get("server_timing") or {}).items():
-            phases.setdefault(name, []).append(ms)
-    return {name: statistics.median(values) for name, values in phases.items() if values}
+def on_timing(requests: list[dict]) -> dict[str, float]:
+    """The medians of `requests`' (bench records') client TTFT and Server-Timing phases."""
+    ttfts = [{"client TTFT": 1e3 * r["ttft_s"]} for r in requests if r["ttft_s"] is not None]
+    return median_phases([*ttfts, *(r.get("server_timing") or {} for r in requests)])

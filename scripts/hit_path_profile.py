@@ -44,7 +44,6 @@ import dataclasses
 import io
 import json
 import pstats
-import socket
 import statistics
 import subprocess
 import sys
@@ -73,12 +72,14 @@ from kvshare.engine.sampling_params import SamplingParams
 from kvshare.engine.sequence import Sequence
 from kvshare.kvpool.connector import PoolConnector
 from kvshare.kvpool.launch import PoolProcess, PoolProcessConfig
+from kvshare.kvpool.mooncake_master import free_port
 from kvshare.kvpool.transfer import LayerGroups
 from kvshare.models.loader import load_model
 from kvshare.serve.http import parse_json_object
 from kvshare.serve.protocol import ModelInfo, parse_generate
 from kvshare.serve.routing_keys import RoutingKeys
 from kvshare.serve.server import ServeConfig, build_app
+from kvshare.serve.server_timing import median_phases
 
 
 class PhaseTimer:
@@ -422,12 +423,6 @@ class ServedEngine:
         self._thread.join(60)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def http_hits(
     served: ServedEngine, prompt: list[int], name: str, repeats: int, max_tokens: int
 ) -> dict[str, list[dict]]:
@@ -478,10 +473,8 @@ def print_http_hits(hits: dict[str, list[dict]], engine_ttft_s: float) -> None:
             f"{ttft * 1e3:.1f} ms (median of {len(runs)}; engine only {engine_ttft_s * 1e3:.1f} "
             f"ms); outside the engine {serving:.1f} ms"
         )
-        names = dict.fromkeys(name for h in runs for name in h["server_timing_ms"])
-        for name in names:
-            values = [h["server_timing_ms"][name] for h in runs if name in h["server_timing_ms"]]
-            print(f"  {name:<22} {statistics.median(values):9.2f} ms")
+        for name, ms in median_phases(h["server_timing_ms"] for h in runs).items():
+            print(f"  {name:<22} {ms:9.2f} ms")
 
 
 def main() -> int:

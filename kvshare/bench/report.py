@@ -13,6 +13,7 @@ from kvshare.bench.design import CONDITIONS
 from kvshare.bench.records import BenchRun, RequestRecord
 from kvshare.bench.stats import BootstrapSpec, Estimate
 from kvshare.bench.summary import SESSION, BlockRow, Comparison, block_row
+from kvshare.serve.server_timing import median_phases
 from kvshare.sizes import format_size
 from kvshare.spec import DEFAULT_CHUNK_TOKENS
 from kvshare.tables import Table
@@ -128,23 +129,20 @@ def timing_table(records: Sequence[RequestRecord]) -> Table | None:
     timed = [r for r in records if r.measured and r.result.server_timing]
     if not timed:
         return None
-    phases = list(dict.fromkeys(name for r in timed for name in r.result.server_timing))
+    phases = list(median_phases(r.result.server_timing for r in timed))
     cells = []
     for condition in CONDITIONS:
         group = [r for r in timed if r.condition == condition]
         if not group:
             continue
         ttfts = [1e3 * r.result.ttft_s for r in group if r.result.ttft_s is not None]
-        values = [
-            [r.result.server_timing[p] for r in group if p in r.result.server_timing]
-            for p in phases
-        ]
+        medians = median_phases(r.result.server_timing for r in group)
         cells.append(
             (
                 condition,
                 str(len(group)),
                 f"{statistics.median(ttfts):.1f}" if ttfts else "-",
-                *(f"{statistics.median(v):.1f}" if v else "-" for v in values),
+                *(f"{medians[p]:.1f}" if p in medians else "-" for p in phases),
             )
         )
     return Table(

@@ -307,9 +307,6 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def __contains__(self, block_hash: bytes) -> bool:
-        return block_hash in self._lru
-
     def match(self, hashes: Sequence[bytes], start: int = 0) -> int:
         """The end of the run of hashes present from `start` on (how many leading hashes
         are present, from 0; read-only: no LRU touch). The walk runs in C: 8k hashes (a

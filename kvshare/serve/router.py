@@ -399,7 +399,7 @@ class Router:
         pinned = self._pinned(request)
         # Parsing and hashing a 130k-token prompt take ~20 ms. A pinned request needs its
         # prefix only to record where it went: it is forwarded while the hashing runs.
-        hashing = asyncio.ensure_future(self._parsed(request, body))
+        hashing = asyncio.ensure_future(self._parsed(request, body, pack=pinned is None))
         try:
             if pinned is None:
                 await hashing
@@ -476,10 +476,12 @@ class Router:
             )
         return int(value)
 
-    async def _parsed(self, request: web.Request, body: bytes) -> Parsed:
+    async def _parsed(self, request: web.Request, body: bytes, pack: bool) -> Parsed:
+        """The body's prefix, and, when `pack` (a request not yet forwarded) and a replica
+        takes it, the body packed."""
         if not self.policy.uses_prefix or request.method != "POST" or not body:
             return Parsed()
-        pack = any(r.takes_packed for r in self.replicas)
+        pack = pack and any(r.takes_packed for r in self.replicas)
         # Parsing and tokenizing a long prompt take milliseconds: off the event loop.
         return await asyncio.to_thread(self._parse, request.path, body, pack)
 

@@ -20,8 +20,9 @@ Timing tells a tenant no more than its own TTFT and its usage's cached-token cou
 from __future__ import annotations
 
 import re
+import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 HEADER = "Server-Timing"
 _ENTRY = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*(?:;(.*))?$")
@@ -50,6 +51,16 @@ class PhaseClock:
         """The phases so far and `total` (the start until now), as a header value."""
         phases = [*self._phases, (total, time.monotonic() - self.start)]
         return ", ".join(f"{name};dur={1e3 * seconds:.3f}" for name, seconds in phases)
+
+
+def median_phases(timings: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Per phase named in any of `timings` (parsed headers), in first-seen order, the median
+    of its durations over the timings that name it."""
+    durations: dict[str, list[float]] = {}
+    for timing in timings:
+        for name, ms in timing.items():
+            durations.setdefault(name, []).append(ms)
+    return {name: statistics.median(values) for name, values in durations.items()}
 
 
 def parse_server_timing(values: Iterable[str]) -> dict[str, float]:

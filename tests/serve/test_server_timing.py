@@ -15,7 +15,7 @@ from kvshare.engine.llm_engine import LLMEngine, RequestOutput
 from kvshare.serve.router import ROUTER_KEY, RouterConfig, build_router_app
 from kvshare.serve.routing_keys import RoutingKeys
 from kvshare.serve.server import ServeConfig, build_app
-from kvshare.serve.server_timing import HEADER, PhaseClock, parse_server_timing
+from kvshare.serve.server_timing import HEADER, PhaseClock, median_phases, parse_server_timing
 from tests.serve.inprocess import BackgroundServer, wait_checked
 
 PROMPT = list(range(3, 51))
@@ -120,3 +120,10 @@ def test_the_router_adds_its_phases_to_the_replicas(replica: BackgroundServer) -
     check_phases(phases, ROUTER_PHASES, "router-total")
     # The replica's time is inside the router's wait for it, which is inside the router's.
     assert phases["total"] <= phases["router-upstream"] <= phases["router-total"] <= elapsed_ms
+
+
+def test_median_phases_keeps_first_seen_order_and_skips_absent_phases() -> None:
+    timings = [{"read": 1.0, "engine": 10.0}, {"read": 3.0, "parse": 5.0}, {"read": 2.0}]
+    medians = median_phases(timings)
+    assert list(medians) == ["read", "engine", "parse"]
+    assert medians == {"read": 2.0, "engine": 10.0, "parse": 5.0}
