@@ -48,8 +48,11 @@ HEAD_DIM = 256
 COPY = re.compile(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^\]]*\], \[[^\]]*\], (\w+)")
 
 
-def kernel_ptx(fp8: bool, block_size: int = 16, kv_heads: int = 4) -> str:
-    """The kernel's PTX for sm_90 (head dim 256, group 6, a 64-row query tile)."""
+def kernel_ptx(
+    fp8: bool, block_size: int = 16, kv_heads: int = 4, fp8_dot: str = paged_decode.FP8_DOT
+) -> str:
+    """The kernel's PTX for sm_90 (head dim 256, group 6, a 64-row query tile); fp8_dot:
+    one of paged_decode.FP8_DOT_MODES."""
     kv_type = "*u8" if fp8 else "*bf16"
     signature = {name: kind or kv_type for name, kind in ARGS}
     value_bytes, block_bytes = kv_fp8.plane_bytes(block_size, kv_heads, HEAD_DIM) if fp8 else (0, 0)
@@ -64,7 +67,7 @@ def kernel_ptx(fp8: bool, block_size: int = 16, kv_heads: int = 4) -> str:
         "BLOCK_BYTES": block_bytes,
         "VALUE_BYTES": value_bytes,
         "KV_FP8": fp8,
-        "FP8_F16": True,
+        "FP8_DOT": paged_decode.FP8_DOT_MODES.index(fp8_dot),
     }
     signature |= dict.fromkeys(constants, "constexpr")
     names = list(signature)
