@@ -28,7 +28,8 @@ MAX_QUERY = (
 MAX_ROWS = 64  # query rows (token x group head) per program when several tokens per sequence
 # How an fp8 cache's keys and values meet the query and p (the kernel says why):
 # "float16": converted to float16; "query": to the query's dtype; "e4m3": as stored, the
-# query and p quantized to e4m3 per row (Hopper's fp8 wgmma, no conversion of the tiles).
+# query and p quantized to e4m3 per row (Hopper's fp8 wgmma, no conversion of the tiles);
+# "e4m3x2": as "e4m3", each of the query and p in two e4m3 terms (two dots each).
 FP8_DOT_MODES = ("query", "float16", "e4m3", "e4m3x2")
 FP8_DOT = "float16"
 
@@ -125,11 +126,11 @@ def _split_kernel(
         # term keeps 4 significant bits: a score's error grows with the score. Two
         # (e4m3x2: the rounding error again, x 16, in a second dot) keep 8, as bfloat16.
         dot_dtype = tl.float8e4nv
-        q32 = (
-            q.to(tl.float32)
-            / (tl.where(tl.max(tl.abs(q), 1) > 0, tl.max(tl.abs(q), 1), 1.0) / 448.0)[:, None]
-        )
-        row_scale = tl.where(tl.max(tl.abs(q), 1) > 0, tl.max(tl.abs(q), 1), 1.0) / 448.0 * scale
+        q32 = q.to(tl.float32)
+        q_top = tl.max(tl.abs(q32), 1)
+        q_top = tl.where(q_top > 0, q_top, 1.0) / 448.0
+        q32 = q32 / q_top[:, None]
+        row_scale = q_top * scale
         q = q32.to(dot_dtype)
         q_rest = ((q32 - q.to(tl.float32)) * 16.0).to(dot_dtype)
     q_pos = ctx - q_len + tok
