@@ -109,7 +109,7 @@ def _split_kernel(
     out_row = out_row.to(tl.int64)
     q = tl.load(Q + out_row[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0)
     dot_dtype = Q.dtype.element_ty
-    row_scale = tl.full([ROWS], scale, tl.float32)  # a score's factor besides its key's scale
+    row_scale = tl.full([ROWS], scale, tl.float32)  # e4m3 dots: a row's factor of its scores
     if KV_FP8 and FP8_DOT == 1 and Q.dtype.element_ty != tl.float32:
         # e4m3 -> float16 is one conversion, -> bfloat16 three (through float32): with
         # every key and value converted in every program, they set the kernel's time. A
@@ -165,9 +165,11 @@ def _split_kernel(
             v_scale = tl.load(V_SCALE + scale_at, mask=valid, other=0.0)
             if FP8_DOT == 3:
                 scores = tl.dot(q, tl.trans(k), tl.dot(q_rest, tl.trans(k)) * 0.0625)
+                scores = scores * row_scale[:, None] * k_scale[None, :]
+            elif FP8_DOT == 2:
+                scores = tl.dot(q, tl.trans(k)) * row_scale[:, None] * k_scale[None, :]
             else:
-                scores = tl.dot(q, tl.trans(k)).to(tl.float32)
-            scores = scores * row_scale[:, None] * k_scale[None, :]
+                scores = tl.dot(q, tl.trans(k)).to(tl.float32) * (k_scale[None, :] * scale)
         else:
             scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
         if VARLEN:  # per-row causal and window bounds; decode's single row is covered by [lo, hi)
