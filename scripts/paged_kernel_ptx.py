@@ -11,14 +11,24 @@ A value row is 16-byte aligned when a block's bytes are a multiple of 16: with
 `--blocks 15x3` (15-token blocks of 3 KV heads: 11,700 bytes) they are only 4-byte
 aligned and Triton copies the tiles 4 bytes at a time, as it did for the token-major rows
 (256 values and their scale in one 260-byte row: 79 four-byte copies) this layout replaced.
+
+    PYTHONPATH=$PWD python3 scripts/paged_kernel_ptx.py --sass
+
+assembles the kernel for each way fp8 dots meet the tiles (paged_decode.FP8_DOT_MODES) and
+for a bf16 cache with the ptxas that Triton ships, and prints registers, spilled bytes and
+the instruction mix of the main loop (per thread, one tile of keys): the static cost that
+the GPU's timing (scripts/gpu_paged_rows.py) then confirms or not.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 import sys
+import tempfile
 from collections import Counter
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -86,13 +96,75 @@ def kernel_ptx(
     return compiled.asm["ptx"]
 
 
+LOOP_OPS = ("HGMMA", "QGMMA", "LDGSTS", "LDS", "LDSM", "STS", "F2FP", "PRMT", "BAR", "STL", "LDL")
+SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*);")
+
+
+def assemble(ptx: str, cubin: Path) -> str:
+    """ptxas -v of `ptx` into `cubin` with Triton's own ptxas; a PTX version newer than it
+    takes is lowered to the one it names (the kernel uses nothing newer)."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    for _ in range(2):
+        source = cubin.with_suffix(".ptx")
+        source.write_text(ptx)
+        cmd = [str(ptxas), "-v", "--gpu-name", "sm_90a", str(source), "-o", str(cubin)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        newest = re.search(
+            r"Unsupported \.version [\d.]+; current version is '([\d.]+)'", done.stderr
+        )
+        if done.returncode == 0 or newest is None:
+            break
+        ptx = re.sub(r"^\.version [\d.]+", f".version {newest.group(1)}", ptx, flags=re.M)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-1000:])
+    return done.stderr + done.stdout
+
+
+def loop_mix(cubin: Path) -> tuple[int, Counter]:
+    """Instructions of the kernel's longest backward branch's body (the key loop), by opcode."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True)
+    code = [(int(a, 16), op, rest) for a, op, rest in SASS_LINE.findall(sass.stdout)]
+    loops = [
+        (int(target.group(1), 16), at)
+        for at, op, rest in code
+        if op == "BRA" and (target := re.search(r"0x([0-9a-f]+)", rest))
+        if int(target.group(1), 16) < at
+    ]
+    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
+    body = [op for at, op, _ in code if start <= at <= end]
+    return len(body), Counter(body)
+
+
+def sass_table() -> None:
+    print(f"{'cache, dots':16} {'regs':>4} {'spill B':>7} {'loop':>5}  " + " ".join(LOOP_OPS))
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = Path(folder) / "kernel.cubin"
+        for fp8, dots in [(False, "float16")] + [(True, m) for m in paged_decode.FP8_DOT_MODES]:
+            log = assemble(kernel_ptx(fp8, fp8_dot=dots), cubin)
+            regs = int(re.search(r"Used (\d+) registers", log).group(1))
+            spilled = int(re.search(r"(\d+) bytes spill stores", log).group(1))
+            total, ops = loop_mix(cubin)
+            label = f"fp8, {dots}" if fp8 else "bf16"
+            print(
+                f"{label:16} {regs:4d} {spilled:7d} {total:5d}  "
+                + " ".join(f"{ops[op]:{len(op)}d}" for op in LOOP_OPS)
+            )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--blocks", default="16x4", help="fp8 caches: BLOCK_SIZExKV_HEADS,... (head dim 256)"
     )
     parser.add_argument("--bf16", action="store_true", help="also a bfloat16 cache (16x4)")
+    parser.add_argument(
+        "--sass", action="store_true", help="registers, spills and loop mix per dot mode"
+    )
     args = parser.parse_args()
+    if args.sass:
+        sass_table()
+        return 0
     cases = []
     for blocks in args.blocks.split(","):
         block_size, kv_heads = (int(n) for n in blocks.split("x"))

@@ -90,3 +90,21 @@ def test_the_fp8_kernel_copies_its_tiles_in_16_byte_pieces_like_bf16() -> None:
     fp8, bf16, misaligned = copies["fp8, 16x4"], copies["bf16, 16x4"], copies["fp8, 15x3"]
     assert 2 * fp8[16] == bf16[16], done.stdout
     assert 16 not in misaligned and misaligned[4] > fp8[4], done.stdout
+
+
+def test_the_sass_table_shows_each_fp8_modes_tensor_core_path() -> None:
+    """The fp8 kernel's float16 dots make a shared-memory round trip bf16's do not (STS in
+    the key loop); e4m3 dots run on the fp8 tensor cores (QGMMA), float16 ones do not."""
+    triton = pytest.importorskip("triton")
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton ships no ptxas")
+    done = run_script("paged_kernel_ptx.py", "--sass", timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    head, *rows = [line.split() for line in done.stdout.splitlines() if line.strip()]
+    ops = head[head.index("loop") + 1 :]
+    mix = {
+        " ".join(r[: len(r) - len(ops) - 3]): dict(zip(ops, map(int, r[-len(ops) :]))) for r in rows
+    }
+    assert mix["bf16"]["STS"] == 0 and mix["fp8, float16"]["STS"] > 0, done.stdout
+    assert mix["fp8, float16"]["QGMMA"] == 0 and mix["fp8, float16"]["HGMMA"] > 0, done.stdout
+    assert mix["fp8, e4m3"]["QGMMA"] > 0 and mix["fp8, e4m3x2"]["QGMMA"] > 0, done.stdout
