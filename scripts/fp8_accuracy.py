@@ -77,18 +77,6 @@ def teacher_forced(engine: LLMEngine, tokens: list[int], step: int) -> tuple[np.
     return np.concatenate(argmax), np.concatenate(logprob)
 
 
-def agreement(
-    ref_top: np.ndarray, ref_lp: np.ndarray, fp8_top: np.ndarray, fp8_lp: np.ndarray
-) -> dict[str, float]:
-    diff = np.abs(fp8_lp.astype(np.float64) - ref_lp)
-    return {
-        "greedy_agreement": float((fp8_top == ref_top).mean()),
-        "mean_abs_logprob_diff": float(diff.mean()),
-        "max_abs_logprob_diff": float(diff.max()),
-        "mean_logprob_fp8": float(fp8_lp.mean()),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -98,12 +86,6 @@ def main() -> None:
     parser.add_argument("--step", type=int, default=512, help="prefill step, tokens")
     parser.add_argument("--kv-cache-memory", default="2GiB")
     parser.add_argument("--weights-seed", type=int, default=0)
-    parser.add_argument(
-        "--fp8-dots",
-        default="",
-        help="CUDA: compare each of these paged-kernel modes (kvshare.engine.paged_decode."
-        "FP8_DOT_MODES, comma-separated; default the kernel's own)",
-    )
     parser.add_argument("--out", help="write the result as JSON here")
     args = parser.parse_args()
     base = EngineConfig.from_argv(
@@ -113,28 +95,17 @@ def main() -> None:
         args.model, device=args.device, dtype=base.resolved_dtype, seed=args.weights_seed
     )
     tokens = text_tokens(loaded, args.tokens)
-    modes = [m for m in args.fp8_dots.split(",") if m]
-    if modes and not args.device.startswith("cuda"):
-        parser.error("--fp8-dots chooses the CUDA kernel's mode")
     runs = {}
-    for kv in ["auto"] + [f"fp8 {m}" for m in modes] if modes else ["auto", "fp8"]:
-        if modes and kv != "auto":
-            from kvshare.engine import paged_decode  # Triton: CUDA only
-
-            paged_decode.FP8_DOT = kv.split()[1]
-        config = EngineConfig(**{**vars(base), "kv_cache_dtype": kv.split()[0]})
-        engine = LLMEngine(loaded, config)
+    for kv in ("auto", "fp8"):
+        engine = LLMEngine(loaded, EngineConfig(**{**vars(base), "kv_cache_dtype": kv}))
         began = time.perf_counter()
         runs[kv] = teacher_forced(engine, tokens, args.step)
         print(f"{kv}: {len(tokens)} tokens in {time.perf_counter() - began:.1f} s", flush=True)
         del engine
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    ref_top, ref_lp = runs.pop("auto")
-    results = [
-        ({"fp8_dots": kv.split()[1]} if modes else {}) | agreement(ref_top, ref_lp, fp8_top, fp8_lp)
-        for kv, (fp8_top, fp8_lp) in runs.items()
-    ]
+    (ref_top, ref_lp), (fp8_top, fp8_lp) = runs["auto"], runs["fp8"]
+    diff = np.abs(fp8_lp.astype(np.float64) - ref_lp)
     result = {
         "model": args.model,
         "weights_seed": args.weights_seed if args.model.startswith("shape:") else None,
@@ -142,10 +113,13 @@ def main() -> None:
         "model_dtype": base.resolved_dtype,
         "reference_kv": base.resolved_dtype,
         "text": "LICENSE" if loaded.tokenizer is not None else "random token ids (seed 0)",
-        "positions": len(ref_lp),
+        "positions": len(diff),
         "step_tokens": args.step,
+        "greedy_agreement": float((fp8_top == ref_top).mean()),
+        "mean_abs_logprob_diff": float(diff.mean()),
+        "max_abs_logprob_diff": float(diff.max()),
         "mean_logprob_reference": float(ref_lp.mean()),
-        **(results[0] if len(results) == 1 else {"fp8": results}),
+        "mean_logprob_fp8": float(fp8_lp.mean()),
         "machine": f"{platform.node()} {platform.machine()}"
         + (f" {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""),
         "date": date.today().isoformat(),

@@ -53,7 +53,6 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -273,28 +272,6 @@ def compare_graphs(
         },
     )
     runner.graphs = graphs
-    return results
-
-
-def compare_fp8_dots(
-    engine: LLMEngine, served: PromptIds, args: argparse.Namespace
-) -> dict[str, list[dict]]:
-    """Hits with each --compare-fp8-dots mode of the paged kernel, steps run eagerly (a
-    captured graph keeps the kernel it was captured with); the defaults are put back."""
-    from kvshare.engine import paged_decode  # Triton: CUDA only
-
-    runner, graphs, own = engine.runner, engine.runner.graphs, paged_decode.FP8_DOT
-    runner.graphs = None
-    results = alternate(
-        engine,
-        served,
-        args,
-        {
-            f"fp8 dots {m}": partial(setattr, paged_decode, "FP8_DOT", m)
-            for m in args.compare_fp8_dots
-        },
-    )
-    runner.graphs, paged_decode.FP8_DOT = graphs, own
     return results
 
 
@@ -544,14 +521,6 @@ def main() -> int:
         help="after the profile, time --repeats hits with CUDA graphs and without, alternated",
     )
     parser.add_argument(
-        "--compare-fp8-dots",
-        type=lambda text: text.split(","),
-        default=[],
-        metavar="MODE,MODE,...",
-        help="after the profile, time --repeats hits (steps eager) with each of "
-        "kvshare.engine.paged_decode.FP8_DOT_MODES",
-    )
-    parser.add_argument(
         "--exact-fill",
         action="store_true",
         help="compute the cold prefill's attention (default: skip it, the KV is still stored)",
@@ -621,8 +590,6 @@ def main() -> int:
         compared = compare_layer_groups(engine, served, args) if args.compare_layer_groups else {}
         if args.compare_graphs:
             compared |= compare_graphs(engine, served, args)
-        if args.compare_fp8_dots:
-            compared |= compare_fp8_dots(engine, served, args)
         traced_kernels: list[dict[str, Any]] = []
         if args.trace is not None:
             from torch.profiler import ProfilerActivity

@@ -14,7 +14,7 @@ aligned and Triton copies the tiles 4 bytes at a time, as it did for the token-m
 
     PYTHONPATH=$PWD python3 scripts/paged_kernel_ptx.py --sass
 
-assembles the kernel for each way fp8 dots meet the tiles (paged_decode.FP8_DOT_MODES) and
+assembles the kernel for an fp8 cache (dots in float16, the kernel's own, and in bfloat16) and
 for a bf16 cache with the ptxas that Triton ships, and prints registers, spilled bytes and
 the instruction mix of the main loop (per thread, one tile of keys): the static cost that
 the GPU's timing (scripts/gpu_paged_rows.py) then confirms or not.
@@ -58,11 +58,9 @@ HEAD_DIM = 256
 COPY = re.compile(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^\]]*\], \[[^\]]*\], (\w+)")
 
 
-def kernel_ptx(
-    fp8: bool, block_size: int = 16, kv_heads: int = 4, fp8_dot: str = paged_decode.FP8_DOT
-) -> str:
-    """The kernel's PTX for sm_90 (head dim 256, group 6, a 64-row query tile); fp8_dot:
-    one of paged_decode.FP8_DOT_MODES."""
+def kernel_ptx(fp8: bool, block_size: int = 16, kv_heads: int = 4, fp8_dot_f16: bool = True) -> str:
+    """The kernel's PTX for sm_90 (head dim 256, group 6, a 64-row query tile); an fp8
+    cache's dots in float16 (the kernel's own) or in the query's bfloat16."""
     kv_type = "*u8" if fp8 else "*bf16"
     signature = {name: kind or kv_type for name, kind in ARGS}
     value_bytes, block_bytes = kv_fp8.plane_bytes(block_size, kv_heads, HEAD_DIM) if fp8 else (0, 0)
@@ -77,7 +75,7 @@ def kernel_ptx(
         "BLOCK_BYTES": block_bytes,
         "VALUE_BYTES": value_bytes,
         "KV_FP8": fp8,
-        "FP8_DOT": paged_decode.FP8_DOT_MODES.index(fp8_dot),
+        "FP8_F16": fp8_dot_f16,
     }
     signature |= dict.fromkeys(constants, "constexpr")
     names = list(signature)
@@ -96,7 +94,7 @@ def kernel_ptx(
     return compiled.asm["ptx"]
 
 
-LOOP_OPS = ("HGMMA", "QGMMA", "LDGSTS", "LDS", "LDSM", "STS", "F2FP", "PRMT", "BAR", "STL", "LDL")
+LOOP_OPS = ("HGMMA", "LDGSTS", "LDS", "LDSM", "STS", "F2FP", "PRMT", "BAR", "STL", "LDL")
 SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*);")
 
 
@@ -140,8 +138,8 @@ def sass_table() -> None:
     print(f"{'cache, dots':16} {'regs':>4} {'spill B':>7} {'loop':>5}  " + " ".join(LOOP_OPS))
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "kernel.cubin"
-        for fp8, dots in [(False, "float16")] + [(True, m) for m in paged_decode.FP8_DOT_MODES]:
-            log = assemble(kernel_ptx(fp8, fp8_dot=dots), cubin)
+        for fp8, dots in [(False, "bfloat16"), (True, "float16"), (True, "bfloat16")]:
+            log = assemble(kernel_ptx(fp8, fp8_dot_f16=dots == "float16"), cubin)
             regs = int(re.search(r"Used (\d+) registers", log).group(1))
             spilled = int(re.search(r"(\d+) bytes spill stores", log).group(1))
             total, ops = loop_mix(cubin)

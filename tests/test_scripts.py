@@ -92,9 +92,10 @@ def test_the_fp8_kernel_copies_its_tiles_in_16_byte_pieces_like_bf16() -> None:
     assert 16 not in misaligned and misaligned[4] > fp8[4], done.stdout
 
 
-def test_the_sass_table_shows_each_fp8_modes_tensor_core_path() -> None:
-    """The fp8 kernel's float16 dots make a shared-memory round trip bf16's do not (STS in
-    the key loop); e4m3 dots run on the fp8 tensor cores (QGMMA), float16 ones do not."""
+def test_the_sass_table_shows_the_fp8_kernels_round_trip_through_shared_memory() -> None:
+    """What docs/fp8.md says of the fp8 kernel's key loop, from Triton's own ptxas: its tiles
+    go back to shared memory after their conversion (STS), bf16's never; dots in bfloat16
+    take more instructions than in float16 (e4m3 -> bfloat16 goes through float32)."""
     triton = pytest.importorskip("triton")
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this Triton ships no ptxas")
@@ -102,9 +103,15 @@ def test_the_sass_table_shows_each_fp8_modes_tensor_core_path() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     head, *rows = [line.split() for line in done.stdout.splitlines() if line.strip()]
     ops = head[head.index("loop") + 1 :]
-    mix = {
-        " ".join(r[: len(r) - len(ops) - 3]): dict(zip(ops, map(int, r[-len(ops) :]))) for r in rows
+    loops = {
+        " ".join(r[: len(r) - len(ops) - 3]): (
+            int(r[-len(ops) - 1]),
+            dict(zip(ops, map(int, r[-len(ops) :]))),
+        )
+        for r in rows
     }
-    assert mix["bf16"]["STS"] == 0 and mix["fp8, float16"]["STS"] > 0, done.stdout
-    assert mix["fp8, float16"]["QGMMA"] == 0 and mix["fp8, float16"]["HGMMA"] > 0, done.stdout
-    assert mix["fp8, e4m3"]["QGMMA"] > 0 and mix["fp8, e4m3x2"]["QGMMA"] > 0, done.stdout
+    (bf16, bf16_ops), (f16, f16_ops), (bf, _) = (
+        loops[k] for k in ("bf16", "fp8, float16", "fp8, bfloat16")
+    )
+    assert bf16_ops["STS"] == 0 and f16_ops["STS"] > 0 and f16_ops["HGMMA"] > 0, done.stdout
+    assert bf16 < f16 < bf, done.stdout

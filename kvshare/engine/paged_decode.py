@@ -26,12 +26,9 @@ MAX_QUERY = (
     64  # most new tokens per sequence the paged path serves; longer chunks go to varlen flash
 )
 MAX_ROWS = 64  # query rows (token x group head) per program when several tokens per sequence
-# How an fp8 cache's keys and values meet the query and p (the kernel says why):
-# "float16": converted to float16; "query": to the query's dtype; "e4m3": as stored, the
-# query and p quantized to e4m3 per row (Hopper's fp8 wgmma, no conversion of the tiles);
-# "e4m3x2": as "e4m3", each of the query and p in two e4m3 terms (two dots each).
-FP8_DOT_MODES = ("query", "float16", "e4m3", "e4m3x2")
-FP8_DOT = "float16"
+# An fp8 cache's keys and values meet the query in float16 dots (below, in the kernel);
+# False: in the query's dtype.
+FP8_DOT_F16 = True
 
 
 @triton.jit
@@ -62,7 +59,7 @@ def _split_kernel(
     BLOCK_BYTES: tl.constexpr,
     VALUE_BYTES: tl.constexpr,
     KV_FP8: tl.constexpr,
-    FP8_DOT: tl.constexpr,
+    FP8_F16: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -109,30 +106,13 @@ def _split_kernel(
     out_row = out_row.to(tl.int64)
     q = tl.load(Q + out_row[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0)
     dot_dtype = Q.dtype.element_ty
-    row_scale = tl.full([ROWS], scale, tl.float32)  # e4m3 dots: a row's factor of its scores
-    if KV_FP8 and FP8_DOT == 1 and Q.dtype.element_ty != tl.float32:
+    if KV_FP8 and FP8_F16 and Q.dtype.element_ty != tl.float32:
         # e4m3 -> float16 is one conversion, -> bfloat16 three (through float32): with
         # every key and value converted in every program, they set the kernel's time. A
         # bfloat16 query is exact in float16 up to its range, which it is clamped to (a
         # float32 query, on the CPU, keeps float32).
         dot_dtype = tl.float16
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(dot_dtype)
-    q_rest = q
-    if KV_FP8 and FP8_DOT >= 2:
-        # Converted tiles make a round trip through shared memory (registers, convert,
-        # back for the tensor cores) that costs about what the dots do; e4m3 dots read the
-        # stored tiles as they are. The query is quantized once per program, per row to
-        # its largest element (e4m3's 448), which the row's scores multiply back. One e4m3
-        # term keeps 4 significant bits: a score's error grows with the score. Two
-        # (e4m3x2: the rounding error again, x 16, in a second dot) keep 8, as bfloat16.
-        dot_dtype = tl.float8e4nv
-        q32 = q.to(tl.float32)
-        q_top = tl.max(tl.abs(q32), 1)
-        q_top = tl.where(q_top > 0, q_top, 1.0) / 448.0
-        q32 = q32 / q_top[:, None]
-        row_scale = q_top * scale
-        q = q32.to(dot_dtype)
-        q_rest = ((q32 - q.to(tl.float32)) * 16.0).to(dot_dtype)
     q_pos = ctx - q_len + tok
     q_lo = tl.where(window > 0, q_pos - window + 1, 0)  # the engine's window: key > pos - W
 
@@ -163,13 +143,7 @@ def _split_kernel(
             v = v.to(tl.float8e4nv, bitcast=True).to(dot_dtype)
             k_scale = tl.load(K_SCALE + scale_at, mask=valid, other=0.0)
             v_scale = tl.load(V_SCALE + scale_at, mask=valid, other=0.0)
-            if FP8_DOT == 3:
-                scores = tl.dot(q, tl.trans(k), tl.dot(q_rest, tl.trans(k)) * 0.0625)
-                scores = scores * row_scale[:, None] * k_scale[None, :]
-            elif FP8_DOT == 2:
-                scores = tl.dot(q, tl.trans(k)) * row_scale[:, None] * k_scale[None, :]
-            else:
-                scores = tl.dot(q, tl.trans(k)).to(tl.float32) * (k_scale[None, :] * scale)
+            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * (k_scale[None, :] * scale)
         else:
             scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
         if VARLEN:  # per-row causal and window bounds; decode's single row is covered by [lo, hi)
@@ -191,18 +165,7 @@ def _split_kernel(
             v_top = tl.max(v_scale, 0)
             v_top = tl.where(v_top > 0, v_top, 1.0)
             pv = p * (v_scale / v_top)[None, :]
-            if FP8_DOT >= 2:
-                # x 256 (exact): e4m3's normal range, not its subnormals, for p down to
-                # 2**-14 of the row's largest.
-                pv = pv * 256.0
-                v_top = v_top / 256.0
-            p_top = pv.to(v.dtype)
-            if FP8_DOT == 3:
-                p_rest = ((pv - p_top.to(tl.float32)) * 16.0).to(v.dtype)
-                out = tl.dot(p_top, v, tl.dot(p_rest, v) * 0.0625)
-            else:
-                out = tl.dot(p_top, v).to(tl.float32)
-            acc = acc * alpha[:, None] + out * v_top
+            acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v).to(tl.float32) * v_top
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m_i = m_new
@@ -345,7 +308,7 @@ def paged_attention(
         BLOCK_BYTES=block_bytes,
         VALUE_BYTES=value_bytes,
         KV_FP8=fp8,
-        FP8_DOT=FP8_DOT_MODES.index(FP8_DOT),
+        FP8_F16=FP8_DOT_F16,
         num_warps=split_warps(rows, head_dim, cu_seqlens_q is not None),
     )
     out = torch.empty_like(q)
