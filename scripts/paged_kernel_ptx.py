@@ -157,7 +157,9 @@ def main() -> int:
     )
     parser.add_argument("--bf16", action="store_true", help="also a bfloat16 cache (16x4)")
     parser.add_argument(
-        "--sass", action="store_true", help="registers, spills and loop mix per dot mode"
+        "--sass",
+        action="store_true",
+        help="registers, spills and key-loop mix, bf16 and fp8 caches",
     )
     args = parser.parse_args()
     if args.sass:
