@@ -98,10 +98,15 @@ LOOP_OPS = ("HGMMA", "LDGSTS", "LDS", "LDSM", "STS", "F2FP", "PRMT", "BAR", "STL
 SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*);")
 
 
+def nvidia_tool(name: str) -> Path:
+    """A CUDA tool that Triton ships (ptxas, cuobjdump)."""
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+
+
 def assemble(ptx: str, cubin: Path) -> str:
     """ptxas -v of `ptx` into `cubin` with Triton's own ptxas; a PTX version newer than it
     takes is lowered to the one it names (the kernel uses nothing newer)."""
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    ptxas = nvidia_tool("ptxas")
     for _ in range(2):
         source = cubin.with_suffix(".ptx")
         source.write_text(ptx)
@@ -120,8 +125,9 @@ def assemble(ptx: str, cubin: Path) -> str:
 
 def loop_mix(cubin: Path) -> tuple[int, Counter]:
     """Instructions of the kernel's longest backward branch's body (the key loop), by opcode."""
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True)
+    sass = subprocess.run(
+        [str(nvidia_tool("cuobjdump")), "-sass", str(cubin)], capture_output=True, text=True
+    )
     code = [(int(a, 16), op, rest) for a, op, rest in SASS_LINE.findall(sass.stdout)]
     loops = [
         (int(target.group(1), 16), at)

@@ -129,7 +129,7 @@ def timing_table(records: Sequence[RequestRecord]) -> Table | None:
     timed = [r for r in records if r.measured and r.result.server_timing]
     if not timed:
         return None
-    phases = list(median_phases(r.result.server_timing for r in timed))
+    phases = list(dict.fromkeys(name for r in timed for name in r.result.server_timing))
     cells = []
     for condition in CONDITIONS:
         group = [r for r in timed if r.condition == condition]
