@@ -72,9 +72,9 @@ from kvshare.engine.sampling_params import SamplingParams
 from kvshare.engine.sequence import Sequence
 from kvshare.kvpool.connector import PoolConnector
 from kvshare.kvpool.launch import PoolProcess, PoolProcessConfig
-from kvshare.kvpool.mooncake_master import free_port
 from kvshare.kvpool.transfer import LayerGroups
 from kvshare.models.loader import load_model
+from kvshare.ports import free_port
 from kvshare.serve.http import parse_json_object
 from kvshare.serve.protocol import ModelInfo, parse_generate
 from kvshare.serve.routing_keys import RoutingKeys

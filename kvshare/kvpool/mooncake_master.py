@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from types import TracebackType
+
+from kvshare.ports import free_port
 
 _READY_TIMEOUT_S = 15.0
 
@@ -35,12 +36,6 @@ def mooncake_missing() -> str | None:
     if master_binary() is None:
         return "mooncake_master is not on PATH"
     return None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
 
 
 class MooncakeMaster:

@@ -26,7 +26,6 @@ import ctypes
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -48,6 +47,7 @@ from kvshare.kvpool.ownership import clean_folder
 from kvshare.kvpool.page import PAGE_ALIGN
 from kvshare.kvpool.paths import SHM_DIR, default_pool_paths
 from kvshare.kvpool.remote import RemoteConfig
+from kvshare.ports import free_ports
 from kvshare.serve.auth import (
     ADMIN_KEY_ENV,
     API_KEY_ENV,
@@ -437,19 +437,6 @@ class _Child:
         return f"{self.name} exited with status {code}; its last output:\n{tail}"
 
 
-def _free_ports(n: int, host: str) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((host, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=5.0) as resp:
@@ -470,7 +457,7 @@ class Cluster:
         self.arena_path = os.path.join(arena_dir, f"kvshare-up-{uuid.uuid4().hex[:12]}.arena")
         n = config.replicas
         ports = (
-            _free_ports(n + 1, config.host)
+            free_ports(n + 1, config.host)
             if config.port == 0
             else [config.port + i for i in range(n + 1)]
         )

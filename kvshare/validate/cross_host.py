@@ -34,11 +34,12 @@ from kvshare.engine.sampling_params import SamplingParams
 from kvshare.kvpool.client import PoolClient
 from kvshare.kvpool.keys import chunk_keys
 from kvshare.kvpool.launch import PoolProcess, PoolProcessConfig
-from kvshare.kvpool.mooncake_master import MooncakeMaster, free_port, mooncake_missing
+from kvshare.kvpool.mooncake_master import MooncakeMaster, mooncake_missing
 from kvshare.kvpool.page import HEADER_BYTES
 from kvshare.kvpool.paths import SHM_DIR
 from kvshare.kvpool.remote import RemoteConfig, parse_remote_url, remote_name
 from kvshare.llm import LLM
+from kvshare.ports import free_port
 from kvshare.validate.result import CheckResult
 
 _GREEDY = SamplingParams(max_tokens=8, temperature=0.0)

@@ -22,9 +22,10 @@ from kvshare.engine.sampling_params import SamplingParams
 from kvshare.kvpool.client import PoolClient
 from kvshare.kvpool.keys import chunk_keys
 from kvshare.kvpool.launch import PoolProcess
-from kvshare.kvpool.mooncake_master import MooncakeMaster, free_port, mooncake_missing
+from kvshare.kvpool.mooncake_master import MooncakeMaster, mooncake_missing
 from kvshare.kvpool.page import HEADER_BYTES
 from kvshare.kvpool.remote import RemoteConfig, remote_name
+from kvshare.ports import free_port
 from kvshare.validate.cross_host import corrupt_in_child
 from tests.kvpool.pool_fixture import MIB, PoolFactory
 

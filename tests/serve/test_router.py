@@ -20,6 +20,7 @@ from aiohttp import web
 
 import kvshare
 from kvshare.engine.block_manager import block_hashes
+from kvshare.ports import free_port
 from kvshare.serve.policies import CacheAware, RouteRequest
 from kvshare.serve.router import ROUTER_KEY, Router, RouterConfig, build_router_app
 from kvshare.serve.routing_keys import Prefix, RoutingKeys
@@ -70,12 +71,6 @@ def fake_replica(state: FakeState) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_route("*", "/admin/{tail:.*}", admin)
     return app
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -141,7 +136,7 @@ def test_a_dead_replica_leaves_rotation_and_requests_are_retried(fakes: Fakes) -
 
 
 def test_a_replica_comes_back_when_healthy(fakes: Fakes) -> None:
-    port = closed_port()
+    port = free_port()
     with routed([f"http://127.0.0.1:{port}", fakes.urls[1]]) as (client, _):
         assert not client.get("/admin/replicas").json()[0]["healthy"]
         assert {post(client).json()["served_by"] for _ in range(2)} == {"b"}
@@ -195,7 +190,7 @@ def test_admin_all_fans_out_to_every_replica(fakes: Fakes) -> None:
 
 
 def test_no_healthy_replica_is_a_503() -> None:
-    with routed([f"http://127.0.0.1:{closed_port()}"]) as (client, _):
+    with routed([f"http://127.0.0.1:{free_port()}"]) as (client, _):
         first = post(client)
         assert first.status_code == 503
         assert first.json()["error"]["type"] == "server_error"
