@@ -1,7 +1,7 @@
 """The package's layers hold: no module imports one above it, and no two files import each other.
 
 Layers, bottom to top; a module may import modules of its own layer and of layers below:
-  pure helpers (sizes, cli_env, version, spec, tables, uploads) < models < engine and preflight < kvpool
+  pure helpers (sizes, cli_env, version, spec, tables, uploads, ports) < models < engine and preflight < kvpool
   < llm (the offline facade: engine + pool connector), integrations (other engines' connectors) < serve < bench, validate, generate_cli
   < cli, __main__, the package's own __init__ (the public re-exports).
 
@@ -32,6 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "kvshare.spec",
         "kvshare.tables",
         "kvshare.uploads",
+        "kvshare.ports",
     ),
     ("kvshare.models",),
     ("kvshare.engine", "kvshare.preflight"),
