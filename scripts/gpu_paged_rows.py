@@ -28,6 +28,7 @@ import torch
 from kvshare.engine import kv_fp8, paged_decode
 
 KV_HEADS, GROUP, HEAD_DIM, BLOCK = 4, 6, 256, 16
+KERNEL_WARPS = paged_decode.split_warps
 VARIANTS = [  # (MAX_ROWS, warps, TILE, splits x the kernel's, fp8 dots in float16)
     (64, 8, 64, 1, True),  # the kernel's own
     (64, 8, 64, 1, False),
@@ -106,7 +107,9 @@ def run_case(context: int, tokens: int, fp8: bool, repeats: int) -> list[dict]:
             continue  # the dot dtype of a bf16 cache is the query's either way
         paged_decode.MAX_ROWS, paged_decode.TILE = max_rows, tile
         paged_decode.FP8_DOT_F16 = f16
-        paged_decode.split_warps = lambda r, d, varlen, w=warps: w if varlen else 4
+        # A variant's warps replace the kernel's 8 only: where the kernel runs 4 (a one-token
+        # step's 16 rows), every variant runs what the engine runs.
+        paged_decode.split_warps = lambda r, d, varlen, w=warps: min(w, KERNEL_WARPS(r, d, varlen))
         q_blocks = -(-tokens * GROUP // paged_decode.query_rows(GROUP, tokens))
         splits = more_splits * paged_decode.num_splits_for(q_blocks, KV_HEADS, context)
 
