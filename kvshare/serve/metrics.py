@@ -6,10 +6,12 @@ dashboards read (labelled `model_name` as vLLM labels them), with vLLM's meaning
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.gc_collector import GCCollector
 from prometheus_client.registry import Collector
 
 from kvshare.serve.engine_thread import EngineSnapshot
@@ -140,6 +142,20 @@ class VllmMetrics:
         )
 
 
+def add_collector_series(registry: CollectorRegistry) -> None:
+    """The Python collector's work: collections and objects per generation, and how many
+    objects it skips because the process froze them when it had started (`kvshare serve`
+    and `kvshare router` do: a full collection that walks torch's and Triton's objects
+    holds the GIL for tens of ms, in the middle of whatever request is running)."""
+    GCCollector(registry=registry)
+    frozen = Gauge(
+        "kvshare_gc_frozen_objects",
+        "Objects alive when the process finished starting, which collections skip",
+        registry=registry,
+    )
+    frozen.set_function(gc.get_freeze_count)
+
+
 class ServerMetrics:
     def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -176,6 +192,7 @@ class ServerMetrics:
         )
         self.vllm = VllmMetrics(r, model_name)
         r.register(_EngineCollector(snapshot, model_name))
+        add_collector_series(r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -223,6 +240,7 @@ class RouterMetrics:
             ["replica"],
             registry=r,
         )
+        add_collector_series(r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
