@@ -279,6 +279,10 @@ def _run_app(command: str, app: web.Application, args: argparse.Namespace, banne
     except OSError as exc:
         print(f"kvshare {command}: {exc}", file=sys.stderr)
         return 1
+    finally:
+        # Frozen objects outlive the interpreter's last collection: Triton's bindings
+        # would report them as leaked at exit.
+        gc.unfreeze()
     return 0
 
 
