@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import cProfile
 import dataclasses
+import gc
 import io
 import json
 import pstats
@@ -220,6 +221,7 @@ def alternate(
     served: PromptIds,
     args: argparse.Namespace,
     settings: dict[str, Callable[[], None]],
+    pauses: CollectorPauses,
 ) -> dict[str, list[dict]]:
     """`--repeats` hits per setting (a function that applies it), alternating the settings
     so that drift of the machine does not favour one."""
@@ -230,7 +232,9 @@ def alternate(
         for name, apply in settings.items():
             apply()
             engine.reset_prefix_cache()
-            run = run_request(engine, f"hit-{name}-{r}", served, args.output_tokens)
+            run = pauses.annotate(
+                run_request(engine, f"hit-{name}-{r}", served, args.output_tokens)
+            )
             connector.wait_idle()
             results[name].append(run)
             print(f"{name}, hit {r}: {run}", flush=True)
@@ -238,7 +242,7 @@ def alternate(
 
 
 def compare_layer_groups(
-    engine: LLMEngine, served: PromptIds, args: argparse.Namespace
+    engine: LLMEngine, served: PromptIds, args: argparse.Namespace, pauses: CollectorPauses
 ) -> dict[str, list[dict]]:
     """Hits with each --compare-layer-groups setting; the engine's setting is put back."""
     transfer = engine.connector.transfer if isinstance(engine.connector, PoolConnector) else None
@@ -251,13 +255,13 @@ def compare_layer_groups(
 
     engines_own = transfer.layer_groups
     settings = {f"layer groups {g}": setting(g) for g in args.compare_layer_groups}
-    results = alternate(engine, served, args, settings)
+    results = alternate(engine, served, args, settings, pauses)
     transfer.layer_groups = engines_own
     return results
 
 
 def compare_graphs(
-    engine: LLMEngine, served: PromptIds, args: argparse.Namespace
+    engine: LLMEngine, served: PromptIds, args: argparse.Namespace, pauses: CollectorPauses
 ) -> dict[str, list[dict]]:
     """Hits whose step replays a captured graph against the same step run eagerly."""
     runner, graphs = engine.runner, engine.runner.graphs
@@ -270,8 +274,25 @@ def compare_graphs(
             "graphs": lambda: setattr(runner, "graphs", graphs),
             "eager": lambda: setattr(runner, "graphs", None),
         },
+        pauses,
     )
     runner.graphs = graphs
+    return results
+
+
+def compare_collector(
+    engine: LLMEngine, served: PromptIds, args: argparse.Namespace, pauses: CollectorPauses
+) -> dict[str, list[dict]]:
+    """Hits with every object alive frozen out of the collector's walks (as `kvshare serve`
+    runs) against hits with none frozen; the collector is left unfrozen."""
+    results = alternate(
+        engine,
+        served,
+        args,
+        {"collector frozen": gc.freeze, "collector unfrozen": gc.unfreeze},
+        pauses,
+    )
+    gc.unfreeze()
     return results
 
 
@@ -312,7 +333,40 @@ def run_request(
         "steps": steps,
         "pool_hit_tokens": first.pool_hit_tokens,
         "computed_tokens": first.computed_tokens,
+        "window_s": (start, start + ttft),  # perf_counter; CollectorPauses.annotate reads it
     }
+
+
+class CollectorPauses:
+    """The cyclic collector's pauses while installed (gc.callbacks): when each began, how
+    long it held the GIL and which generation it walked."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[float, float, int]] = []  # (start, seconds, generation)
+        self._began = 0.0
+
+    def __enter__(self) -> CollectorPauses:
+        gc.callbacks.append(self._observe)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._observe)
+
+    def _observe(self, phase: str, info: dict[str, int]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._began = now
+        else:
+            self.pauses.append((self._began, now - self._began, info["generation"]))
+
+    def annotate(self, run: dict) -> dict:
+        """`run` (run_request's) with the collector's ms inside its time to first token and
+        how many of its collections were full ones, in place of its window."""
+        start, end = run.pop("window_s")
+        inside = [(s, g) for began, s, g in self.pauses if start <= began < end]
+        run["gc_ms"] = 1e3 * sum(s for s, _ in inside)
+        run["gc_full"] = sum(g == 2 for _, g in inside)
+        return run
 
 
 def best_of(repeats: int, fn: Callable[[], object]) -> float:
@@ -521,6 +575,12 @@ def main() -> int:
         help="after the profile, time --repeats hits with CUDA graphs and without, alternated",
     )
     parser.add_argument(
+        "--compare-collector",
+        action="store_true",
+        help="after the profile, time --repeats hits with Python's collector frozen (as "
+        "`kvshare serve` runs) and unfrozen, alternated",
+    )
+    parser.add_argument(
         "--exact-fill",
         action="store_true",
         help="compute the cold prefill's attention (default: skip it, the KV is still stored)",
@@ -553,7 +613,7 @@ def main() -> int:
         ready_timeout=180,
         preallocate=args.device.startswith("cuda"),
     )
-    with PoolProcess(pool_config) as pool:
+    with PoolProcess(pool_config) as pool, CollectorPauses() as pauses:
         engine = build_engine(args, pool.address)
         vocab = engine.loaded.config.vocab_size
         prompt = random_prompt(args.tokens, vocab, 1)
@@ -565,7 +625,7 @@ def main() -> int:
         backend = engine.runner.backend
         if not args.exact_fill:
             engine.runner.backend = SkipAttention()
-        cold = run_request(engine, "cold", prompt, 1)
+        cold = pauses.annotate(run_request(engine, "cold", prompt, 1))
         engine.runner.backend = backend
         assert engine.connector is not None
         engine.connector.wait_idle()
@@ -578,7 +638,9 @@ def main() -> int:
             timer.active = True
             if profile is not None and r == args.repeats - 1:
                 profile.enable()
-            run = run_request(engine, f"hit-{r}", served, args.output_tokens, timer)
+            run = pauses.annotate(
+                run_request(engine, f"hit-{r}", served, args.output_tokens, timer)
+            )
             if profile is not None:
                 profile.disable()
             engine.connector.wait_idle()
@@ -587,9 +649,13 @@ def main() -> int:
             for label in timer.order:
                 phases[label].append(timer.seconds.get(label, 0.0))
             print(f"hit {r}: {run}", flush=True)
-        compared = compare_layer_groups(engine, served, args) if args.compare_layer_groups else {}
+        compared = {}
+        if args.compare_layer_groups:
+            compared |= compare_layer_groups(engine, served, args, pauses)
         if args.compare_graphs:
-            compared |= compare_graphs(engine, served, args)
+            compared |= compare_graphs(engine, served, args, pauses)
+        if args.compare_collector:
+            compared |= compare_collector(engine, served, args, pauses)
         traced_kernels: list[dict[str, Any]] = []
         if args.trace is not None:
             from torch.profiler import ProfilerActivity
@@ -655,7 +721,10 @@ def main() -> int:
         tokens = sorted({h["first_token"] for h in hits})
         print(
             f"{name}: time to first token min {times[0] * 1e3:.1f} ms, "
-            f"median {times[len(times) // 2] * 1e3:.1f} ms; first tokens {tokens}"
+            f"median {times[len(times) // 2] * 1e3:.1f} ms, max {times[-1] * 1e3:.1f} ms; "
+            f"collector {sum(h['gc_ms'] for h in hits):.1f} ms in "
+            f"{sum(h['gc_full'] for h in hits)} full collections over {len(hits)} hits; "
+            f"first tokens {tokens}"
         )
     if args.http:
         print_http_hits(result["http_hits"], result["ttft_s"])

@@ -1,6 +1,7 @@
 """The GPU session scripts start: they import and parse their flags on a machine without a
 GPU (a script that fails there fails on the lent GPU too, and costs its device time), and
-the hit profile runs its layer-group comparison and its hits through HTTP on the CPU."""
+the hit profile runs its layer-group and collector comparisons and its hits through HTTP on
+the CPU."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def test_every_script_imports_and_parses_its_flags(name: str) -> None:
     assert done.stdout.startswith("usage: "), done.stdout[:500]
 
 
-def test_the_hit_profile_compares_layer_groups_and_goes_through_http_on_the_cpu(
+def test_the_hit_profile_compares_settings_and_goes_through_http_on_the_cpu(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "groups.json"
@@ -51,6 +52,7 @@ def test_the_hit_profile_compares_layer_groups_and_goes_through_http_on_the_cpu(
         "1",
         "--compare-layer-groups",
         "1,2",
+        "--compare-collector",
         "--layer-group-min-mib",
         "0.001",
         "--kv-cache-memory",  # small: beside the suite's own process
@@ -73,7 +75,13 @@ def test_the_hit_profile_compares_layer_groups_and_goes_through_http_on_the_cpu(
     )
     assert [groups for groups, _ in firsts] == ["1", "2"], done.stdout[-2000:]
     assert firsts[0][1] == firsts[1][1]  # a restore in two groups gives the same token
-    assert out.exists()
+    # Hits with the collector frozen and not, each with the collector's time inside it.
+    compared = json.loads(out.read_text())["compared"]
+    for setting in ("collector frozen", "collector unfrozen"):
+        (hit,) = compared[setting]
+        assert hit["pool_hit_tokens"] == 2048 and hit["gc_ms"] >= 0 and hit["gc_full"] >= 0
+        assert hit["first_token"] == compared["layer groups 1"][0]["first_token"]
+    assert re.search(r"^collector frozen: .* full collections over 1 hits", done.stdout, re.M)
 
 
 def test_the_fp8_kernel_copies_its_tiles_in_16_byte_pieces_like_bf16() -> None:
