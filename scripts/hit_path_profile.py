@@ -11,7 +11,8 @@ reset and prompt + `--new-tokens` new tokens is sent again, so that its prefix c
 the pool only: the cross-replica hit of `kvshare up`, without the second replica.
 
 Reported per phase, the minimum over the repeats of the host seconds spent inside it
-(inclusive of the phases listed below it):
+(inclusive of the phases listed below it; `--json` keeps every hit's), and per hit the
+milliseconds Python's cyclic collector held the GIL inside it:
 
 - the request's JSON at the router (parse, routing keys) and at the replica (parse,
   checks, token ids): the functions `kvshare router` and `kvshare serve` run, called
@@ -677,6 +678,8 @@ def main() -> int:
             "runs": runs,
             "ttft_s": min(r["ttft_s"] for r in runs),
             "engine_phases_s": {label: min(values) for label, values in phases.items()},
+            # per phase, hit r's seconds at [r]: where a slow hit spent its extra time
+            "engine_phases_per_hit_s": dict(phases),
             "engine_phase_calls": dict(timer.calls),
             "compared": compared,
             "traced_kernels": traced_kernels,
