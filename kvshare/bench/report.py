@@ -11,7 +11,7 @@ from typing import Any
 
 from kvshare.bench.design import CONDITIONS
 from kvshare.bench.records import BenchRun, RequestRecord
-from kvshare.bench.stats import BootstrapSpec, Estimate
+from kvshare.bench.stats import Agreement, BootstrapSpec, Estimate
 from kvshare.bench.summary import SESSION, BlockRow, Comparison, block_row
 from kvshare.serve.server_timing import median_phases
 from kvshare.sizes import format_size
@@ -39,6 +39,10 @@ def ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def agreement(value: Agreement | None) -> str:
+    return "-" if value is None else f"{value.distance:.2f} (p {value.p_value:.2f})"
+
+
 def size(value: int | None) -> str:
     return "-" if value is None else format_size(value)
 
@@ -55,6 +59,7 @@ def comparison_table(
         f"ON median [{level}]",
         f"ON/OFF [{level}]",
         "block medians",
+        "blocks apart OFF/ON: KS (p)",
         "n OFF/ON",
         "pool hit OFF/ON",
     )
@@ -67,6 +72,7 @@ def comparison_table(
             estimate(c.on),
             estimate(c.ratio),
             " ".join(seconds(m) for m in c.block_medians),
+            f"{agreement(c.agreement[0])}/{agreement(c.agreement[1])}",
             f"{c.counts[0]}/{c.counts[1]}",
             f"{percent(c.hit_rates[0])}/{percent(c.hit_rates[1])}",
         )

@@ -1,5 +1,6 @@
-"""Medians with seeded percentile-bootstrap intervals, the ON/OFF ratio of medians, and the
-geometric mean of paired ratios with a Student-t interval.
+"""Medians with seeded percentile-bootstrap intervals, the ON/OFF ratio of medians, the
+geometric mean of paired ratios with a Student-t interval, and whether the blocks of one
+condition agree (two-sample Kolmogorov-Smirnov).
 
 Samples of a condition come from several blocks. Resampling is stratified by block (each
 block resampled within itself, with its own size), so every bootstrap replicate keeps the
@@ -128,3 +129,55 @@ def geometric_mean_interval(values: Sequence[float], level: float = DEFAULT_LEVE
         t_quantile(0.5 + level / 2, len(logs) - 1) * float(logs.std(ddof=1)) / math.sqrt(len(logs))
     )
     return Estimate(math.exp(center), math.exp(center - half), math.exp(center + half))
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How far apart the blocks of one condition are: the largest two-sample
+    Kolmogorov-Smirnov distance over pairs of its blocks (the largest gap between their
+    empirical distributions, 0..1) and that pair's asymptotic p-value: small when blocks that
+    should repeat one another do not (the machine, the cache or the router drifted).
+
+    Unlike a difference of block medians it does not jump when the median of a bimodal
+    block (requests answered from a cache, requests waiting for a prefill) crosses the gap
+    between the modes because one or two more requests waited."""
+
+    distance: float
+    p_value: float
+
+
+def ks_distance(a: Sequence[float], b: Sequence[float]) -> float:
+    """sup |F_a(x) - F_b(x)| over x, F the empirical distribution functions (ties counted
+    on both sides at once, so equal samples are 0 apart)."""
+    if not len(a) or not len(b):
+        raise ValueError("both samples need values")
+    xa, xb = np.sort(np.asarray(a, np.float64)), np.sort(np.asarray(b, np.float64))
+    at = np.concatenate([xa, xb])
+    fa = np.searchsorted(xa, at, side="right") / len(xa)
+    fb = np.searchsorted(xb, at, side="right") / len(xb)
+    return float(np.max(np.abs(fa - fb)))
+
+
+def ks_p_value(distance: float, n: int, m: int) -> float:
+    """P(distance or more) for samples of n and m from one continuous distribution: the
+    Kolmogorov distribution's tail with Stephens' small-sample correction (within a few
+    percent of the exact value from n, m ~ 10)."""
+    if not 0.0 <= distance <= 1.0 or n < 1 or m < 1:
+        raise ValueError(f"need 0 <= distance <= 1 and n, m >= 1, got {distance}, {n}, {m}")
+    root = math.sqrt(n * m / (n + m))
+    lam = (root + 0.12 + 0.11 / root) * distance
+    if lam < 1e-3:
+        return 1.0
+    tail = 2.0 * sum((-1) ** (j - 1) * math.exp(-2.0 * j * j * lam * lam) for j in range(1, 101))
+    return min(1.0, max(0.0, tail))
+
+
+def block_agreement(strata: Sequence[Sequence[float]]) -> Agreement | None:
+    """The least agreeing pair of the blocks that have samples; None with fewer than two."""
+    blocks = [s for s in strata if len(s)]
+    pairs = [(a, b) for i, a in enumerate(blocks) for b in blocks[i + 1 :]]
+    if not pairs:
+        return None
+    worst = max(pairs, key=lambda pair: ks_distance(*pair))
+    distance = ks_distance(*worst)
+    return Agreement(distance, ks_p_value(distance, len(worst[0]), len(worst[1])))

@@ -17,7 +17,14 @@ import numpy as np
 from kvshare.bench.design import OFF, ON, Design
 from kvshare.bench.ideal import PromptShare, computed_over_ideal, ideal_computed_tokens
 from kvshare.bench.records import BlockResult, RequestRecord
-from kvshare.bench.stats import BootstrapSpec, Estimate, median_interval, ratio_interval
+from kvshare.bench.stats import (
+    Agreement,
+    BootstrapSpec,
+    Estimate,
+    block_agreement,
+    median_interval,
+    ratio_interval,
+)
 from kvshare.spec import DEFAULT_CHUNK_TOKENS
 
 TTFT = "ttft_s"
@@ -85,6 +92,8 @@ class Comparison:
     on: Estimate | None
     ratio: Estimate | None  # median ON / median OFF
     hit_rates: tuple[float | None, float | None]  # pool hit rate (OFF, ON) of the point's requests
+    # (OFF, ON): whether the blocks of a condition repeat one another; None under two blocks
+    agreement: tuple[Agreement | None, Agreement | None] = (None, None)
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
@@ -166,6 +175,7 @@ def _compare(
             pool_hit_rate(r for r in mine if r.condition == OFF),
             pool_hit_rate(r for r in mine if r.condition == ON),
         ),
+        agreement=(block_agreement(off), block_agreement(on)),
     )
 
 

@@ -303,8 +303,8 @@ def test_piped_output_is_markdown_with_whole_cells(
     out = capsys.readouterr().out
     header = (
         "| metric | series | context tokens | OFF median [95%] | ON median [95%] | ON/OFF [95%] "
-        "| block medians | n OFF/ON | pool hit OFF/ON |"
+        "| block medians | blocks apart OFF/ON: KS (p) | n OFF/ON | pool hit OFF/ON |"
     )
     assert header in out.splitlines()
     row = next(line for line in out.splitlines() if line.startswith("| ttft_s |"))
-    assert len(row.split("|")) == 11 and "…" not in out
+    assert len(row.split("|")) == 12 and "…" not in out

@@ -13,7 +13,10 @@ from kvshare.bench.design import Block, Design
 from kvshare.bench.records import MEASURE, PREFILL, BlockResult, RequestRecord, Tag
 from kvshare.bench.stats import (
     BootstrapSpec,
+    block_agreement,
     bootstrap_medians,
+    ks_distance,
+    ks_p_value,
     median_interval,
     pooled_median,
     ratio_interval,
@@ -135,6 +138,9 @@ def test_compare_reports_per_block_medians_and_pooled_conditions() -> None:
     assert c.ratio is not None and c.ratio.value == pytest.approx(2.5 / 12.0)
     assert c.ratio.low <= c.ratio.value <= c.ratio.high
     assert c.hit_rates == (0.0, 0.6)
+    off_apart, on_apart = c.agreement
+    assert off_apart is not None and off_apart.distance == pytest.approx(2 / 3)
+    assert on_apart is not None and on_apart.distance == pytest.approx(1 / 3)
     row = block_row(blocks[1])
     assert (row.requests, row.median_ttft_s, row.pool_hit_rate, row.loaded_bytes) == (
         4,
@@ -148,6 +154,49 @@ def test_compare_with_one_condition_has_no_ratio() -> None:
     design = Design.parse("ON-ON")
     [c] = compare(_blocks(design, [[1.0], [3.0]]), design, BootstrapSpec(100))
     assert c.off is None and c.ratio is None and c.on is not None and c.on.value == 2.0
+    assert c.agreement[0] is None and c.agreement[1] is not None
+
+
+def test_ks_distance_is_the_largest_gap_between_the_empirical_distributions() -> None:
+    assert ks_distance([1, 1, 2], [1, 2, 2]) == pytest.approx(1 / 3)  # at 1: 2/3 against 1/3
+    assert ks_distance([1, 1, 2], [1, 1, 2]) == 0.0  # ties on both sides count together
+    assert ks_distance([1, 2], [3, 4, 5]) == 1.0
+    assert ks_distance([5, 1, 3], [2, 4]) == ks_distance([2, 4], [1, 3, 5])
+    with pytest.raises(ValueError):
+        ks_distance([], [1.0])
+
+
+def test_ks_p_values_reject_one_distribution_at_about_the_nominal_rate() -> None:
+    # Blocks of 32 from one distribution: p < 0.05 about one time in twenty; from
+    # distributions one standard deviation apart: nearly always.
+    rng = np.random.default_rng(0)
+    same = [
+        ks_p_value(ks_distance(rng.normal(size=32), rng.normal(size=32)), 32, 32)
+        for _ in range(2000)
+    ]
+    shifted = [
+        ks_p_value(ks_distance(rng.normal(size=32), rng.normal(1.0, size=32)), 32, 32)
+        for _ in range(500)
+    ]
+    assert 0.02 <= np.mean(np.asarray(same) < 0.05) <= 0.07
+    assert np.mean(np.asarray(shifted) < 0.05) > 0.9
+    assert ks_p_value(0.0, 32, 32) == 1.0 and ks_p_value(1.0, 32, 32) < 1e-10
+
+
+def test_blocks_whose_median_crosses_a_bimodal_gap_still_agree_and_drift_does_not() -> None:
+    # What the H200's concurrency-8 blocks look like: requests answered from a cache (~0.1
+    # s) and requests waiting for a prefill (1-15 s); two more waiting requests move one
+    # block's median across the gap (0.19 -> 1.1 s, 5.8x) while the distributions agree.
+    fast = [0.1 + 0.005 * i for i in range(17)]
+    slow = [1.0 + 0.9 * i for i in range(17)]
+    cached_more, waited_more = fast + slow[:15], fast[:15] + slow
+    assert np.median(waited_more) / np.median(cached_more) > 5
+    agreed = block_agreement([cached_more, waited_more])
+    assert agreed is not None and agreed.p_value > 0.9
+    # Drift: the same block, every request 6x slower (the router stopped finding the cache).
+    drifted = block_agreement([cached_more, [6 * v for v in cached_more]])
+    assert drifted is not None and drifted.p_value < 0.001
+    assert block_agreement([cached_more]) is None and block_agreement([cached_more, []]) is None
 
 
 def test_samples_skip_prefills_and_missing_ttft_and_time_sessions() -> None:
