@@ -12,7 +12,9 @@ GPU (0.48 of it each, 8 sequences, 8,192-token steps, a 40 GiB pool) and runs `k
 concurrency` on it: 8 documents x 16,384 tokens, 32 users, concurrency 8 and 32, OFF-ON-ON-OFF
 per point, a warm-up request per replica first. It then checks the issue's bars: computed
 <= 1.05x ideal with the pool ON for every policy and concurrency, and per concurrency the
-best ON median TTFT <= 0.8x the lower of (cache-aware OFF, round-robin ON). One policy per
+best ON median TTFT <= 0.8x the lower of (cache-aware OFF, round-robin ON), and whether the
+repeated ON blocks agree: their medians within 15% of each other, and (what a bimodal block
+median cannot show) the bench's two-sample Kolmogorov-Smirnov p-value. One policy per
 device call fits its limit (`--policies cache-aware`); `verdicts` checks the bars across
 the calls' JSON files afterwards.
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -45,6 +48,7 @@ from gpu_cluster import (
     stop_cluster,
 )
 
+from kvshare.bench.stats import block_agreement
 from kvshare.serve.policies import POLICIES
 
 CALL_LIMIT_S = 570  # the device call's limit is 600 s
@@ -114,7 +118,39 @@ def sweep_policy(args: argparse.Namespace, policy: str, port: int, deadline: flo
         stop_cluster(up)
     # The bench rewrites its JSON after each concurrency: a timed-out sweep keeps its points.
     report = json.loads((args.out / f"{name}.json").read_text())
-    return {"policy": policy, "returncode": returncode, "rows": report["rows"]}
+    return {
+        "policy": policy,
+        "returncode": returncode,
+        "rows": report["rows"],
+        "repeats": on_repeats(report),
+    }
+
+
+def on_repeats(report: dict) -> list[dict[str, Any]]:
+    """Per point of a sweep report, whether its ON blocks repeat one another: their TTFT
+    medians, the largest over the smallest, and the two-sample KS distance and p-value of
+    their measured requests' TTFTs."""
+    out = []
+    for point in report.get("runs", []):
+        run = point["run"]
+        on = {b["index"] for b in run["blocks"] if b["condition"] == "ON"}
+        ttfts: dict[int, list[float]] = {b: [] for b in sorted(on)}
+        for r in run["requests"]:
+            if r["block"] in on and r["role"] == "measure" and r["ttft_s"] is not None:
+                ttfts[r["block"]].append(r["ttft_s"])
+        medians = [statistics.median(v) for v in ttfts.values() if v]
+        agreement = block_agreement(list(ttfts.values()))
+        out.append(
+            {
+                "concurrency": point["concurrency"],
+                "pool_size": point["pool_size"],
+                "on_block_medians_s": medians,
+                "median_spread": max(medians) / min(medians) if medians else None,
+                "ks_distance": agreement.distance if agreement else None,
+                "ks_p_value": agreement.p_value if agreement else None,
+            }
+        )
+    return out
 
 
 def bench_until(deadline: float, command: list[str]) -> int | str:
@@ -180,7 +216,8 @@ def merged_verdicts(args: argparse.Namespace) -> int:
         named = [p for p in POLICIES if p in path.stem]
         if len(named) != 1:
             raise SystemExit(f"{path}: its name must contain one router policy of {POLICIES}")
-        results.append({"policy": named[0], "rows": json.loads(path.read_text())["rows"]})
+        report = json.loads(path.read_text())
+        results.append({"policy": named[0], "rows": report["rows"], "repeats": on_repeats(report)})
     summarize(results, args.out / "shared_prefix_summary.json")
     return 0
 
@@ -206,6 +243,17 @@ def summarize(results: list[dict], path: Path) -> None:
             f"(<= 1.05: {c['computed_ok']}); best {c['best_policy']} ON p50 "
             f"{c['best_on_p50_s']:.2f} s vs bar {c['bar_s']} (ok: {c['ttft_ok']})"
         )
+    for res in results:
+        for r in res.get("repeats", []):
+            if r["median_spread"] is None or r["ks_p_value"] is None:
+                continue
+            print(
+                f"{res['policy']}, concurrency {r['concurrency']}: ON block medians "
+                f"{', '.join(f'{m:.3f}' for m in r['on_block_medians_s'])} s, "
+                f"{r['median_spread']:.2f}x (within 15%: {r['median_spread'] <= 1.15}); "
+                f"KS {r['ks_distance']:.3f}, p {r['ks_p_value']:.2f} "
+                f"(agree at 0.05: {r['ks_p_value'] >= 0.05})"
+            )
 
 
 def gemma_pair(args: argparse.Namespace) -> int:
