@@ -175,9 +175,10 @@ def ks_p_value(distance: float, n: int, m: int) -> float:
 def block_agreement(strata: Sequence[Sequence[float]]) -> Agreement | None:
     """The least agreeing pair of the blocks that have samples; None with fewer than two."""
     blocks = [s for s in strata if len(s)]
-    pairs = [(a, b) for i, a in enumerate(blocks) for b in blocks[i + 1 :]]
+    pairs = [
+        (ks_distance(a, b), len(a), len(b)) for i, a in enumerate(blocks) for b in blocks[i + 1 :]
+    ]
     if not pairs:
         return None
-    worst = max(pairs, key=lambda pair: ks_distance(*pair))
-    distance = ks_distance(*worst)
-    return Agreement(distance, ks_p_value(distance, len(worst[0]), len(worst[1])))
+    distance, n, m = max(pairs)
+    return Agreement(distance, ks_p_value(distance, n, m))

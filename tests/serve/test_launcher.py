@@ -233,8 +233,8 @@ def _metric(text: str, name: str) -> float:
 
 
 def test_replica_and_router_freeze_what_they_started_with(runtime: str) -> None:
-    # A full collection walks every object not frozen: in a process with torch loaded,
-    # ~150,000 objects, tens of ms with the GIL held in the middle of a request. Both
+    # A full collection walks every object not frozen: in a tiny CPU replica ~320,000
+    # objects, 53-69 ms with the GIL held in the middle of a request. Both
     # servers freeze what they built to start; their metrics say how much, and that a
     # full collection still runs (over what requests create). They unfreeze to exit:
     # Triton's bindings report frozen objects as leaked.
