@@ -69,12 +69,19 @@ def route(seed: int) -> RouteRequest:
     return RouteRequest(prefix=tuple(block_hashes(ids(seed), 16)), block_tokens=16)
 
 
-def ask(client: httpx.Client, seed: int) -> int:
-    """Send prompt `seed` through the router; the replica that served it."""
+def ask(client: httpx.Client, router: Router, seed: int) -> int:
+    """Send prompt `seed` through the router; the replica that served it. Returns once the
+    router is done with the request: it records a prompt's prefix after the answer's first
+    bytes are on their way, so the client can hold the whole answer before the policy knows
+    the prompt (a test that then read the policy failed about one run in six)."""
     resp = client.post(
         "/v1/completions", json={"model": "tiny", "prompt": ids(seed), "max_tokens": 2}
     )
     assert resp.status_code == 200, resp.text
+    deadline = time.monotonic() + 5
+    while any(replica.in_flight for replica in router.replicas):
+        assert time.monotonic() < deadline, "the router never finished the request"
+        time.sleep(0.005)
     return int(resp.headers["x-kvshare-replica"])
 
 
@@ -90,7 +97,7 @@ def test_the_router_learns_a_reset_sent_straight_to_a_replica(
     with routed(urls, policy="cache-aware", health_interval=600.0) as (client, router):
         policy = router.policy
         assert isinstance(policy, CacheAware)
-        served = ask(client, seed=1)
+        served = ask(client, router, seed=1)
         check_all(router)
         assert policy.gpu_tokens(route(1), served) == PROMPT_TOKENS
         # Reset behind the router's back: not through its /admin/all fan-out.
@@ -110,7 +117,7 @@ def test_the_router_learns_each_replicas_step_and_short_work_limit(
     with routed(urls, policy="cache-aware", health_interval=600.0) as (client, router):
         policy = router.policy
         assert isinstance(policy, CacheAware)
-        served = ask(client, seed=30)
+        served = ask(client, router, seed=30)
         others = [route(31), route(32)]  # sent to `served`, not answered yet: 640 tokens
         for request in others:
             policy.started(request, served)
@@ -129,7 +136,7 @@ def test_the_router_learns_an_eviction(
     with routed(urls, policy="cache-aware", health_interval=600.0) as (client, router):
         policy = router.policy
         assert isinstance(policy, CacheAware)
-        served = ask(client, seed=2)
+        served = ask(client, router, seed=2)
         engine = replicas[served][1]
         first = route(2).prefix
         # Other prompts, pinned to the same replica, until its cache has reused the blocks.
@@ -166,10 +173,10 @@ def test_a_block_start_is_not_heard_again_at_the_next_health_check(
     with routed(pooled_replicas, policy="cache-aware", health_interval=600.0) as (client, router):
         policy = router.policy
         assert isinstance(policy, CacheAware)
-        ask(client, seed=10)
+        ask(client, router, seed=10)
         check_all(router)  # the router knows the pool's clear count and each cache generation
         block_start(client)
-        served = ask(client, seed=11)
+        served = ask(client, router, seed=11)
         check_all(router)  # the first health check of the block
         # It once saw the clear count changed and the generation new only here, and forgot
         # the pool prefix of every request the block had sent so far.
@@ -183,14 +190,14 @@ def test_an_emptied_pool_is_still_credited_up_to_its_capacity(
     with routed(pooled_replicas, policy="cache-aware", health_interval=600.0) as (client, router):
         policy = router.policy
         assert isinstance(policy, CacheAware)
-        ask(client, seed=20)
+        ask(client, router, seed=20)
         pool = httpx.get(pooled_replicas[0] + "/admin/cache_events").json()["pool"]
         assert pool["pages"] == 28  # 4 MiB in slots of 128 KiB and a header
         block_start(client)
         check_all(router)  # the pool is empty: its slabs were given back
         after = httpx.get(pooled_replicas[0] + "/admin/cache_events").json()["pool"]
         assert after["pages"] == pool["pages"]  # the daemon's own count reads 0 here
-        ask(client, seed=21)
+        ask(client, router, seed=21)
         # The bound is what the arena holds (28 pages of 16 blocks), not the slabs in use
         # (none after the clear), which once made every prompt fall out of the pool view.
         assert policy.pool_tokens(route(21)) == POOLED_TOKENS
@@ -233,7 +240,7 @@ def test_a_requests_queued_work_counts_until_its_answer_begins(
                 method(request, replica)
 
             monkeypatch.setattr(policy, name, recorded)
-        ask(client, seed=40)
+        ask(client, router, seed=40)
         # The router ends the request after the client has its last byte: wait for it.
         deadline = time.monotonic() + 10.0
         while len(calls) < 3 and time.monotonic() < deadline:
