@@ -198,11 +198,26 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return
+        # 16k blocks at once after a 261,888-token restore: the loop reads through locals
+        # and the events are logged in one call.
+        hash_to_block, block_hash = self.hash_to_block, self.block_hash
+        new = []
         for b, h in zip(blocks, hashes):
-            if h not in self.hash_to_block and self.block_hash[b] is None:
-                self.hash_to_block[h] = b
-                self.block_hash[b] = h
-                self.events.stored(h)
+            if h not in hash_to_block and block_hash[b] is None:
+                hash_to_block[h] = b
+                block_hash[b] = h
+                new.append(h)
+        self.events.stored_many(new)
+
+    def forget(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> None:
+        """Undo `register(blocks, hashes)` for the pairs it made findable: their bytes turned
+        out wrong (a restore that failed verification). A hash owned by another block
+        stays."""
+        for b, h in zip(blocks, hashes):
+            if self.block_hash[b] == h and self.hash_to_block.get(h) == b:
+                del self.hash_to_block[h]
+                self.block_hash[b] = None
+                self.events.removed(h)
 
     def mark_incomplete(self, blocks: Sequence[int]) -> None:
         for b in blocks:

@@ -121,8 +121,15 @@ class SlidingBlocks:
 
     def register(self, table: Sequence[int], hashes: Sequence[bytes]) -> None:
         """Make computed entries findable by their block hashes (null entries are skipped)."""
+        self.blocks.register(*self._held(table, hashes))
+
+    def forget(self, table: Sequence[int], hashes: Sequence[bytes]) -> None:
+        """Undo `register(table, hashes)` (BlockManager.forget)."""
+        self.blocks.forget(*self._held(table, hashes))
+
+    def _held(self, table: Sequence[int], hashes: Sequence[bytes]) -> tuple[list[int], list[bytes]]:
         pairs = [(b, h) for b, h in zip(table, hashes) if b != self.null]
-        self.blocks.register([b for b, _ in pairs], [h for _, h in pairs])
+        return [b for b, _ in pairs], [h for _, h in pairs]
 
     def num_held(self, table: Sequence[int]) -> int:
         return len(self.real(table))

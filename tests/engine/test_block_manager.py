@@ -1,7 +1,7 @@
 """BlockManager: reference counts, the LRU free list, prefix-cache hashes, sliding windows.
 
-A hypothesis state machine drives random allocate / match+acquire / register / release /
-mark_incomplete / reset sequences against a plain model of what the manager must hold,
+A hypothesis state machine drives random allocate / match+acquire / register / forget /
+release / mark_incomplete / reset sequences against a plain model of what the manager must hold,
 and checks the invariants after every step. Example tests pin the single behaviours.
 """
 
@@ -141,6 +141,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
             if hh not in owner and b not in self.hash_of:
                 self.hash_of[b] = hh
                 owner[hh] = b
+
+    @rule(i=st.integers(0, 100))
+    def forget(self, i: int) -> None:
+        """A failed restore takes back its sequence's hashes (those its blocks own)."""
+        seqs = [h for h in self.handles if h.tokens is not None]
+        if not seqs:
+            return
+        h = seqs[i % len(seqs)]
+        hashes = block_hashes(h.tokens, BS)
+        self.bm.forget(h.blocks, hashes)
+        for b, hh in zip(h.blocks, hashes):
+            if self.hash_of.get(b) == hh:
+                del self.hash_of[b]
 
     @rule(i=st.integers(0, 100))
     def release(self, i: int) -> None:
@@ -293,6 +306,25 @@ def test_register_keeps_the_first_owner_of_a_hash() -> None:
     bm.register(a, hashes)
     bm.register(b, hashes)
     assert bm.hash_to_block == {hashes[0]: a[0]} and bm.block_hash[b[0]] is None
+
+
+def test_forget_takes_back_only_what_register_made_findable() -> None:
+    """A failed restore's blocks lose their hashes (and the router hears of it); a hash
+    another block owns, and the blocks' other cached neighbours, stay."""
+    bm = BlockManager(6, BS)
+    hashes = block_hashes(tokens_of([0, 1, 2]), BS)
+    owner = bm.allocate(1)
+    bm.register(owner, hashes[:1])
+    restored = bm.allocate(3)
+    bm.register(restored, hashes)  # hashes[0] keeps its owner
+    before = bm.events.last
+    bm.forget(restored, hashes)
+    assert bm.hash_to_block == {hashes[0]: owner[0]}
+    assert [bm.block_hash[b] for b in restored] == [None, None, None]
+    change = bm.events.since(bm.events.generation, before, lambda: ())
+    assert change.removed == tuple(hashes[1:]) and change.stored == ()
+    bm.release(restored)
+    assert bm.match_prefix(hashes) == owner
 
 
 def test_reset_prefix_cache_forgets_every_hash() -> None:

@@ -66,8 +66,7 @@ def test_a_reader_that_fell_behind_gets_a_snapshot() -> None:
 
 def test_an_answer_nets_out_a_hash_stored_then_evicted() -> None:
     log = CacheEventLog(16)
-    log.stored(b"a")
-    log.stored(b"b")
+    log.stored_many([b"a", b"b"])
     log.removed(b"a")
     events = log.since(0, 0, lambda: ())
     assert (events.snapshot, events.stored, events.removed, events.last) == (
