@@ -22,9 +22,10 @@ KVCacheDtype = Literal["auto", "fp8"]
 KV_CACHE_DTYPES: tuple[KVCacheDtype, ...] = ("auto", "fp8")
 _FLAG = "kvshare.flag"
 # A CUDA replica's restores by default: on the H200 a 131,072-token hit of shape:qwen3.5-27b
-# took 179 ms in 4 groups against 211 ms whole (bf16; fp8 102 against 141), 8 groups no
-# less than 4 (docs/results/2026-12-05-h200-session.md).
-CUDA_LAYER_GROUPS = 4
+# took 179 ms in 4 even groups against 211 ms whole (bf16; fp8 102 against 141;
+# docs/results/2026-12-05-h200-session.md). Up to 8 lets the groups shrink to one slot at
+# the end (kvpool.transfer.LayerGroups).
+CUDA_LAYER_GROUPS = 8
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ class EngineConfig:
         "bring a pool restore in at most this many groups of layers, so that the step's "
         "first layers compute while the last are still copied (1: whole pages; 0: "
         f"{CUDA_LAYER_GROUPS} on CUDA, whole on the CPU; global attention layers only, "
-        "each group's part of a page at least 4 MiB)",
+        "each group's part of a page at least 1 MiB, the groups shrinking toward the end)",
         parse=int,
     )
     seed: int = 0

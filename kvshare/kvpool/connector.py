@@ -53,7 +53,7 @@ from kvshare.kvpool.plan import plan_load, plan_store, storable_chunks
 from kvshare.kvpool.transfer import LayerGroups, Transfer, TransferJob
 from kvshare.kvpool.transfer_cpu import ThreadTransfer
 from kvshare.kvpool.transfer_cuda import CudaTransfer
-from kvshare.kvpool.verify import checksums_match, header_matches
+from kvshare.kvpool.verify import header_matches, mismatched_pages
 from kvshare.kvpool.waiting import PrefillSpeed, WaitOptions, wait_budget, worth_waiting
 from kvshare.models.loader import LoadedModel
 from kvshare.sizes import format_size
@@ -745,14 +745,15 @@ class PoolConnector(KVConnector):
 
     def _checksum_mismatches(self, load: _Load) -> list[PageRef]:
         """The pages whose copied bytes disagree with the checksum the daemon holds."""
-        bad = []
-        checks = list(zip(load.pages, load.job.checksums(), load.segments))
+        checks = [(load.pages, load.job, load.segments)]
         if load.state_job is not None and load.state_page is not None:
-            checks.append((load.state_page, load.state_job.checksums()[0], 1))
-        for page, copied, n in checks:
-            if not checksums_match(page, copied, n):
-                self.counters["checksum_failures"] += 1
-                bad.append(page)
+            checks.append(([load.state_page], load.state_job, [1]))
+        bad = [
+            pages[i]
+            for pages, job, segments in checks
+            for i in mismatched_pages(pages, job.checksum_bytes(), segments)
+        ]
+        self.counters["checksum_failures"] += len(bad)
         return bad
 
     def forget(self, request_id: str) -> None:

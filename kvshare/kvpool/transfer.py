@@ -7,9 +7,9 @@ Ordering: a store waits for the compute work that produced its blocks
 (an event recorded on the compute stream, or a fence on the CPU); a load is done only
 when its last scatter has completed, and the compute stream waits on it before reading.
 A load of global layers only may come in groups of layers (`LayerGroups`; the engine flag
---pool-load-layer-groups, by default 4 on CUDA and whole pages on the CPU): it then hands
-the compute side one wait per group (`SlotFences`) instead of one for the whole load, and
-a step's first layers compute while its last layers are still copied; the step runs
+--pool-load-layer-groups, by default up to 8 on CUDA and whole pages on the CPU): it then
+hands the compute side one wait per group (`SlotFences`) instead of one for the whole load,
+and a step's first layers compute while its last layers are still copied; the step runs
 eagerly then (a captured graph would wait for the whole load). It pays when each staging
 fill is one strided copy (kvshare.kvpool.strided_copy: as one host copy per page's part,
 2,048 copies at 131k tokens took ~85 ms of host time) and the step's small uploads stay
@@ -35,7 +35,7 @@ import torch
 
 from kvshare.engine.connector import SlotFences
 from kvshare.kvpool.faults import FaultInjection, breaks
-from kvshare.kvpool.layout import PageLayout
+from kvshare.kvpool.layout import CHECKSUM_BYTES, PageLayout
 
 _log = logging.getLogger(__name__)
 
@@ -61,28 +61,38 @@ class PageCopy(NamedTuple):
     sliding_first: int = 0
 
 
-_MIN_GROUP_BYTES = 4 << 20
+# A strided copy of 1 MiB rows ran at 54.7 GB/s on the H200, contiguous copies at 55.0
+# (scripts/gpu_copy_order.py); one host copy per row was what needed 4 MiB.
+_MIN_GROUP_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
 class LayerGroups:
     """How a load of global layers is split into groups of consecutive cache slots, each
-    copied for every page before the next group starts: at most `max_groups`, and each
-    group's part of a page at least `min_bytes` (4 MiB: a host copy of less ran below
-    the PCIe ceiling; strided copies of 4 MiB rows were measured at the contiguous rate,
-    narrower rows not yet)."""
+    copied for every page before the next group starts: at most `max_groups`, each group's
+    part of a page at least `min_bytes`.
+
+    The groups shrink toward the end (`shrinking`; else they are even): the last group's
+    layers compute after the whole load has arrived, so its size is the load's tail; every
+    earlier group computes while the groups after it copy, which takes longer as long as a
+    slot's compute is faster than its copy (on the H200 at 131k tokens ~2 ms against ~5-10
+    ms). From the end: the smallest group that meets `min_bytes`, the same again, then
+    twice the one before, the first group taking the rest (16 slots: 8, 4, 2, 1, 1)."""
 
     min_bytes: int = _MIN_GROUP_BYTES
-    max_groups: int = 4
+    max_groups: int = 8
+    shrinking: bool = True
 
     def __post_init__(self) -> None:
         if self.min_bytes < 1 or self.max_groups < 1:
             raise ValueError("min_bytes and max_groups must be >= 1")
 
     @classmethod
-    def at_most(cls, max_groups: int, min_bytes: int = _MIN_GROUP_BYTES) -> LayerGroups | None:
+    def at_most(
+        cls, max_groups: int, min_bytes: int = _MIN_GROUP_BYTES, shrinking: bool = True
+    ) -> LayerGroups | None:
         """Loads in at most `max_groups` groups; None for 1: whole."""
-        return cls(min_bytes, max_groups) if max_groups > 1 else None
+        return cls(min_bytes, max_groups, shrinking) if max_groups > 1 else None
 
     def ranges(self, layout: PageLayout, copies: Sequence[PageCopy]) -> list[range]:
         """Slot ranges of a load, in copy order. One range (the whole copy) unless there
@@ -90,11 +100,30 @@ class LayerGroups:
         sliding-window layers."""
         slots = layout.num_global_slots
         whole = layout.num_segments != 1 or any(c.nbytes != layout.global_bytes for c in copies)
-        if whole or not copies:
+        smallest = -(-self.min_bytes // layout.slot_bytes)  # slots in a group, at least
+        most = min(self.max_groups, slots // smallest)
+        if whole or not copies or most <= 1:
             return [range(slots)]
-        groups = max(1, min(self.max_groups, slots, layout.global_bytes // self.min_bytes))
-        bounds = [slots * g // groups for g in range(groups + 1)]
+        if self.shrinking:
+            sizes = _shrinking_sizes(slots, smallest, most)
+        else:
+            sizes = [slots * (g + 1) // most - slots * g // most for g in range(most)]
+        bounds = list(itertools.accumulate(sizes, initial=0))
         return [range(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def _shrinking_sizes(slots: int, smallest: int, most: int) -> list[int]:
+    """Group sizes, first to last: from the end `smallest`, `smallest`, then doubling, for
+    at most `most` groups, while the first group (the rest) stays the largest."""
+    tail: list[int] = []
+    left = slots
+    while len(tail) < most - 1:
+        size = smallest << max(0, len(tail) - 1)
+        if left - size < size:
+            break
+        tail.append(size)
+        left -= size
+    return [left, *reversed(tail)]
 
 
 class TransferJob(ABC):
@@ -123,12 +152,19 @@ class TransferJob(ABC):
     @abstractmethod
     def _checksum_array(self) -> np.ndarray: ...
 
+    def checksum_bytes(self) -> np.ndarray:
+        """uint8 [pages, segments x 16]: each page's segment checksums, one after the other
+        (what `checksums` splits). Valid once done()."""
+        values = self._checksum_array().astype("<i8")[:, : self.num_segments]
+        return np.ascontiguousarray(values).view(np.uint8).reshape(self.num_pages, -1)
+
     def checksums(self) -> list[list[bytes]]:
         """Per page, the 16-byte checksum of each segment copied. Valid once done()."""
-        values = self._checksum_array().astype("<i8")
+        rows = self.checksum_bytes()
+        step = CHECKSUM_BYTES
         return [
-            [values[p, s].tobytes() for s in range(self.num_segments)]
-            for p in range(self.num_pages)
+            [row[s * step : (s + 1) * step].tobytes() for s in range(self.num_segments)]
+            for row in rows
         ]
 
 

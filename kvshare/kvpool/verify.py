@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvshare.kvpool.client import PageRef
 from kvshare.kvpool.layout import CHECKSUM_BYTES, LAYOUT_VERSION
 from kvshare.kvpool.page import PageFormatError, PageHeader
@@ -28,9 +30,21 @@ def header_matches(header_bytes: bytes, page: PageRef, payload_bytes: int) -> bo
     )
 
 
-def checksums_match(page: PageRef, copied: Sequence[bytes], num_segments: int) -> bool:
-    """The first `num_segments` segment checksums of the copied bytes equal the daemon's."""
-    expected = [
-        page.checksum[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES] for i in range(num_segments)
-    ]
-    return list(copied[:num_segments]) == expected
+def mismatched_pages(
+    pages: Sequence[PageRef], copied: np.ndarray, segments: Sequence[int]
+) -> list[int]:
+    """Indices of the pages whose copied bytes disagree with the daemon's checksums: the
+    first `segments[i]` 16-byte segment checksums of page i, `copied[i]` (uint8, one row
+    per page, segment after segment) against `pages[i].checksum`. One comparison over
+    every page: a 261,888-token restore checks 1,023 pages after its last copy, before
+    its first token, and a loop over them took 2.4 ms."""
+    if not len(pages):
+        return []
+    width = copied.shape[1]
+    want = np.frombuffer(
+        b"".join(p.checksum[:width].ljust(width, b"\0") for p in pages), dtype=np.uint8
+    ).reshape(len(pages), width)
+    wanted = np.asarray(segments)[:, None] * CHECKSUM_BYTES
+    differs = ((copied != want) & (np.arange(width) < wanted)).any(axis=1)
+    short = np.array([len(p.checksum) for p in pages]) < wanted[:, 0]
+    return np.flatnonzero(differs | short | (wanted[:, 0] > width)).tolist()

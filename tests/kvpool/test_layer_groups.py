@@ -4,6 +4,8 @@ still copied answering exactly as without the pool (its broken variant does not)
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Iterator
 
 import pytest
@@ -36,6 +38,11 @@ def _layout(global_slots: int, slot_mib: float, sliding: bool = False) -> PageLa
     )
 
 
+def _ranges(*sizes: int) -> list[range]:
+    bounds = itertools.accumulate(sizes, initial=0)
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]
+
+
 def _copies(layout: PageLayout, nbytes: int, pages: int = 3) -> list[PageCopy]:
     return [PageCopy(i * nbytes, nbytes, (), bytes(16)) for i in range(pages)]
 
@@ -43,22 +50,25 @@ def _copies(layout: PageLayout, nbytes: int, pages: int = 3) -> list[PageCopy]:
 @pytest.mark.parametrize(
     "global_slots, slot_mib, sliding, groups, expected",
     [
-        # qwen3.5-27b, bf16: 16 layers of 1 MiB per page -> 4 groups of 4 MiB
-        (16, 1.0, False, LayerGroups(), [range(0, 4), range(4, 8), range(8, 12), range(12, 16)]),
-        # the same in fp8 (half the bytes, plus scales): 2 groups of at least 4 MiB
-        (16, 0.516, False, LayerGroups(), [range(0, 8), range(8, 16)]),
+        # qwen3.5-27b, bf16: 16 layers of 1 MiB per page -> halving down to one slot
+        (16, 1.0, False, LayerGroups(), _ranges(8, 4, 2, 1, 1)),
+        # the same in fp8 (half the bytes, plus scales): the smallest group 2 slots (1 MiB)
+        (16, 0.516, False, LayerGroups(), _ranges(8, 4, 2, 2)),
+        # capped: the first group takes the rest
+        (16, 1.0, False, LayerGroups(max_groups=4), _ranges(12, 2, 1, 1)),
+        # 4 MiB parts at least: 4 slots of bf16
+        (16, 1.0, False, LayerGroups(min_bytes=4 * MIB), _ranges(8, 4, 4)),
+        # even groups
+        (16, 1.0, False, LayerGroups(max_groups=4, shrinking=False), _ranges(4, 4, 4, 4)),
+        (10, 1.0, False, LayerGroups(min_bytes=1, max_groups=3, shrinking=False), _ranges(3, 3, 4)),
         # a page under twice the minimum comes whole
-        (16, 0.25, False, LayerGroups(), [range(0, 16)]),
-        # uneven: every slot once, in order
-        (
-            10,
-            1.0,
-            False,
-            LayerGroups(min_bytes=1, max_groups=3),
-            [range(0, 3), range(3, 6), range(6, 10)],
-        ),
+        (16, 0.1, False, LayerGroups(), _ranges(16)),
+        # uneven: every slot once, in order, the first group the largest
+        (10, 1.0, False, LayerGroups(min_bytes=1, max_groups=3), _ranges(8, 1, 1)),
+        (11, 1.0, False, LayerGroups(min_bytes=1), _ranges(7, 2, 1, 1)),
+        (3, 1.0, False, LayerGroups(min_bytes=1), _ranges(1, 1, 1)),
         # never more groups than slots
-        (2, 8.0, False, LayerGroups(min_bytes=1), [range(0, 1), range(1, 2)]),
+        (2, 8.0, False, LayerGroups(min_bytes=1), _ranges(1, 1)),
     ],
 )
 def test_layer_groups_split_global_only_loads(
@@ -102,9 +112,11 @@ def test_fences_run_each_wait_once_right_before_its_slots() -> None:
 
 
 def test_a_grouped_cpu_load_brings_the_same_bytes_and_checksums_as_a_whole_one() -> None:
-    cache = KVCacheLayout.allocate(
-        shape_preset("tiny-llama"), 8, 16, torch.float32, torch.device("cpu")
-    )
+    """Five attention layers: groups of 3, 1 and 1 slots, every byte where a whole load
+    puts it."""
+    tiny = shape_preset("tiny-llama")
+    five = dataclasses.replace(tiny, num_layers=5, layer_kinds=("full",) * 5)
+    cache = KVCacheLayout.allocate(five, 8, 16, torch.float32, torch.device("cpu"))
     cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(4)))
     layout = PageLayout.of(cache, CHUNK)
     whole = ThreadTransfer(cache.kv, layout)
@@ -120,7 +132,7 @@ def test_a_grouped_cpu_load_brings_the_same_bytes_and_checksums_as_a_whole_one()
     ]
     for transfer in (whole, grouped):
         transfer.synchronize()
-    assert [slots for slots, _ in loads[1].slot_waits] == [range(0, 1), range(1, 2)]
+    assert [slots for slots, _ in loads[1].slot_waits] == [range(0, 3), range(3, 4), range(4, 5)]
     assert loads[0].slot_waits == []
     assert loads[0].checksums() == loads[1].checksums()
     assert torch.equal(cache.kv[:, :, [4, 6]], cache.kv[:, :, [5, 2]])

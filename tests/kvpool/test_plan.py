@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -9,7 +10,7 @@ from kvshare.kvpool.client import PageRef
 from kvshare.kvpool.layout import CHECKSUM_BYTES, LAYOUT_VERSION, PageLayout
 from kvshare.kvpool.page import HEADER_BYTES, PageHeader
 from kvshare.kvpool.plan import plan_load, plan_store, storable_chunks
-from kvshare.kvpool.verify import checksums_match, header_matches
+from kvshare.kvpool.verify import header_matches, mismatched_pages
 
 # 2 blocks per page; 3 cache slots, the first 2 global, 128 bytes each
 LAYOUT = PageLayout(
@@ -101,6 +102,27 @@ def test_a_header_matches_only_the_page_the_daemon_vouched_for() -> None:
 def test_checksums_compare_only_the_segments_copied() -> None:
     first, second = b"\x01" * CHECKSUM_BYTES, b"\x02" * CHECKSUM_BYTES
     ref = page(0, first + second)
-    assert checksums_match(ref, [first, second], 2)
-    assert checksums_match(ref, [first, b"junk"], 1)  # global layers only
-    assert not checksums_match(ref, [first, b"\x03" * CHECKSUM_BYTES], 2)
+
+    def bad(copied: list[bytes], segments: int, checksum: bytes | None = None) -> bool:
+        row = np.frombuffer(b"".join(copied), dtype=np.uint8)[None, :]
+        pages = [ref if checksum is None else page(0, checksum)]
+        return mismatched_pages(pages, row, [segments]) == [0]
+
+    assert not bad([first, second], 2)
+    assert not bad([first, b"\x09" * CHECKSUM_BYTES], 1)  # global layers only
+    assert bad([first, b"\x03" * CHECKSUM_BYTES], 2)
+    assert bad([b"\x03" + first[1:], second], 1)  # one byte of the first segment
+    assert bad([first, second], 2, checksum=first)  # the daemon holds one segment only
+    assert bad([first], 2)  # fewer segments copied than checked
+
+
+def test_checksums_are_compared_page_by_page() -> None:
+    """Of 1,023 pages, exactly the ones whose copied checksums differ are named."""
+    rng = np.random.default_rng(0)
+    sums = rng.integers(0, 256, size=(1023, 2 * CHECKSUM_BYTES), dtype=np.uint8)
+    pages = [page(i % 256, row.tobytes()) for i, row in enumerate(sums)]
+    copied = sums.copy()
+    copied[[5, 700], [3, 2 * CHECKSUM_BYTES - 1]] ^= 1
+    assert mismatched_pages(pages, copied, [2] * len(pages)) == [5, 700]
+    assert mismatched_pages(pages, copied, [1] * len(pages)) == [5]  # 700's is in segment 2
+    assert mismatched_pages([], copied[:0], []) == []
