@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import signal
 import sys
@@ -17,6 +16,7 @@ from kvshare.engine.cli import (
     engine_options,
 )
 from kvshare.kvpool.faults import BREAK_ORDERS
+from kvshare.serve import collector
 from kvshare.serve.policies import DEFAULT_POOL_CREDIT
 from kvshare.spec import DEFAULT_CHUNK_TOKENS
 
@@ -265,7 +265,7 @@ def _run_app(command: str, app: web.Application, args: argparse.Namespace, banne
     """Serve `app` until Ctrl-C/SIGTERM; print `banner` once listening (the ready line)."""
     from aiohttp import web
 
-    freeze_startup_objects()
+    collector.settle_startup()
     try:
         web.run_app(
             app,
@@ -280,23 +280,8 @@ def _run_app(command: str, app: web.Application, args: argparse.Namespace, banne
         print(f"kvshare {command}: {exc}", file=sys.stderr)
         return 1
     finally:
-        # Frozen objects outlive the interpreter's last collection: Triton's bindings
-        # would report them as leaked at exit.
-        gc.unfreeze()
+        collector.release_at_exit()
     return 0
-
-
-def freeze_startup_objects() -> None:
-    """Take every object alive now out of the cyclic collector's walks (gc.freeze).
-
-    What a process built to start (torch, Triton's kernels, the model, the app) lives as
-    long as it does, yet every full collection walks all of it: 53-69 ms with the GIL held
-    in a CPU replica of a tiny model (320,000 objects) on a 2-vCPU machine. A replica's
-    engine thread issues a restore's copies and its step's kernels from Python, so a full
-    collection landing there, rare as it is, delays the first token by as much. Frozen, the
-    collector walks only what requests create."""
-    gc.collect()
-    gc.freeze()
 
 
 def run_up(args: argparse.Namespace) -> int:

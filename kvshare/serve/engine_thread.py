@@ -7,7 +7,9 @@ Thread confinement is the whole synchronization story:
 - Only the event loop touches the per-request queues: the engine thread hands each step's
   outputs over with one `loop.call_soon_threadsafe`, and the loop fans them out.
 - The loop steps while any request is unfinished and blocks on the queue otherwise, so an
-  idle server uses no CPU and a busy one never waits for the HTTP side.
+  idle server uses no CPU and a busy one never waits for the HTTP side. Going idle, it
+  commits the pool stores in flight and runs a young collection (kvshare.serve.collector),
+  so that the next request starts with none due.
 - A request the engine ends with an error (its logits cannot be sampled, its token cannot
   be appended) fails alone; the others go on.
 - An exception out of a step (the batch's forward pass itself) fails every unfinished
@@ -31,6 +33,7 @@ import torch
 
 from kvshare.engine.llm_engine import LLMEngine, PromptIds, RequestOutput
 from kvshare.engine.sampling_params import SamplingParams
+from kvshare.serve import collector
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -235,6 +238,7 @@ class EngineThread:
                 produced = self._step()
                 if not self.engine.has_unfinished():
                     self.engine.commit_pool_stores()
+                    collector.collect_idle()
             self.snapshot = snapshot_of(self.engine)
             if not self.engine.has_unfinished():
                 wait = None

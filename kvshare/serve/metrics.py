@@ -143,10 +143,10 @@ class VllmMetrics:
 
 
 def add_collector_series(registry: CollectorRegistry) -> None:
-    """The Python collector's work: collections and objects per generation, and how many
-    objects it skips because the process froze them when it had started (`kvshare serve`
-    and `kvshare router` do: a full collection that walks torch's and Triton's objects
-    holds the GIL for tens of ms, in the middle of whatever request is running)."""
+    """The Python collector's work: collections and objects per generation, how many
+    objects it skips because the process froze them when it had started, and how many
+    allocations it lets pass between young collections (`kvshare serve` and `kvshare
+    router` set both: kvshare.serve.collector)."""
     GCCollector(registry=registry)
     frozen = Gauge(
         "kvshare_gc_frozen_objects",
@@ -154,6 +154,12 @@ def add_collector_series(registry: CollectorRegistry) -> None:
         registry=registry,
     )
     frozen.set_function(gc.get_freeze_count)
+    young = Gauge(
+        "kvshare_gc_young_threshold",
+        "Container allocations between two young collections",
+        registry=registry,
+    )
+    young.set_function(lambda: gc.get_threshold()[0])
 
 
 class ServerMetrics:

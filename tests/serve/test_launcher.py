@@ -24,7 +24,7 @@ import pytest
 
 from kvshare.engine.config import EngineConfig
 from kvshare.kvpool.launch import pool_command
-from kvshare.serve import launcher
+from kvshare.serve import collector, launcher
 from kvshare.serve.auth import ADMIN_KEY_ENV, API_KEY_ENV
 from kvshare.serve.launcher import Cluster, ReplicaRestarts, RestartPolicy, UpConfig
 
@@ -235,14 +235,16 @@ def _metric(text: str, name: str) -> float:
 def test_replica_and_router_freeze_what_they_started_with(runtime: str) -> None:
     # A full collection walks every object not frozen: in a tiny CPU replica ~320,000
     # objects, 53-69 ms with the GIL held in the middle of a request. Both
-    # servers freeze what they built to start; their metrics say how much, and that a
-    # full collection still runs (over what requests create). They unfreeze to exit:
-    # Triton's bindings report frozen objects as leaked.
+    # servers freeze what they built to start and raise the young collections' threshold
+    # (kvshare.serve.collector); their metrics say so, and that a full collection still
+    # runs (over what requests create). They unfreeze to exit: Triton's bindings report
+    # frozen objects as leaked.
     log = io.StringIO()
     with Cluster(UpConfig.from_args([*TINY, "--port", "0"]), log=log) as cluster:
         for url in (cluster.replica_urls[0], cluster.url):
             page = httpx.get(url + "/metrics").text
             assert _metric(page, "kvshare_gc_frozen_objects") > 50_000, url
+            assert _metric(page, "kvshare_gc_young_threshold") == collector.YOUNG_OBJECTS, url
             assert _metric(page, 'python_gc_collections_total{generation="2"}') >= 0
     assert "exited" not in log.getvalue() and "leaked" not in log.getvalue()
 

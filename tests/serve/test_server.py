@@ -4,6 +4,7 @@ engine thread, disconnects, engine failures, auth, admin and metrics."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import socket
 import threading
@@ -17,6 +18,7 @@ import pytest
 import kvshare
 from kvshare import LLM
 from kvshare.engine.llm_engine import LLMEngine
+from kvshare.serve import collector
 from kvshare.serve.router import ADMIN_CALLS
 from kvshare.serve.server import SERVER_KEY, ServeConfig, build_app
 from tests.serve.inprocess import BackgroundServer
@@ -75,6 +77,33 @@ def wait_running(client: httpx.Client, timeout: float = 10.0) -> None:
     while client.get("/admin/stats").json()["engine"]["running"] == 0:
         assert time.monotonic() < deadline, "the request never started"
         time.sleep(0.02)
+
+
+def test_the_engine_thread_collects_young_objects_when_it_goes_idle(
+    client: httpx.Client, engine: LLMEngine
+) -> None:
+    """With the young threshold raised (as `kvshare serve` runs), the engine thread runs a
+    generation-1 collection once its last request has finished, so that the next request
+    finds none due."""
+    seen: list[tuple[str, int, str]] = []
+
+    def observe(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            seen.append((threading.current_thread().name, info["generation"], phase))
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(collector.YOUNG_OBJECTS, *threshold[1:])
+    gc.callbacks.append(observe)
+    try:
+        assert completion(client).status_code == 200
+        deadline = time.monotonic() + 10
+        while not any(name == "kvshare-engine" for name, _, _ in seen):
+            assert time.monotonic() < deadline, "the engine thread never collected"
+            time.sleep(0.01)
+    finally:
+        gc.callbacks.remove(observe)
+        gc.set_threshold(*threshold)
+    assert ("kvshare-engine", 1, "start") in seen and not engine.has_unfinished()
 
 
 def test_completion_streams_the_same_ids_as_a_whole_answer(client: httpx.Client) -> None:
