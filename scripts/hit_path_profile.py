@@ -20,10 +20,10 @@ milliseconds Python's cyclic collector held the GIL inside it:
 - the host's time before the load's first copy: the HTTP phases plus the engine's, from
   add_request's entry to the load's transfer (where its first copy is issued);
 - the engine, from add_request (given the prompt as the replica hands it over) to the
-  first token: hashing, admission (prefix cache,
-  chunk keys, the daemon's lookup, the load plan, issuing the copies), the step that
-  computes the new tokens (metadata, forward, logits), the restore's verification,
-  sampling, registration and the store check.
+  first token: hashing, admission (prefix cache, chunk keys, the daemon's lookup, the load
+  plan, issuing the copies), the step that computes the new tokens (metadata, forward,
+  logits), registering the blocks, the restore's verification, the store check and
+  sampling.
 
 On CUDA the engine's phases are host time: work issued to a stream shows where the host
 waits for it (the restore's verification waits for the copies; sampling for the step).
@@ -56,7 +56,7 @@ import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import torch
@@ -77,6 +77,7 @@ from kvshare.kvpool.launch import PoolProcess, PoolProcessConfig
 from kvshare.kvpool.transfer import LayerGroups
 from kvshare.models.loader import load_model
 from kvshare.ports import free_port
+from kvshare.serve import collector
 from kvshare.serve.http import parse_json_object
 from kvshare.serve.protocol import ModelInfo, parse_generate
 from kvshare.serve.routing_keys import RoutingKeys
@@ -152,13 +153,14 @@ def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
     w("step/execute/step_meta", model_runner_module, "StepMeta")
     w("step/execute/forward", engine.runner.model, "forward")
     w("step/execute/logits", engine.runner.model, "compute_logits")
+    w("step/register", engine, "_register")
     w("step/finish_restores", engine.scheduler, "finish_restores")
     w("step/finish_restores/wait_copies", connector_module._Load, "wait")
     w("step/finish_restores/checksums", connector, "_checksum_mismatches")
     w("step/finish_restores/release", connector, "_release")
+    w("step/store", engine, "_store")
+    w("step/store/pool_store", connector, "store")
     w("step/sample", llm_engine_module, "sample")
-    w("step/register_and_store", engine, "_register_and_store")
-    w("step/register_and_store/pool_store", connector, "store")
     w("step/append_token", engine, "_append_or_fail")
 
 
@@ -213,8 +215,26 @@ def build_engine(args: argparse.Namespace, address: str) -> LLMEngine:
     return engine
 
 
-def layer_groups(max_groups: int, min_mib: float) -> LayerGroups | None:
-    return LayerGroups.at_most(max_groups, int(min_mib * (1 << 20)))
+def layer_groups(max_groups: int, min_mib: float, shrinking: bool = True) -> LayerGroups | None:
+    return LayerGroups.at_most(max_groups, int(min_mib * (1 << 20)), shrinking)
+
+
+class LayerGroupSpec(NamedTuple):
+    """A --compare-layer-groups item: [shrinking|even:]GROUPS[:MIN_MIB], and its text."""
+
+    shrinking: bool
+    groups: int
+    min_mib: float | None
+    text: str
+
+
+def layer_group_spec(text: str) -> LayerGroupSpec:
+    parts = text.split(":")
+    split = parts.pop(0) if parts[0] in ("shrinking", "even") else "shrinking"
+    if not 1 <= len(parts) <= 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: [shrinking|even:]GROUPS[:MIN_MIB]")
+    min_mib = float(parts[1]) if len(parts) == 2 else None
+    return LayerGroupSpec(split == "shrinking", int(parts[0]), min_mib, text)
 
 
 def alternate(
@@ -249,13 +269,13 @@ def compare_layer_groups(
     transfer = engine.connector.transfer if isinstance(engine.connector, PoolConnector) else None
     assert transfer is not None
 
-    def setting(groups: int) -> Callable[[], None]:
-        return lambda: setattr(
-            transfer, "layer_groups", layer_groups(groups, args.layer_group_min_mib)
-        )
+    def setting(spec: LayerGroupSpec) -> Callable[[], None]:
+        min_mib = args.layer_group_min_mib if spec.min_mib is None else spec.min_mib
+        groups = layer_groups(spec.groups, min_mib, spec.shrinking)
+        return lambda: setattr(transfer, "layer_groups", groups)
 
     engines_own = transfer.layer_groups
-    settings = {f"layer groups {g}": setting(g) for g in args.compare_layer_groups}
+    settings = {f"layer groups {spec.text}": setting(spec) for spec in args.compare_layer_groups}
     results = alternate(engine, served, args, settings, pauses)
     transfer.layer_groups = engines_own
     return results
@@ -284,16 +304,28 @@ def compare_graphs(
 def compare_collector(
     engine: LLMEngine, served: PromptIds, args: argparse.Namespace, pauses: CollectorPauses
 ) -> dict[str, list[dict]]:
-    """Hits with every object alive frozen out of the collector's walks (as `kvshare serve`
-    runs) against hits with none frozen; the collector is left unfrozen."""
+    """Hits with the collector as `kvshare serve` runs it (kvshare.serve.collector: what is
+    alive frozen, the young threshold raised, a young collection between requests) against
+    CPython's defaults (nothing frozen, a young collection every 700 allocations); the
+    defaults are put back."""
+    defaults = gc.get_threshold()
+
+    def as_served() -> None:
+        collector.settle_startup()
+        collector.collect_idle()
+
+    def as_cpython() -> None:
+        gc.unfreeze()
+        gc.set_threshold(*defaults)
+
     results = alternate(
         engine,
         served,
         args,
-        {"collector frozen": gc.freeze, "collector unfrozen": gc.unfreeze},
+        {"collector as served": as_served, "collector defaults": as_cpython},
         pauses,
     )
-    gc.unfreeze()
+    as_cpython()
     return results
 
 
@@ -361,12 +393,14 @@ class CollectorPauses:
             self.pauses.append((self._began, now - self._began, info["generation"]))
 
     def annotate(self, run: dict) -> dict:
-        """`run` (run_request's) with the collector's ms inside its time to first token and
-        how many of its collections were full ones, in place of its window."""
+        """`run` (run_request's) with the collector's ms inside its time to first token, how
+        many of its collections were full ones and how many walked each generation, in place
+        of its window."""
         start, end = run.pop("window_s")
         inside = [(s, g) for began, s, g in self.pauses if start <= began < end]
         run["gc_ms"] = 1e3 * sum(s for s, _ in inside)
         run["gc_full"] = sum(g == 2 for _, g in inside)
+        run["gc_by_generation"] = [sum(g == n for _, g in inside) for n in range(3)]
         return run
 
 
@@ -565,10 +599,12 @@ def main() -> int:
     )
     parser.add_argument(
         "--compare-layer-groups",
-        type=lambda text: [int(g) for g in text.split(",")],
+        type=lambda text: [layer_group_spec(item) for item in text.split(",")],
         default=[],
-        metavar="G,G,...",
-        help="after the profile, time --repeats hits with each --layer-groups setting",
+        metavar="[SPLIT:]G[:MIB],...",
+        help="after the profile, time --repeats hits with each setting: at most G groups, "
+        "shrinking toward the end (default) or even, each part of a page at least MIB "
+        "(default --layer-group-min-mib)",
     )
     parser.add_argument(
         "--compare-graphs",
@@ -578,8 +614,8 @@ def main() -> int:
     parser.add_argument(
         "--compare-collector",
         action="store_true",
-        help="after the profile, time --repeats hits with Python's collector frozen (as "
-        "`kvshare serve` runs) and unfrozen, alternated",
+        help="after the profile, time --repeats hits with Python's collector as `kvshare "
+        "serve` runs it and with CPython's defaults, alternated",
     )
     parser.add_argument(
         "--exact-fill",

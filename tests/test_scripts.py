@@ -75,13 +75,14 @@ def test_the_hit_profile_compares_settings_and_goes_through_http_on_the_cpu(
     )
     assert [groups for groups, _ in firsts] == ["1", "2"], done.stdout[-2000:]
     assert firsts[0][1] == firsts[1][1]  # a restore in two groups gives the same token
-    # Hits with the collector frozen and not, each with the collector's time inside it.
+    # Hits with the collector as served and as CPython's defaults, each with the
+    # collector's time inside it.
     compared = json.loads(out.read_text())["compared"]
-    for setting in ("collector frozen", "collector unfrozen"):
+    for setting in ("collector as served", "collector defaults"):
         (hit,) = compared[setting]
         assert hit["pool_hit_tokens"] == 2048 and hit["gc_ms"] >= 0 and hit["gc_full"] >= 0
         assert hit["first_token"] == compared["layer groups 1"][0]["first_token"]
-    assert re.search(r"^collector frozen: .* full collections over 1 hits", done.stdout, re.M)
+    assert re.search(r"^collector as served: .* full collections over 1 hits", done.stdout, re.M)
 
 
 def test_the_fp8_kernel_copies_its_tiles_in_16_byte_pieces_like_bf16() -> None:
