@@ -3,7 +3,8 @@
 `LLMEngine.step()` is the one loop body: commit finished pool stores, schedule a batch
 (admission may start pool restores), run it, register the blocks it completes, verify the
 restores (dropping the results of any that failed, and their blocks' registration), hand
-newly full chunks to the connector, sample, append tokens, and report what changed. Callers (the offline `LLM`, the server's engine thread) drive it.
+newly full chunks to the connector, sample, append tokens, and report what changed.
+Callers (the offline `LLM`, the server's engine thread) drive it.
 
 A failure that belongs to one request (its row of logits cannot be sampled, its token
 cannot be appended) ends that request alone, with finish reason "error" and `error` set;
@@ -257,14 +258,20 @@ class LLMEngine:
         # an H100's host) and the prompt tuple of a first output.
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
+        restoring = {seq.request_id for seq in self.scheduler.restoring}
         registered = self._register(chunks)
         for chunk in sampling:
             self.requests[chunk.seq.request_id].prompt_ids()
         # Nothing computed from a restore counts before the restore is verified, and a failed
         # one draws no sample: a seeded request's tokens must not depend on the pool. Its
         # blocks, registered above, are found by nothing before their hashes go again here
-        # (the engine loop is the prefix cache's only reader).
-        failed = self.scheduler.finish_restores()
+        # (the engine loop is the prefix cache's only reader), and nothing unverified stays
+        # findable when verifying itself fails.
+        try:
+            failed = self.scheduler.finish_restores()
+        except BaseException:
+            self._forget(registered, restoring)
+            raise
         if failed:
             self._forget(registered, failed)
             kept = [i for i, c in enumerate(sampling) if c.seq.request_id not in failed]

@@ -123,6 +123,30 @@ def test_unverified_the_corrupt_page_would_change_the_answer(
     assert out.token_ids != reference.token_ids
 
 
+def test_a_restore_whose_verification_raises_leaves_nothing_findable(
+    llm: LLM, reference: RequestOutput, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step registers a restore's blocks before it verifies them; when verifying
+    raises, the step fails and none of those blocks' hashes stay in the prefix cache."""
+    connector = connector_of(llm)
+    engine = llm.engine
+
+    def broken(request_id: str) -> bool:
+        raise RuntimeError("verification broke")
+
+    engine.reset_prefix_cache()
+    monkeypatch.setattr(connector, "finish_load", broken)
+    engine.add_request("broken-verify", PROMPT, GREEDY)
+    with pytest.raises(RuntimeError, match="verification broke"):
+        while engine.has_unfinished():
+            engine.step()
+    monkeypatch.undo()
+    assert engine.blocks.hash_to_block == {}
+    assert engine.abort("broken-verify")  # as the server's engine thread does after a failed step
+    assert [out.request_id for out in engine.step()] == ["broken-verify"]
+    assert answer(llm).token_ids == reference.token_ids
+
+
 @pytest.mark.parametrize("fill", [b"\x00", b"\x7f"], ids=["zeros", "huge"])
 def test_a_failed_restore_draws_no_sample(llm: LLM, reference: RequestOutput, fill: bytes) -> None:
     """A seeded request whose restore fails samples as if the pool had never been there.
