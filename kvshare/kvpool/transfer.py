@@ -22,6 +22,7 @@ these waits, so that the byte checks can show they catch a missing dependency.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -62,8 +63,11 @@ class PageCopy(NamedTuple):
 
 
 # A strided copy of 1 MiB rows ran at 54.7 GB/s on the H200, contiguous copies at 55.0
-# (scripts/gpu_copy_order.py); one host copy per row was what needed 4 MiB.
+# (scripts/gpu_copy_order.py). One host copy per page's part (where the CUDA runtime's
+# strided copy is not found) needs 4 MiB: smaller copies ran below the PCIe rate, and
+# 2,048 of them took ~85 ms of host time.
 _MIN_GROUP_BYTES = 1 << 20
+ROW_COPY_MIN_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,11 @@ class LayerGroups:
     ) -> LayerGroups | None:
         """Loads in at most `max_groups` groups; None for 1: whole."""
         return cls(min_bytes, max_groups, shrinking) if max_groups > 1 else None
+
+    def for_row_copies(self) -> LayerGroups:
+        """These groups for a transfer that copies each page's part alone: parts of at
+        least ROW_COPY_MIN_BYTES."""
+        return dataclasses.replace(self, min_bytes=max(self.min_bytes, ROW_COPY_MIN_BYTES))
 
     def ranges(self, layout: PageLayout, copies: Sequence[PageCopy]) -> list[range]:
         """Slot ranges of a load, in copy order. One range (the whole copy) unless there

@@ -82,6 +82,16 @@ def test_layer_groups_split_global_only_loads(
     assert groups.ranges(layout, _copies(layout, layout.global_bytes)) == expected
 
 
+def test_groups_copied_page_by_page_keep_parts_of_4_mib() -> None:
+    """Without the runtime's strided copy each page's part is a host copy of its own: bf16
+    qwen3.5-27b pages come in 8, 4 and 4 layers (1 MiB parts would be 5 groups)."""
+    layout = _layout(16, 1.0)
+    copies = _copies(layout, layout.global_bytes)
+    assert LayerGroups().ranges(layout, copies) == _ranges(8, 4, 2, 1, 1)
+    assert LayerGroups().for_row_copies().ranges(layout, copies) == _ranges(8, 4, 4)
+    assert LayerGroups(min_bytes=8 * MIB).for_row_copies().min_bytes == 8 * MIB
+
+
 def test_loads_with_sliding_layers_or_partial_pages_come_whole() -> None:
     groups = LayerGroups(min_bytes=1)
     sliding = _layout(8, 1.0, sliding=True)
