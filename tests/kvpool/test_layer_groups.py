@@ -10,6 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvshare import LLM, SamplingParams
 from kvshare.engine.config import CUDA_LAYER_GROUPS, EngineConfig
@@ -80,6 +82,35 @@ def test_layer_groups_split_global_only_loads(
 ) -> None:
     layout = _layout(global_slots, slot_mib, sliding)
     assert groups.ranges(layout, _copies(layout, layout.global_bytes)) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    slots=st.integers(1, 80),
+    slot_kib=st.integers(64, 4096),
+    min_kib=st.integers(1, 8192),
+    max_groups=st.integers(1, 12),
+    shrinking=st.booleans(),
+)
+def test_groups_cover_every_slot_once_in_order_within_their_bounds(
+    slots: int, slot_kib: int, min_kib: int, max_groups: int, shrinking: bool
+) -> None:
+    """Any layout and setting: the groups tile the global slots in order, there are at most
+    `max_groups`, each part of a page reaches `min_bytes` (or the load comes whole), and
+    shrinking groups never grow toward the end, the first the largest."""
+    layout = _layout(slots, slot_kib / 1024)
+    groups = LayerGroups(min_kib * 1024, max_groups, shrinking)
+    ranges = groups.ranges(layout, _copies(layout, layout.global_bytes))
+    assert [r.start for r in ranges] == [0, *(r.stop for r in ranges[:-1])]
+    assert ranges[-1].stop == slots and all(len(r) > 0 for r in ranges)
+    assert len(ranges) <= max_groups
+    if len(ranges) > 1:
+        assert all(len(r) * layout.slot_bytes >= groups.min_bytes for r in ranges)
+    sizes = [len(r) for r in ranges]
+    if shrinking:
+        assert sizes == sorted(sizes, reverse=True)
+    else:
+        assert max(sizes) - min(sizes) <= 1
 
 
 def test_groups_copied_page_by_page_keep_parts_of_4_mib() -> None:
