@@ -128,13 +128,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert b not in self.bm.free
         self.handles.append(Handle(matched + self.take_fresh(need), tokens))
 
-    @rule(i=st.integers(0, 100))
-    def register(self, i: int) -> None:
+    def sequence(self, i: int) -> tuple[Handle, list[bytes]] | None:
+        """The i-th (mod) holder that is a sequence, and its block hashes; None if none is."""
         seqs = [h for h in self.handles if h.tokens is not None]
         if not seqs:
-            return
+            return None
         h = seqs[i % len(seqs)]
-        hashes = block_hashes(h.tokens, BS)
+        assert h.tokens is not None
+        return h, block_hashes(h.tokens, BS)
+
+    @rule(i=st.integers(0, 100))
+    def register(self, i: int) -> None:
+        if (picked := self.sequence(i)) is None:
+            return
+        h, hashes = picked
         self.bm.register(h.blocks, hashes)
         owner = {hh: b for b, hh in self.hash_of.items()}
         for b, hh in zip(h.blocks, hashes):
@@ -145,11 +152,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 100))
     def forget(self, i: int) -> None:
         """A failed restore takes back its sequence's hashes (those its blocks own)."""
-        seqs = [h for h in self.handles if h.tokens is not None]
-        if not seqs:
+        if (picked := self.sequence(i)) is None:
             return
-        h = seqs[i % len(seqs)]
-        hashes = block_hashes(h.tokens, BS)
+        h, hashes = picked
         self.bm.forget(h.blocks, hashes)
         for b, hh in zip(h.blocks, hashes):
             if self.hash_of.get(b) == hh:
