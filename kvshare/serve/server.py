@@ -27,6 +27,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 from kvshare.engine.connector import KVStoreUnavailable
@@ -255,7 +256,12 @@ class ReplicaServer:
                 "string, secret to your tenant, that isolates its prefix cache",
                 "cache_salt",
             )
-        req = await asyncio.to_thread(parse_generate, body, chat, self.model)
+        if not chat and isinstance(body.get("prompt"), np.ndarray):
+            # Token ids the body parser already read into an array: checked in well under a
+            # millisecond at 261,888 ids, less than the hop to a worker thread and back.
+            req = parse_generate(body, chat, self.model)
+        else:  # text to tokenize, a chat to template: off the event loop
+            req = await asyncio.to_thread(parse_generate, body, chat, self.model)
         clock.lap("prompt")
         if not self.thread.alive:
             raise APIError(503, "the engine thread is not running")
