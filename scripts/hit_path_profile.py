@@ -399,8 +399,8 @@ class CollectorPauses:
         start, end = run.pop("window_s")
         inside = [(s, g) for began, s, g in self.pauses if start <= began < end]
         run["gc_ms"] = 1e3 * sum(s for s, _ in inside)
-        run["gc_full"] = sum(g == 2 for _, g in inside)
         run["gc_by_generation"] = [sum(g == n for _, g in inside) for n in range(3)]
+        run["gc_full"] = run["gc_by_generation"][2]
         return run
 
 
