@@ -5,7 +5,7 @@ python3 scripts/gpu_service.py bench27b --out $OUT [--lengths 32768,130816] [--p
 python3 scripts/gpu_service.py two-replicas --out $OUT [--sessions 2] [--context 32768]
 python3 scripts/gpu_service.py sessions --out $OUT [--sessions 2] [--context 32768]
 python3 scripts/gpu_service.py hit --out $OUT --runs auto:131072:2,fp8:131072:2 [--budget-s 560]
-    [--layer-groups 4]
+    [--layer-groups N]
 
 `validate` runs `kvshare validate all` on CUDA against two float32 replicas of `kvshare up`;
 `sessions` starts two replicas of shape:qwen3-8b on the one GPU (0.45 of its memory each)
@@ -307,7 +307,7 @@ def main() -> int:
         "--layer-groups",
         type=int,
         default=0,
-        help="hit: kvshare up --pool-load-layer-groups (0: the engine's default, 4 on CUDA)",
+        help="hit: kvshare up --pool-load-layer-groups (0: the engine's default on CUDA)",
     )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
