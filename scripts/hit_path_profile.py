@@ -148,13 +148,13 @@ def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
     w("step/schedule/pool_load/transfer_load", connector.transfer, "load")
     w("step/schedule/pool_load/transfer_state", connector.transfer, "load_raw")
     w("step/schedule/pool_load/consume", connector.transfer, "consume")
-    w("step/schedule/pool_load/headers", connector, "_header_ok")
     w("step/execute", engine.runner, "execute")
     w("step/execute/step_meta", model_runner_module, "StepMeta")
     w("step/execute/forward", engine.runner.model, "forward")
     w("step/execute/logits", engine.runner.model, "compute_logits")
     w("step/register", engine, "_register")
     w("step/finish_restores", engine.scheduler, "finish_restores")
+    w("step/finish_restores/headers", connector, "_header_ok")
     w("step/finish_restores/wait_copies", connector_module._Load, "wait")
     w("step/finish_restores/checksums", connector, "_checksum_mismatches")
     w("step/finish_restores/release", connector, "_release")
@@ -589,7 +589,7 @@ def main() -> int:
         type=int,
         default=0,
         help="at most this many groups of layers per load (1: whole pages; 0, the default: "
-        "the engine's, 4 on CUDA and whole on the CPU)",
+        "the engine's: kvshare.engine.config.CUDA_LAYER_GROUPS on CUDA, whole on the CPU)",
     )
     parser.add_argument(
         "--layer-group-min-mib",
