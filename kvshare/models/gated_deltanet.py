@@ -23,6 +23,7 @@ from torch import nn
 
 from kvshare.models.attention import RecurrentStateContext
 from kvshare.models.config import ModelConfig
+from kvshare.models.layers import DerivedTensor
 
 if TYPE_CHECKING:
     from kvshare.models.gdn_triton import PrefillTables
@@ -230,6 +231,12 @@ class RMSNormGated(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            # One fused norm (float32 inside, w applied before its one rounding) and three
+            # kernels for the gate, where HF's op sequence below (the CPU path, the parity
+            # reference) launches twelve: a step of a few tokens is bound by launches.
+            normed = F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
+            return (normed * F.silu(gate.float())).to(x.dtype)
         x32 = x.float()
         normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
@@ -256,6 +263,8 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
         self.norm = RMSNormGated(self.value_head_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(config.linear_value_dim, config.hidden_size, bias=False)
+        self._decay_rate = DerivedTensor()  # -exp(A_log), float32
+        self._dt_bias = DerivedTensor()  # dt_bias, float32
 
     def forward(self, x: torch.Tensor, ctx: RecurrentStateContext) -> torch.Tensor:
         tokens = x.shape[0]
@@ -269,7 +278,9 @@ class GatedDeltaNet(nn.Module):
         k = k.view(tokens, -1, self.key_head_dim)
         v = v.view(tokens, -1, self.value_head_dim)
         beta = b.float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        decay_rate = self._decay_rate.get((self.A_log,), lambda: -self.A_log.float().exp())
+        dt_bias = self._dt_bias.get((self.dt_bias,), self.dt_bias.float)
+        g = decay_rate * F.softplus(a.float() + dt_bias)
         out, state = gated_delta_rule(q, k, v, g, beta, state, ctx.seq_lens, tables)
         ctx.save_state(self.layer, conv_state, state)
         out = self.norm(out.to(x.dtype), z.reshape(tokens, -1, self.value_head_dim))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +11,29 @@ from torch import nn
 
 from kvshare.models.attention import AttentionContext
 from kvshare.models.config import ModelConfig, RopeConfig
+
+
+class DerivedTensor:
+    """A tensor computed from parameters once instead of in every forward. A step of a few
+    tokens (the one after a pool restore) is bound by the host's kernel launches, and each
+    use saves one or more. Recomputed whenever a source differs from the last computation
+    (another tensor, storage or in-place version), so loading or moving weights is seen."""
+
+    def __init__(self) -> None:
+        self._key: tuple[tuple[int, int, int], ...] = ()
+        self._value: torch.Tensor | None = None
+
+    def get(
+        self, sources: tuple[torch.Tensor, ...], compute: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        key = tuple((id(s), s.data_ptr(), s._version) for s in sources)
+        if self._value is None or key != self._key:
+            # A plain tensor without history, also when first asked inside inference mode:
+            # a later forward that records autograd may use it.
+            with torch.inference_mode(False), torch.no_grad():
+                self._value = compute()
+            self._key = key
+        return self._value
 
 
 class RMSNorm(nn.Module):
@@ -21,12 +45,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.unit_offset = unit_offset
         self.weight = nn.Parameter(torch.empty(dim))
+        self._scale = DerivedTensor()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             # One fused kernel (fp32 inside) instead of ~8 passes over the activations;
             # the CPU path below is HF's exact op sequence (the parity reference).
-            weight = 1.0 + self.weight if self.unit_offset else self.weight
+            weight = (
+                self._scale.get((self.weight,), lambda: 1.0 + self.weight)
+                if self.unit_offset
+                else self.weight
+            )
             return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
