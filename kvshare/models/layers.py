@@ -17,7 +17,9 @@ class DerivedTensor:
     """A tensor computed from parameters once instead of in every forward. A step of a few
     tokens (the one after a pool restore) is bound by the host's kernel launches, and each
     use saves one or more. Recomputed whenever a source differs from the last computation
-    (another tensor, storage or in-place version), so loading or moving weights is seen."""
+    (another tensor, storage or in-place version), so loading or moving weights is seen. A
+    captured CUDA graph keeps reading the value it was captured with: an engine's weights do
+    not change while it runs."""
 
     def __init__(self) -> None:
         self._key: tuple[tuple[int, int, int], ...] = ()

@@ -60,9 +60,9 @@ def test_computed_in_inference_mode_serves_a_forward_that_records_autograd() -> 
 
 
 def test_a_model_that_has_run_follows_a_reload_of_its_weights() -> None:
-    """The cached -exp(A_log), dt_bias and (1 + w) norm scales are what the weights are
-    now: a tiny Qwen3.5 run with one seed's weights, then filled in place with another
-    seed's, answers exactly as a model loaded with the second seed."""
+    """Gated DeltaNet's kept -exp(A_log) and dt_bias are what the weights are now: a tiny
+    Qwen3.5 run with one seed's weights, then filled in place with another seed's, answers
+    exactly as a model loaded with the second seed. (The norms keep 1 + w on CUDA only.)"""
     reloaded = load_model("shape:tiny-qwen3.5", seed=7).model
     prompt = list(range(3, 40))
     first, _ = greedy(reloaded, DenseContext(reloaded.config, torch.float32), prompt, 2)
