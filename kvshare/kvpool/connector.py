@@ -717,7 +717,7 @@ class PoolConnector(KVConnector):
         if store.job.failed:
             self._abort(keys)
         else:
-            checksums = [b"".join(parts) for parts in store.job.checksums()]
+            checksums = [row.tobytes() for row in store.job.checksum_bytes()]
             try:
                 for page, parent, checksum in zip(store.pages, store.parents, checksums):
                     header = PageHeader(
