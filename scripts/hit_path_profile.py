@@ -151,6 +151,8 @@ def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
     w("step/execute", engine.runner, "execute")
     w("step/execute/step_meta", model_runner_module, "StepMeta")
     w("step/execute/forward", engine.runner.model, "forward")
+    if engine.runner.graphs is not None:
+        w("step/execute/replay", engine.runner.graphs, "run")
     w("step/execute/logits", engine.runner.model, "compute_logits")
     w("step/register", engine, "_register")
     w("step/finish_restores", engine.scheduler, "finish_restores")

@@ -11,6 +11,15 @@ captured once and replayed with new inputs copied into static buffers. Two kinds
   context lengths are inputs of the replay: the paged attention kernel and the
   linear-attention kernels read them from the device (`gdn_triton.PrefillTables`).
 
+A short prefill step is captured in segments of consecutive layers, a new one starting at
+each global attention layer, and replayed one segment after another. A pool restore in
+groups of layers (kvshare.kvpool.transfer.LayerGroups) leaves a wait per group of cache
+slots (SlotFences); before each segment the replay runs the waits of the slots its layers
+touch, so the first layers compute while the last ones are still copied, and the step
+costs a replay per segment, not the thousands of launches of the eager step (~3,300 for a
+Qwen3.5-27B step, which set the time of a restore's step on the H100 and H200). A decode
+step, one graph, waits for every pending load before its replay.
+
 Padding rows (decode rows past the real batch, prefill rows past the step's tokens) write
 their K/V into a trash block outside the block manager's range (each cache tensor's last
 block), never into a real block. Padded decode rows attend over the trash block; padded
@@ -26,6 +35,7 @@ H200 below a 262,144-token context).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -34,7 +44,7 @@ import numpy as np
 import torch
 
 from kvshare.engine.attention import AttentionBackend, PagedAttention, StepInputs, padded_tables
-from kvshare.engine.connector import KVCacheLayout
+from kvshare.engine.connector import KVCacheLayout, SlotFences
 from kvshare.engine.memory import SHORT_STEP_TOKENS
 from kvshare.engine.recurrent_state import RecurrentStates
 from kvshare.models.decoder import CausalLM
@@ -113,6 +123,36 @@ def _even_split(tokens: int, batch: int) -> tuple[int, ...]:
     return tuple(tokens // batch + (i < tokens % batch) for i in range(batch))
 
 
+def layer_segments(layout: KVCacheLayout, num_layers: int) -> list[range]:
+    """The layers of each captured segment of a short prefill step: a new segment starts
+    at every global attention layer (the slots a load in groups of layers waits for)."""
+    starts = [
+        layer
+        for layer, slot in enumerate(layout.layer_slot)
+        if layer > 0 and 0 <= slot < layout.num_global_slots
+    ]
+    bounds = [0, *starts, num_layers]
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+@dataclass
+class _Segment:
+    """One captured run of layers: before its replay, the pending waits of `slots` run."""
+
+    graph: torch.cuda.CUDAGraph
+    slots: tuple[int, ...]
+    # The segment's result, in the graph pool: the next segment's graph reads it, so it
+    # must stay allocated as long as that graph exists.
+    output: torch.Tensor
+
+
+@dataclass
+class _SegmentedStep:
+    segments: list[_Segment]
+    # Computed by the first segment, read by the attention layers of every segment.
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
 @dataclass
 class _Tables:
     """Static slots and block tables of one cache tensor; padding points at `trash_block`."""
@@ -187,6 +227,7 @@ class StepGraphs:
             for b, t in self.short:
                 self.prefill[(b, t)] = PrefillTables(_even_split(t, b), width, device, rows=t)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.segmented: dict[tuple[int, int], _SegmentedStep] = {}
         self._capture_all(backend)
 
     @property
@@ -211,10 +252,31 @@ class StepGraphs:
             with torch.cuda.stream(side), torch.inference_mode():
                 self.model(*args)  # warm-up: lazy initialization must not happen in capture
             torch.cuda.current_stream().wait_stream(side)
+            if shape in self.short:
+                self.segmented[shape] = self._capture_segments(args, pool)
+                continue
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
                 hidden = self.model(*args)
             self.graphs[shape] = (graph, hidden)
+
+    def _capture_segments(
+        self, args: tuple[torch.Tensor, torch.Tensor, PagedAttention], pool: tuple[int, int]
+    ) -> _SegmentedStep:
+        input_ids, positions, ctx = args
+        slot_of = self.layout.layer_slot
+        segments: list[_Segment] = []
+        for layers in layer_segments(self.layout, self.model.config.num_layers):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+                if not segments:
+                    hidden, rope = self.model.embed(input_ids, positions)
+                else:
+                    hidden = segments[-1].output
+                hidden = self.model.forward_layers(hidden, rope, ctx, layers)
+            slots = tuple(slot_of[i] for i in layers if slot_of[i] >= 0)
+            segments.append(_Segment(graph, slots, hidden))
+        return _SegmentedStep(segments, rope)
 
     def _args(
         self, shape: tuple[int, int], backend: AttentionBackend
@@ -246,14 +308,24 @@ class StepGraphs:
         )
         return self.input_ids[:tokens], self.positions[:tokens], ctx
 
-    def _replay(self, shape: tuple[int, int]) -> torch.Tensor:
-        graph, hidden = self.graphs[shape]
-        graph.replay()
-        return hidden
+    def _replay(self, shape: tuple[int, int], fences: SlotFences) -> torch.Tensor:
+        step = self.segmented.get(shape)
+        if step is None:
+            fences.drain()
+            graph, hidden = self.graphs[shape]
+            graph.replay()
+            return hidden
+        for segment in step.segments:
+            for slot in segment.slots:
+                fences.before(slot)
+            segment.graph.replay()
+        return step.segments[-1].output
 
-    def run(self, step: StepInputs) -> torch.Tensor:
+    def run(self, step: StepInputs, fences: SlotFences) -> torch.Tensor:
         """The step's hidden states, one row per new token (ValueError: no captured shape
-        holds it)."""
+        holds it). The pending waits in `fences` of the slots the step touches run before
+        the layers that touch them (a short prefill step), or all before the replay (a
+        decode step)."""
         shape = self.shape_for(step.q_lens)
         if shape is None:
             raise ValueError(f"no captured graph for a step of {step.q_lens} new tokens")
@@ -278,7 +350,7 @@ class StepGraphs:
             copy_into(self.cu_seqlens_q[: batch + 1], np.cumsum((0, *step.q_lens)))
             if shape in self.prefill:
                 self.prefill[shape].upload(step.q_lens)
-        return self._replay(shape)[:n]
+        return self._replay(shape, fences)[:n]
 
     def _upload_tables(
         self,

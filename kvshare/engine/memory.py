@@ -252,13 +252,19 @@ def short_step_batch(config: EngineConfig) -> int:
 def graph_bytes(model: ModelConfig, config: EngineConfig, max_blocks_per_seq: int) -> int:
     """Captured graphs: one memory pool sized by the largest step (decode batch or short
     prefill rows; the others reuse it) with the attention's split buffers, plus the static
-    inputs and block tables (and the sliding tables of a sliding-window model)."""
+    inputs and block tables (and the sliding tables of a sliding-window model), plus the
+    hidden states between the segments of each short prefill step (kept by the pool)."""
     batch = graph_batch(model, config)
     rows = max(batch, SHORT_STEP_TOKENS[-1])
     seqs = max(batch, short_step_batch(config))
     tables = (4 if model.sliding_window else 2) * seqs * max_blocks_per_seq * 4
     splits = PAGED_SPLIT_ROWS * (model.head_dim + 2) * 4
-    return activation_bytes(model, config, rows) + splits + tables + GRAPH_POOL_SLACK_BYTES
+    global_layers = model.layer_kinds.count("full")
+    short_rows = short_step_batch(config) * sum(SHORT_STEP_TOKENS)  # at most, over the shapes
+    segments = short_rows * global_layers * model.hidden_size * item_bytes(config.resolved_dtype)
+    return (
+        activation_bytes(model, config, rows) + splits + tables + segments + GRAPH_POOL_SLACK_BYTES
+    )
 
 
 def plan_device_memory(

@@ -197,12 +197,13 @@ class ModelRunner:
         step = self._inputs(chunks)
         ends = np.cumsum(step.q_lens)
         sample_rows = [int(end) - 1 for c, end in zip(chunks, ends) if c.samples]
-        # A load in groups of layers leaves fences: the step runs eagerly, each attention
-        # layer waiting for its own group only (a graph would wait for the whole load).
-        if self.graphs is not None and not self.fences and self.graphs.shape_for(step.q_lens):
-            hidden = self.graphs.run(step)
+        # A load in groups of layers leaves fences: each layer waits for its own group only
+        # (eagerly, or before the captured segment that holds it).
+        if self.graphs is not None and self.graphs.shape_for(step.q_lens):
+            hidden = self.graphs.run(step, self.fences)
         else:
             hidden = self._forward(step)
+        self.fences.drain()  # slots this step did not touch: the next user must not race
         if not sample_rows:
             return None
         if len(sample_rows) == len(step.input_ids):  # decode: every row samples
@@ -250,10 +251,8 @@ class ModelRunner:
         ctx = PagedAttention(
             self.layout, meta, self.backend, self.states, state_slots, sliding_meta, self.fences
         )
-        hidden = self.model(
+        return self.model(
             host_to_device(step.input_ids, self.device),
             host_to_device(step.positions, self.device),
             ctx,
         )
-        self.fences.drain()  # slots this step did not touch: the next user must not race
-        return hidden

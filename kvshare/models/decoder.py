@@ -128,15 +128,34 @@ class CausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
+        hidden, rope = self.embed(input_ids, positions)
+        return self.forward_layers(hidden, rope, ctx, range(self.config.num_layers))
+
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """The first layer's input and the step's rotary tables (forward's first part)."""
         embed = self.model.embed_tokens
         hidden = embed(input_ids)
         if self.config.uses_gemma_norms:
             # HF multiplies by sqrt(hidden) rounded to the weights' dtype.
             hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=embed.weight.dtype)
-        rope = self.rope_tables(positions, hidden.dtype)
-        for layer in self.model.layers:
-            hidden = layer(hidden, rope, ctx)
-        return self.model.norm(hidden)
+        return hidden, self.rope_tables(positions, hidden.dtype)
+
+    def forward_layers(
+        self,
+        hidden: torch.Tensor,
+        rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        ctx: AttentionContext,
+        layers: range,
+    ) -> torch.Tensor:
+        """Run `layers` in order; a range that ends at the last layer also applies the final
+        norm, so consecutive ranges from layer 0 to the end compose to forward()."""
+        for i in layers:
+            hidden = self.model.layers[i](hidden, rope, ctx)
+        if layers.stop == self.config.num_layers:
+            hidden = self.model.norm(hidden)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

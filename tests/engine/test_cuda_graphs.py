@@ -21,21 +21,36 @@ import pytest
 import torch
 
 from kvshare import LLM
-from kvshare.engine.cuda_graphs import StepGraphs, graph_buckets, graph_shape, short_shapes
+from kvshare.engine.connector import SlotFences
+from kvshare.engine.cuda_graphs import (
+    StepGraphs,
+    graph_buckets,
+    graph_shape,
+    layer_segments,
+    short_shapes,
+)
 from kvshare.engine.model_runner import ModelRunner
 from kvshare.engine.sampling_params import SamplingParams
 from kvshare.engine.scheduler import ScheduledChunk
 
 
 class EagerGraphs(StepGraphs):
-    """StepGraphs whose "replay" runs the captured function eagerly (no CUDA needed)."""
+    """StepGraphs whose "replay" runs the captured functions eagerly (no CUDA needed): a
+    short prefill step in its segments of layers, one after another."""
 
     def _capture_all(self, backend: Any) -> None:
         self.backend = backend
 
-    def _replay(self, shape: tuple[int, int]) -> torch.Tensor:
+    def _replay(self, shape: tuple[int, int], fences: SlotFences) -> torch.Tensor:
+        fences.drain()
         with torch.inference_mode():
-            return self.model(*self._args(shape, self.backend))
+            input_ids, positions, ctx = self._args(shape, self.backend)
+            if shape not in self.short:
+                return self.model(input_ids, positions, ctx)
+            hidden, rope = self.model.embed(input_ids, positions)
+            for layers in layer_segments(self.layout, self.model.config.num_layers):
+                hidden = self.model.forward_layers(hidden, rope, ctx, layers)
+            return hidden
 
 
 def compare(runner: ModelRunner, chunks: list[ScheduledChunk]) -> list[float]:

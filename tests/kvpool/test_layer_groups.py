@@ -187,14 +187,18 @@ def pool() -> Iterator[PoolProcess]:
     factory.close()
 
 
-def _replica(pool: PoolProcess | None, faults: FaultInjection | None = None) -> LLM:
+def _replica(
+    pool: PoolProcess | None, faults: FaultInjection | None = None, device: str = "cpu"
+) -> LLM:
     llm = LLM(
         "shape:tiny-qwen3.5",
         dtype="float32",
+        device=device,
         kv_pool=None if pool is None else pool.address,
         chunk_tokens=CHUNK,
         max_num_batched_tokens=4 * CHUNK,
         kv_pool_faults=faults,
+        **({"kv_cache_memory": 64 * MIB} if device == "cuda" else {}),
     )
     connector = llm.engine.connector
     if connector is not None:
@@ -207,19 +211,26 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs
 
 
 @pytest.mark.parametrize("broken", [False, True])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_a_replica_computing_behind_a_grouped_restore_answers_as_without_the_pool(
-    pool: PoolProcess, broken: bool
+    pool: PoolProcess, broken: bool, device: str
 ) -> None:
     """A hybrid model restored layer group by layer group (its state first), the copies
     held back 0.3 s: each attention layer waits for its own group, and the answer is the
-    no-pool answer. Broken ("load_slots": the layers do not wait) it is not."""
+    no-pool answer. Broken ("load_slots": the layers do not wait) it is not. On CUDA the
+    step after the restore (5 new tokens) replays its captured segments."""
     prompt = [(7 * i) % 400 + 3 for i in range(6 * CHUNK + 5)]
-    reference = _replica(None).generate([prompt], GREEDY)[0]
-    writer = _replica(pool)
+    reference = _replica(None, device=device).generate([prompt], GREEDY)[0]
+    writer = _replica(pool, device=device)
     writer.generate([prompt[: 6 * CHUNK + 1]], GREEDY)
     writer.engine.connector.wait_idle()  # type: ignore[union-attr]
     faults = FaultInjection(load_delay=0.3, break_order="load_slots" if broken else "")
-    out = _replica(pool, faults).generate([prompt], GREEDY)[0]
+    replica = _replica(pool, faults, device)
+    graphs = replica.engine.runner.graphs
+    assert (graphs is not None) == (device == "cuda")
+    if graphs is not None:
+        assert graphs.shape_for((5,)) in graphs.segmented
+    out = replica.generate([prompt], GREEDY)[0]
     assert out.pool_hit_tokens == 6 * CHUNK
     same = out.token_ids == reference.token_ids and torch.allclose(
         torch.tensor(out.logprobs), torch.tensor(reference.logprobs), atol=1e-4
