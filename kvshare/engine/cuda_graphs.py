@@ -17,8 +17,8 @@ groups of layers (kvshare.kvpool.transfer.LayerGroups) leaves a wait per group o
 slots (SlotFences); before each segment the replay runs the waits of the slots its layers
 touch, so the first layers compute while the last ones are still copied, and the step
 costs a replay per segment, not the thousands of launches of the eager step (~3,300 for a
-Qwen3.5-27B step, which set the time of a restore's step on the H100 and H200). A decode
-step, one graph, waits for every pending load before its replay.
+Qwen3.5-27B step, ~70 ms of an H100 host's time). A decode step, one graph, waits for
+every pending load before its replay.
 
 Padding rows (decode rows past the real batch, prefill rows past the step's tokens) write
 their K/V into a trash block outside the block manager's range (each cache tensor's last

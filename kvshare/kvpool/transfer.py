@@ -9,8 +9,8 @@ when its last scatter has completed, and the compute stream waits on it before r
 A load of global layers only may come in groups of layers (`LayerGroups`; the engine flag
 --pool-load-layer-groups, by default up to 8 on CUDA and whole pages on the CPU): it then
 hands the compute side one wait per group (`SlotFences`) instead of one for the whole load,
-and a step's first layers compute while its last layers are still copied; the step runs
-eagerly then (a captured graph would wait for the whole load). It pays when each staging
+and a step's first layers compute while its last layers are still copied (eagerly, or in
+captured segments of layers: kvshare.engine.cuda_graphs). It pays when each staging
 fill is one strided copy (kvshare.kvpool.strided_copy: as one host copy per page's part,
 2,048 copies at 131k tokens took ~85 ms of host time) and the step's small uploads stay
 off the copy engine's queue (kvshare.uploads). On the H200 a 131,072-token hit of
