@@ -15,8 +15,9 @@ from kvshare.models.config import ModelConfig, RopeConfig
 
 class DerivedTensor:
     """A tensor computed from parameters once instead of in every forward. A step of a few
-    tokens (the one after a pool restore) is bound by the host's kernel launches, and each
-    use saves one or more. Recomputed whenever a source differs from the last computation
+    tokens run eagerly (more sequences than a captured short step holds) is bound by the
+    host's kernel launches, and each use saves one or more; a captured graph holds fewer
+    kernels. Recomputed whenever a source differs from the last computation
     (another tensor, storage or in-place version), so loading or moving weights is seen. A
     captured CUDA graph keeps reading the value it was captured with: an engine's weights do
     not change while it runs."""

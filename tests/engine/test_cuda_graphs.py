@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kvshare import LLM
-from kvshare.engine.connector import SlotFences
+from kvshare.engine.connector import KVCacheLayout, SlotFences
 from kvshare.engine.cuda_graphs import (
     StepGraphs,
     graph_buckets,
@@ -32,6 +32,8 @@ from kvshare.engine.cuda_graphs import (
 from kvshare.engine.model_runner import ModelRunner
 from kvshare.engine.sampling_params import SamplingParams
 from kvshare.engine.scheduler import ScheduledChunk
+from kvshare.models.attention import AttentionContext
+from kvshare.models.decoder import CausalLM
 
 
 class EagerGraphs(StepGraphs):
@@ -47,10 +49,21 @@ class EagerGraphs(StepGraphs):
             input_ids, positions, ctx = self._args(shape, self.backend)
             if shape not in self.short:
                 return self.model(input_ids, positions, ctx)
-            hidden, rope = self.model.embed(input_ids, positions)
-            for layers in layer_segments(self.layout, self.model.config.num_layers):
-                hidden = self.model.forward_layers(hidden, rope, ctx, layers)
-            return hidden
+            return forward_in_segments(self.model, self.layout, input_ids, positions, ctx)
+
+
+def forward_in_segments(
+    model: CausalLM,
+    layout: KVCacheLayout,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    ctx: AttentionContext,
+) -> torch.Tensor:
+    """The model's forward run segment by segment, as a short step's graphs replay it."""
+    hidden, rope = model.embed(input_ids, positions)
+    for layers in layer_segments(layout, model.config.num_layers):
+        hidden = model.forward_layers(hidden, rope, ctx, layers)
+    return hidden
 
 
 def compare(runner: ModelRunner, chunks: list[ScheduledChunk]) -> list[float]:

@@ -5,6 +5,8 @@ layers touch; a decode step (one graph) waits for everything first."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from kvshare.engine.attention import StepInputs
 from kvshare.engine.connector import SlotFences
 from kvshare.engine.cuda_graphs import StepGraphs, _Segment, _SegmentedStep, layer_segments
 from kvshare.engine.model_runner import ModelRunner
+from tests.engine.test_cuda_graphs import forward_in_segments
 
 
 class RecordingGraphs:
@@ -117,14 +120,7 @@ def _first_step_logits(model: str, segmented: bool) -> torch.Tensor:
     runner = llm.engine.runner
     if segmented:
         lm = runner.model
-
-        def forward(input_ids: torch.Tensor, positions: torch.Tensor, ctx: object) -> torch.Tensor:
-            hidden, rope = lm.embed(input_ids, positions)
-            for layers in layer_segments(runner.layout, lm.config.num_layers):
-                hidden = lm.forward_layers(hidden, rope, ctx, layers)  # type: ignore[arg-type]
-            return hidden
-
-        lm.forward = forward  # type: ignore[method-assign]
+        lm.forward = partial(forward_in_segments, lm, runner.layout)  # type: ignore[method-assign]
     prompt = [(5 * j) % 90 + 7 for j in range(40)]
     llm.engine.add_request("a", prompt, SamplingParams(max_tokens=1, temperature=0.0))
     logits = runner.execute(llm.engine.scheduler.schedule())
