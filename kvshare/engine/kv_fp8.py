@@ -30,8 +30,8 @@ from kvshare.engine.memory import FP8_SCALE_BYTES as SCALE_BYTES
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
-_INV_FP8_MAX = 1.0 / FP8_MAX
-_TINY = torch.finfo(torch.float32).tiny  # the scale of an all-zero row: keeps 0 / scale finite
+INV_FP8_MAX = 1.0 / FP8_MAX
+TINY_SCALE = torch.finfo(torch.float32).tiny  # an all-zero row's scale: 0 / scale stays finite
 
 
 def row_bytes(head_dim: int, model_dtype: torch.dtype, kv_cache_dtype: KVCacheDtype) -> int:
@@ -63,7 +63,7 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x32 = x.float()
     # A product, not `amax / 448`: CUDA divides a tensor by a scalar as a product with the
     # scalar's reciprocal, the CPU truly divides, and the scales must be the same bits.
-    scale = (x32.abs().amax(-1, keepdim=True) * _INV_FP8_MAX).clamp_min(_TINY)
+    scale = (x32.abs().amax(-1, keepdim=True) * INV_FP8_MAX).clamp_min(TINY_SCALE)
     # x / scale can round just past 448; e4m3fn has no infinity and casts overflow to NaN.
     values = (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return values, scale.squeeze(-1)
