@@ -22,7 +22,7 @@ from kvshare.engine import kv_fp8
 
 @triton.jit
 def _round_shift(m, s):
-    """m >> s rounded to nearest, ties to even (m >= 0, 1 <= s <= 31)."""
+    """m >> s rounded to nearest, ties to even (0 <= m < 2**24, 1 <= s <= 25)."""
     q = m >> s
     rem = m & ((1 << s) - 1)
     half = 1 << (s - 1)
@@ -42,7 +42,7 @@ def _e4m3_bits(v):
     # Below 2**-6: multiples of 2**-9, the mantissa (with its leading one) shifted down;
     # 8 (2**-6) is the smallest normal's encoding. Zeros and float32 subnormals give 0.
     mantissa = (a & 0x7FFFFF) | 0x800000
-    shift = tl.minimum(141 - (a >> 23), 31)
+    shift = tl.minimum(141 - (a >> 23), 25)
     subnormal = _round_shift(mantissa, tl.maximum(shift, 1))
     return (sign | tl.where(a >= 0x3C800000, normal, subnormal)).to(tl.uint8)  # 2**-6
 
