@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -20,19 +21,53 @@ from kvshare.kvpool.arena import Arena
 _log = logging.getLogger(__name__)
 
 
+class _Registered:
+    """The ranges registered over one mapping, and that mapping's tensor: it keeps the
+    mapping alive until they are unregistered.
+
+    Invariant: a range is unregistered before its mapping can go away. A registration
+    outlives munmap in the driver, which then refuses to register whatever is mapped at
+    those addresses next ("already registered") and copies from there read the old,
+    still pinned pages: a later arena mapped at the same address would be restored from
+    a dead one's bytes."""
+
+    def __init__(self) -> None:
+        self.ranges: list[tuple[int, int]] = []  # (pointer, bytes)
+        self.host: torch.Tensor | None = None
+        self.lock = threading.Lock()
+
+    def release(self, device: torch.device, synchronize: bool) -> None:
+        """Unregister every range, then let the mapping go. `synchronize`: first wait for
+        the device's copies, which may still read these pages (an owner dropped without
+        closing did not wait for them)."""
+        with self.lock:
+            ranges, self.ranges = self.ranges, []
+        if ranges:
+            if synchronize and torch.cuda.is_initialized():
+                torch.cuda.synchronize(device)
+            cudart = torch.cuda.cudart()
+            for ptr, _ in ranges:
+                cudart.cudaHostUnregister(ptr)
+        self.host = None
+
+
 class HostRegistration:
+    """Registers a mapping slab by slab on a background thread; `unregister` undoes it, and
+    so does the collection of a HostRegistration that was never told to (see _Registered)."""
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._ranges: list[tuple[int, int]] = []  # (pointer, bytes) registered
-        self._lock = threading.Lock()
+        self._registered = _Registered()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._arena: torch.Tensor | None = None
+        # The finalizer holds the state, not self: it runs once self is collected.
+        collected = weakref.finalize(self, self._registered.release, device, True)
+        collected.atexit = False  # at exit the process's end unpins everything
 
     @property
     def registered_bytes(self) -> int:
-        with self._lock:
-            return sum(n for _, n in self._ranges)
+        with self._registered.lock:
+            return sum(n for _, n in self._registered.ranges)
 
     def register(self, arena: Arena) -> None:
         """Start registering `arena`'s slabs in the background."""
@@ -44,7 +79,7 @@ class HostRegistration:
         in the background, each on its own."""
         self.unregister()
         self._stop.clear()
-        self._arena = host  # keeps the mapping alive while registered
+        self._registered.host = host
         base = host.data_ptr()
         slabs = [(base + i * slab_bytes, slab_bytes) for i in range(slab_count)]
         self._thread = threading.Thread(
@@ -65,22 +100,19 @@ class HostRegistration:
             status = cudart.cudaHostRegister(ptr, nbytes, 0)
             if int(status) != 0:
                 _log.warning(
-                    "cudaHostRegister failed (%s): copies from this slab stay slow", status
+                    "cudaHostRegister failed (CUDA error %d): copies from this slab stay slow",
+                    int(status),
                 )
                 continue
-            with self._lock:
-                self._ranges.append((ptr, nbytes))
+            with self._registered.lock:
+                self._registered.ranges.append((ptr, nbytes))
 
     def unregister(self) -> None:
-        """Stop registering and unregister everything (before the mapping goes away)."""
+        """Stop registering and unregister everything (before the mapping goes away); the
+        caller has waited for the copies from it."""
         self._stop.set()
         self.wait()
-        cudart = torch.cuda.cudart()
-        with self._lock:
-            for ptr, _ in self._ranges:
-                cudart.cudaHostUnregister(ptr)
-            self._ranges.clear()
-        self._arena = None
+        self._registered.release(self.device, synchronize=False)
 
 
 @contextmanager
