@@ -375,14 +375,14 @@ def gather_groups(lens: tuple[int, ...], max_tokens: int) -> list[tuple[int, int
 def store_rows(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, block_size: int) -> None:
     """New keys or values x [T, Hkv, D] into `slots` of `cache` (quantized into its block
     planes if it is packed fp8, kv_fp8.PackedBlocks)."""
-    if kv_fp8.is_packed(cache) and cache.is_cuda:
+    if not kv_fp8.is_packed(cache):
+        cache.index_copy_(0, slots, x.to(cache.dtype))
+    elif cache.is_cuda:
         from kvshare.engine import fp8_store  # Triton: CUDA only
 
         fp8_store.store(cache, slots, x, block_size)
-    elif kv_fp8.is_packed(cache):
-        kv_fp8.PackedBlocks.of(cache, block_size).store(slots, x)
     else:
-        cache.index_copy_(0, slots, x.to(cache.dtype))
+        kv_fp8.PackedBlocks.of(cache, block_size).store(slots, x)
 
 
 class PagedAttention:
