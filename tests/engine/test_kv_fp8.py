@@ -475,7 +475,8 @@ def test_cuda_backends_read_packed_fp8_like_sdpa(seqs: list[tuple[int, int]]) ->
         n = -(-c // bs)
         tables.append(tuple(range(at, at + n))[::-1])
         at += n
-    q = torch.randn(sum(n for n, _ in seqs), 8, dim, device=dev, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(sum(n for n, _ in seqs), 8, dim, generator=gen).to(dev, torch.bfloat16)
     meta = StepMeta(
         q_lens=tuple(n for n, _ in seqs),
         ctx_lens=tuple(c for _, c in seqs),
@@ -483,10 +484,13 @@ def test_cuda_backends_read_packed_fp8_like_sdpa(seqs: list[tuple[int, int]]) ->
         block_size=bs,
         device=dev,
     )
+    # The CUDA paths round the dequantized keys and values and the probabilities to
+    # bfloat16: ~1-2% of the output's norm on these wide-ranged rows (2.01% seen once on an
+    # H100 with another q), where a wrong scale or block is of the order of 100%.
     for window in (None, 128):
         ref = SDPABackend().attend(q.float(), pk, pv, meta, dim**-0.5, window)
         out = VarlenBackend(4096).attend(q, pk, pv, meta, dim**-0.5, window)
-        assert rel_error(out.float(), ref) < 2e-2, window
+        assert rel_error(out.float(), ref) < 3e-2, window
 
 
 @pytest.mark.cuda
