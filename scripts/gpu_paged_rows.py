@@ -1,17 +1,18 @@
-"""How the paged attention kernel's query tile size sets the time of a short step over a long
-context (the question after a 128k-token restore), on the GPU.
+"""How the paged attention kernel's tile sets the time of a short step over a long context
+(the question after a 128k-token restore), on the GPU.
 
     PYTHONPATH=$PWD python3 scripts/gpu_paged_rows.py --out $OUT
 
-A step of q new tokens has q x group query rows per KV head; the kernel gives each
-program MAX_ROWS of them, so a step of 32 tokens of shape:qwen3.5-27b (group 6: 192 rows)
-runs 3 query blocks, each reading every key of its split: the KV is read three times.
-This script times `paged_attention` for each (rows, warps, keys per tile, and for an fp8
-cache the dots' dtype: float16 or the query's) variant at
-shape:qwen3.5-27b's attention shape (4 KV heads, 24 query heads, head dim 256, bf16 and
-fp8 caches), against a float32 reference of the same attention (each variant must match
-it before it is timed), and beside the GPU's device-to-device copy rate measured in the
-same run. Prints a table; writes JSON.
+A step of q new tokens has q x group query rows per KV head; a program takes a tile of
+them (paged_decode.SplitTile: keys per iteration, query rows, warps), so a step of 32 tokens
+of shape:qwen3.5-27b (group 6: 192 rows) runs 192 / rows query blocks, each reading every
+key of its split. This script times `paged_attention` with the kernel's own tile
+(paged_decode.split_tile) and with each other variant (a tile, and for an fp8 cache the
+dots' dtype: float16 or the query's) at shape:qwen3.5-27b's attention shape (4 KV heads, 24
+query heads, head dim 256, bf16 and fp8 caches, 16-token blocks in shuffled order), against
+a float32 reference of the same attention (each variant must match it before it is
+timed), and beside the GPU's device-to-device copy rate measured in the same run. Prints a
+table; writes JSON.
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ import torch
 from kvshare.engine import kv_fp8, paged_decode
 
 KV_HEADS, GROUP, HEAD_DIM, BLOCK = 4, 6, 256, 16
-KERNEL_WARPS = paged_decode.split_warps
-VARIANTS = [  # (MAX_ROWS, warps, TILE, splits x the kernel's, fp8 dots in float16)
-    (64, 8, 64, 1, True),  # the kernel's own
-    (64, 8, 64, 1, False),
-    (64, 4, 64, 1, True),  # bf16 faster at 16-32 tokens on an H100; fp8 spills (ptxas)
-    (64, 8, 32, 1, True),
-    (128, 8, 32, 1, True),
-    (128, 8, 32, 1, False),
+# (name, tile: None for the kernel's own, fp8 dots in float16); the first is the kernel's.
+VARIANTS: list[tuple[str, paged_decode.SplitTile | None, bool]] = [
+    ("own", None, True),
+    ("own, fp8 dots in bf16", None, False),
+    ("64 keys x 64 rows x 8 warps", paged_decode.SplitTile(64, 64, 8), True),
+    ("128 keys x 64 rows x 4 warps", paged_decode.SplitTile(128, 64, 4), True),
+    ("64 keys x 128 rows x 8 warps", paged_decode.SplitTile(64, 128, 8), True),
+    ("64 keys x 64 rows x 4 warps", paged_decode.SplitTile(64, 64, 4), True),
 ]
 
 
@@ -102,20 +103,28 @@ def run_case(context: int, tokens: int, fp8: bool, repeats: int) -> list[dict]:
     expected = reference(q, k, v, scale)
     kv_bytes = k_cache.numel() * k_cache.element_size() * 2
     rows = []
-    for variant, (max_rows, warps, tile, more_splits, f16) in enumerate(VARIANTS):
+    for variant, (name, chosen, f16) in enumerate(VARIANTS):
         if not fp8 and not f16:
             continue  # the dot dtype of a bf16 cache is the query's either way
-        paged_decode.MAX_ROWS, paged_decode.TILE = max_rows, tile
         paged_decode.FP8_DOT_F16 = f16
-        # A variant's warps replace the kernel's 8 only: where the kernel runs 4 (a one-token
-        # step's 16 rows), every variant runs what the engine runs.
-        paged_decode.split_warps = lambda r, d, varlen, w=warps: min(w, KERNEL_WARPS(r, d, varlen))
-        q_blocks = -(-tokens * GROUP // paged_decode.query_rows(GROUP, tokens))
-        splits = more_splits * paged_decode.num_splits_for(q_blocks, KV_HEADS, context)
+        tile = chosen or paged_decode.split_tile(GROUP, tokens, HEAD_DIM, fp8, q.element_size())
+        q_blocks = -(-tokens * GROUP // tile.rows)
+        splits = paged_decode.num_splits_for(q_blocks, KV_HEADS, context, tile.keys)
 
-        def step(splits: int = splits) -> torch.Tensor:
+        def step(splits: int = splits, tile: paged_decode.SplitTile = tile) -> torch.Tensor:
             return paged_decode.paged_attention(
-                q, k_cache, v_cache, tables, ctx, BLOCK, scale, None, cu_q, tokens, splits
+                q,
+                k_cache,
+                v_cache,
+                tables,
+                ctx,
+                BLOCK,
+                scale,
+                None,
+                cu_q,
+                tokens,
+                splits,
+                tile=tile,
             )
 
         try:
@@ -126,12 +135,13 @@ def run_case(context: int, tokens: int, fp8: bool, repeats: int) -> list[dict]:
             failure = ""
         row = {
             "variant": variant,
+            "name": name,
             "context": context,
             "tokens": tokens,
             "kv": "fp8" if fp8 else "bf16",
-            "max_rows": max_rows,
-            "warps": warps,
-            "tile": tile,
+            "keys": tile.keys,
+            "rows": tile.rows,
+            "warps": tile.warps,
             "fp8_dot_f16": f16,
             "splits": splits,
             "q_blocks": q_blocks,
@@ -164,7 +174,7 @@ def main() -> int:
     base = {(r["context"], r["tokens"], r["kv"]): r for r in rows if r["variant"] == 0}
     print(f"device-to-device copy: {rate / 1e9:.0f} GB/s")
     print(
-        "kv    context tokens rows warps tile f16 splits qblk  err      ms   KV GB/s  /copy  /own"
+        "kv    context tokens keys rows warps f16 splits qblk  err      ms   KV GB/s  /copy  /own"
     )
     for r in rows:
         own = base[(r["context"], r["tokens"], r["kv"])]
@@ -172,8 +182,9 @@ def main() -> int:
         gbs = r.get("kv_bytes_per_s", 0) / 1e9
         speed = own.get("seconds", 0) / r["seconds"] if r["ok"] and own["ok"] else 0.0
         print(
-            f"{r['kv']:5} {r['context']:7d} {r['tokens']:6d} {r['max_rows']:4d} {r['warps']:5d} "
-            f"{r['tile']:4d} {'y' if r['fp8_dot_f16'] else 'n':>3} {r['splits']:6d} {r['q_blocks']:4d} {r['max_abs_err']:.0e} {ms} {gbs:9.0f} "
+            f"{r['kv']:5} {r['context']:7d} {r['tokens']:6d} {r['keys']:4d} {r['rows']:4d} "
+            f"{r['warps']:5d} {'y' if r['fp8_dot_f16'] else 'n':>3} {r['splits']:6d} "
+            f"{r['q_blocks']:4d} {r['max_abs_err']:.0e} {ms} {gbs:9.0f} "
             f"{gbs * 1e9 / rate:6.2f} {speed:5.2f}x"
         )
     (args.out / "paged_rows.json").write_text(

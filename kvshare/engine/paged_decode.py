@@ -15,17 +15,18 @@ launch is CUDA-graph safe.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from kvshare.engine import kv_fp8
 
-TILE = 64  # keys per loop iteration
+TILE = 64  # keys per loop iteration of a decode program (split_tile for several tokens)
 MAX_QUERY = (
     64  # most new tokens per sequence the paged path serves; longer chunks go to varlen flash
 )
-MAX_ROWS = 64  # query rows (token x group head) per program when several tokens per sequence
 # An fp8 cache's keys and values meet the query in float16 dots (below, in the kernel);
 # False: in the query's dtype.
 FP8_DOT_F16 = True
@@ -214,24 +215,48 @@ def _merge_kernel(
     tl.store(OUT + row * HEAD_DIM + d, out.to(OUT.dtype.element_ty))
 
 
-def num_splits_for(batch: int, num_kv_heads: int, max_context: int) -> int:
-    """Enough programs to fill the GPU (~4 waves of 132 SMs), never splits under a tile.
-    `batch` counts (sequence, query block) programs per KV head."""
+@dataclass(frozen=True)
+class SplitTile:
+    """What one split program holds: `keys` per loop iteration, `rows` query rows (token x
+    group head; more tokens take more query blocks), run by `warps` warps."""
+
+    keys: int
+    rows: int
+    warps: int
+
+    def __post_init__(self) -> None:
+        for size in (self.keys, self.rows, self.warps):
+            if size < 1 or size & (size - 1):
+                raise ValueError(f"a split tile's sizes are powers of two: {self}")
+        if self.rows < 16 or self.keys < 16:
+            raise ValueError(f"tl.dot needs 16 rows and keys at least: {self}")
+
+
+def split_tile(group: int, max_q: int, head_dim: int, fp8: bool, query_bytes: int) -> SplitTile:
+    """The tile of a step of at most max_q new tokens per sequence, queries of
+    `query_bytes` (2: bfloat16/float16; 4: float32, whose tiles keep the smaller sizes).
+
+    Decode keeps the group's rows (padded for tl.dot's M >= 16), 64 keys and 4 warps. For
+    several tokens the best tile differs by cache, measured at shape:qwen3.5-27b's attention
+    (group 6, head dim 256) for 32 new tokens over 131,072 keys on an H100 (ms per layer,
+    docs/results/2026-12-06-h100-split-tiles.md): an fp8 cache 0.870 with 128 keys x 64
+    rows x 4 warps, 1.296 with 64 x 64 x 8 (at 8 warps the 128-key tile takes 1.79); bf16
+    0.470 with 64 keys x 128 rows x 8 warps, 0.714 with 64 x 64 x 8. A 16-bit cache's tile
+    takes 8 warps once its fp32 accumulator passes 32 KB (128 registers a thread at 4)."""
+    if max_q == 1:
+        return SplitTile(TILE, max(16, triton.next_power_of_2(group)), 4)
+    fp8 = fp8 and query_bytes == 2
+    most_rows, keys = (64, 128) if fp8 else (64 if query_bytes > 2 else 128, 64)
+    rows = max(16, triton.next_power_of_2(min(most_rows, max_q * group)))
+    warps = 4 if fp8 or rows * head_dim <= 64 * 128 else 8
+    return SplitTile(keys, rows, warps)
+
+
+def num_splits_for(batch: int, num_kv_heads: int, max_context: int, keys: int = TILE) -> int:
+    """Enough programs to fill the GPU (~4 waves of 132 SMs), never splits under a tile of
+    `keys`. `batch` counts (sequence, query block) programs per KV head."""
     want = max(1, (4 * 132) // max(1, batch * num_kv_heads))
-    return max(1, min(want, triton.cdiv(max_context, TILE), 64))
-
-
-def query_rows(group: int, max_q: int) -> int:
-    """Rows of a program's query tile: decode keeps just the group (padded for tl.dot's
-    M >= 16); several tokens fill up to MAX_ROWS, more tokens take more query blocks."""
-    rows = group if max_q == 1 else min(MAX_ROWS, max_q * group)
-    return max(16, triton.next_power_of_2(rows))
-
-
-def split_warps(rows: int, head_dim: int, varlen: bool) -> int:
-    """Warps of a split program: 8 once a chunk's fp32 accumulator passes 32 KB (128 regs
-    a thread at 4), so that 64 rows x head dim 256 do not spill on sm_90; decode keeps 4."""
-    return 8 if varlen and rows * head_dim > 64 * 128 else 4
+    return max(1, min(want, triton.cdiv(max_context, keys), 64))
 
 
 def paged_attention(
@@ -247,6 +272,7 @@ def paged_attention(
     max_q: int = 1,
     num_splits: int | None = None,
     max_context: int | None = None,
+    tile: SplitTile | None = None,
 ) -> torch.Tensor:
     """Causal attention of a step's new tokens over the paged cache, keys read in place.
 
@@ -255,7 +281,8 @@ def paged_attention(
     zero), the last of its context_lens[i] keys, already in the cache [slots, Hkv, D] (or
     packed fp8: bytes of [slots, Hkv, D + 4] in block planes, kv_fp8.PackedBlocks); max_q
     >= every sequence's token count (<= MAX_QUERY) sizes the grid; max_context (host int,
-    default the tables' width) sizes the splits. Returns [T, Hq, D].
+    default the tables' width) sizes the splits; `tile` (default split_tile's) the
+    programs. Returns [T, Hq, D].
     """
     assert 1 <= max_q <= MAX_QUERY and (cu_seqlens_q is not None or max_q == 1)
     num_tokens, num_heads, head_dim = q.shape
@@ -270,13 +297,13 @@ def paged_attention(
     value_bytes, block_bytes = (
         kv_fp8.plane_bytes(block_size, num_kv_heads, head_dim) if fp8 else (0, 0)
     )
-    rows = query_rows(group, max_q)
-    q_blocks = triton.cdiv(max_q * group, rows)
+    tile = tile or split_tile(group, max_q, head_dim, fp8, q.element_size())
+    q_blocks = triton.cdiv(max_q * group, tile.rows)
     if num_splits is None:
         keys = max_context or block_tables.shape[1] * block_size
         if window:  # a sequence's queries see at most window + max_q - 1 keys
             keys = min(keys, window + max_q - 1)
-        num_splits = num_splits_for(batch * q_blocks, num_kv_heads, keys)
+        num_splits = num_splits_for(batch * q_blocks, num_kv_heads, keys, tile.keys)
     n = num_tokens * num_heads * num_splits
     acc = torch.empty((n, head_dim), dtype=torch.float32, device=q.device)
     m = torch.empty(n, dtype=torch.float32, device=q.device)
@@ -299,17 +326,17 @@ def paged_attention(
         num_splits,
         q_blocks,
         GROUP=group,
-        ROWS=rows,
+        ROWS=tile.rows,
         HEAD_DIM=head_dim,
         NUM_KV_HEADS=num_kv_heads,
         BLOCK_SIZE=block_size,
-        TILE=TILE,
+        TILE=tile.keys,
         VARLEN=cu_seqlens_q is not None,
         BLOCK_BYTES=block_bytes,
         VALUE_BYTES=value_bytes,
         KV_FP8=fp8,
         FP8_F16=FP8_DOT_F16,
-        num_warps=split_warps(rows, head_dim, cu_seqlens_q is not None),
+        num_warps=tile.warps,
     )
     out = torch.empty_like(q)
     _merge_kernel[(num_tokens * num_heads,)](

@@ -190,8 +190,28 @@ def test_a_lone_long_follow_up_fills_about_four_waves() -> None:
     """32 new tokens of a 16-KV-head, group-2 model (gemma3-27b's global layers): one query
     block of 64 rows per KV head, the context split into 33: 528 programs = 4 x 132 SMs."""
     pytest.importorskip("triton")
-    from kvshare.engine.paged_decode import num_splits_for, query_rows
+    from kvshare.engine.paged_decode import num_splits_for, split_tile
 
-    assert query_rows(2, 1) == 16 and query_rows(2, 32) == 64 and query_rows(4, 32) == 64
+    assert split_tile(2, 32, 128, fp8=False, query_bytes=2).rows == 64
     for context in (32_768, 130_848, 262_144):
         assert num_splits_for(1, 16, context) * 16 == 528
+
+
+def test_split_tiles_follow_the_cache_and_the_query() -> None:
+    """Decode: the group's rows (at least 16), 64 keys, 4 warps. Several tokens: an fp8
+    cache read by 16-bit queries takes 128 keys x 64 rows x 4 warps, a 16-bit cache 128
+    rows (8 warps past a 32 KB accumulator), float32 queries the 64 x 64 tile."""
+    pytest.importorskip("triton")
+    from kvshare.engine.paged_decode import SplitTile, split_tile
+
+    assert split_tile(6, 1, 256, fp8=True, query_bytes=2) == SplitTile(64, 16, 4)
+    assert split_tile(32, 1, 128, fp8=False, query_bytes=2) == SplitTile(64, 32, 4)
+    assert split_tile(6, 32, 256, fp8=True, query_bytes=2) == SplitTile(128, 64, 4)
+    assert split_tile(6, 32, 256, fp8=False, query_bytes=2) == SplitTile(64, 128, 8)
+    assert split_tile(2, 4, 128, fp8=False, query_bytes=2) == SplitTile(64, 16, 4)
+    assert split_tile(6, 32, 256, fp8=True, query_bytes=4) == SplitTile(64, 64, 8)
+    assert split_tile(4, 32, 64, fp8=False, query_bytes=4) == SplitTile(64, 64, 4)
+    with pytest.raises(ValueError, match="powers of two"):
+        SplitTile(96, 64, 4)
+    with pytest.raises(ValueError, match="16 rows"):
+        SplitTile(64, 8, 4)
