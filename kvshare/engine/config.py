@@ -98,7 +98,7 @@ class EngineConfig:
         "bring a pool restore in at most this many groups of layers, so that the step's "
         "first layers compute while the last are still copied (1: whole pages; 0: "
         f"{CUDA_LAYER_GROUPS} on CUDA, whole on the CPU; global attention layers only, "
-        "each group's part of a page at least 1 MiB, the groups shrinking toward the end)",
+        "each group's part of a page at least 512 KiB, the groups shrinking toward the end)",
         parse=int,
     )
     seed: int = 0

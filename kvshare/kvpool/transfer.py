@@ -63,10 +63,12 @@ class PageCopy(NamedTuple):
 
 
 # A strided copy of 1 MiB rows ran at 54.7 GB/s on the H200, contiguous copies at 55.0
-# (scripts/gpu_copy_order.py). One host copy per page's part (where the CUDA runtime's
-# strided copy is not found) needs 4 MiB: smaller copies ran below the PCIe rate, and
-# 2,048 of them took ~85 ms of host time.
-_MIN_GROUP_BYTES = 1 << 20
+# (scripts/gpu_copy_order.py). Parts of 512 KiB let an fp8 page of shape:qwen3.5-27b (0.52
+# MiB a slot) end in one-slot groups as bf16 pages do: a 131k-token fp8 hit then took 106.8
+# ms instead of 109.1 (medians of 6 alternated hits on an H100, 2026-12-06). One host copy
+# per page's part (where the CUDA runtime's strided copy is not found) needs 4 MiB: smaller
+# copies ran below the PCIe rate, and 2,048 of them took ~85 ms of host time.
+_MIN_GROUP_BYTES = 1 << 19
 ROW_COPY_MIN_BYTES = 4 << 20
 
 

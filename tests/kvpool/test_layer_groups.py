@@ -54,8 +54,10 @@ def _copies(layout: PageLayout, nbytes: int, pages: int = 3) -> list[PageCopy]:
     [
         # qwen3.5-27b, bf16: 16 layers of 1 MiB per page -> halving down to one slot
         (16, 1.0, False, LayerGroups(), _ranges(8, 4, 2, 1, 1)),
-        # the same in fp8 (half the bytes, plus scales): the smallest group 2 slots (1 MiB)
-        (16, 0.516, False, LayerGroups(), _ranges(8, 4, 2, 2)),
+        # the same in fp8 (half the bytes, plus scales): one slot (0.52 MiB) is a group too
+        (16, 0.516, False, LayerGroups(), _ranges(8, 4, 2, 1, 1)),
+        # a part under the minimum takes two slots
+        (16, 0.45, False, LayerGroups(), _ranges(8, 4, 2, 2)),
         # capped: the first group takes the rest
         (16, 1.0, False, LayerGroups(max_groups=4), _ranges(12, 2, 1, 1)),
         # 4 MiB parts at least: 4 slots of bf16
@@ -64,7 +66,7 @@ def _copies(layout: PageLayout, nbytes: int, pages: int = 3) -> list[PageCopy]:
         (16, 1.0, False, LayerGroups(max_groups=4, shrinking=False), _ranges(4, 4, 4, 4)),
         (10, 1.0, False, LayerGroups(min_bytes=1, max_groups=3, shrinking=False), _ranges(3, 3, 4)),
         # a page under twice the minimum comes whole
-        (16, 0.1, False, LayerGroups(), _ranges(16)),
+        (16, 0.05, False, LayerGroups(), _ranges(16)),
         # uneven: every slot once, in order, the first group the largest
         (10, 1.0, False, LayerGroups(min_bytes=1, max_groups=3), _ranges(8, 1, 1)),
         (11, 1.0, False, LayerGroups(min_bytes=1), _ranges(7, 2, 1, 1)),
