@@ -238,10 +238,10 @@ def split_tile(group: int, max_q: int, head_dim: int, fp8: bool, query_bytes: in
 
     Decode keeps the group's rows (padded for tl.dot's M >= 16), 64 keys and 4 warps. For
     several tokens the best tile differs by cache, measured at shape:qwen3.5-27b's attention
-    (group 6, head dim 256) for 32 new tokens over 131,072 keys on an H100 (ms per layer,
-    docs/results/2026-12-06-h100-split-tiles.md): an fp8 cache 0.870 with 128 keys x 64
-    rows x 4 warps, 1.296 with 64 x 64 x 8 (at 8 warps the 128-key tile takes 1.79); bf16
-    0.470 with 64 keys x 128 rows x 8 warps, 0.714 with 64 x 64 x 8. A 16-bit cache's tile
+    (group 6, head dim 256) for 32 new tokens over 131,072 keys in 16-token blocks on an H100
+    (ms per layer, docs/results/2026-12-06-h100-split-tiles.md): an fp8 cache 0.935 with 128
+    keys x 64 rows x 4 warps, 1.461 with the 64 x 64 x 8 both caches had (the 128-key tile
+    at 8 warps took 1.8); bf16 0.557 with 64 keys x 128 rows x 8 warps, 0.794. A 16-bit tile
     takes 8 warps once its fp32 accumulator passes 32 KB (128 registers a thread at 4)."""
     if max_q == 1:
         return SplitTile(TILE, max(16, triton.next_power_of_2(group)), 4)
