@@ -194,6 +194,7 @@ def build_engine(args: argparse.Namespace, address: str) -> LLMEngine:
     config = EngineConfig(
         device=args.device,
         dtype=dtype,
+        block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         max_model_len=needed,
@@ -578,6 +579,9 @@ def main() -> int:
     parser.add_argument("--output-tokens", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk-tokens", type=int, default=256)
+    parser.add_argument(
+        "--block-size", type=int, default=EngineConfig.block_size, help="the engine's KV block"
+    )
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     parser.add_argument(
         "--kv-cache-memory", type=int, default=None, help="bytes (CPU default 1 GiB)"
