@@ -48,6 +48,8 @@ from gpu_cluster import (
     stop_cluster,
 )
 
+from kvshare.engine.config import EngineConfig
+
 
 def validate(out: Path) -> int:
     """`kvshare validate all` on CUDA against two float32 gemma3-1b replicas of `kvshare up`
@@ -135,10 +137,13 @@ def bench27b(out: Path, lengths: str, per_block: int, pool_size: str) -> int:
         stop_cluster(up)
 
 
-def hit_run(out: Path, port: int, run: str, deadline: float, layer_groups: int) -> dict:
+def hit_run(
+    out: Path, port: int, run: str, deadline: float, layer_groups: int, block_size: int
+) -> dict:
     """One cluster, one cross-replica bench for `run` (DTYPE:TOKENS:PER_BLOCK[:FRACTION]),
-    pool restores in at most `layer_groups` groups of layers; returns the ON/OFF medians,
-    the bytes loaded per hit and the replicas' GPU memory."""
+    pool restores in at most `layer_groups` groups of layers, KV blocks of `block_size`
+    tokens; returns the ON/OFF medians, the bytes loaded per hit and the replicas' GPU
+    memory."""
     dtype, tokens, blocks, *fraction = run.split(":")
     length, per_block = int(tokens), int(blocks)
     name = f"hit_{dtype}_{length}"
@@ -168,6 +173,8 @@ def hit_run(out: Path, port: int, run: str, deadline: float, layer_groups: int) 
         "40GiB",
         "--pool-load-layer-groups",
         str(layer_groups),
+        "--block-size",
+        str(block_size),
     )
     try:
         memory = {"after start": gpu_memory_by_process()}
@@ -179,13 +186,14 @@ def hit_run(out: Path, port: int, run: str, deadline: float, layer_groups: int) 
         "dtype": dtype,
         "tokens": length,
         "layer_groups": layer_groups,
+        "block_size": block_size,
         "returncode": done.returncode,
         **hit_medians(out / f"{name}.json"),
         "gpu_memory_mib": memory,
     }
 
 
-def hit(out: Path, runs: str, budget_s: float, layer_groups: int) -> int:
+def hit(out: Path, runs: str, budget_s: float, layer_groups: int, block_size: int) -> int:
     deadline = time.monotonic() + budget_s
     import torch
 
@@ -197,7 +205,7 @@ def hit(out: Path, runs: str, budget_s: float, layer_groups: int) -> int:
     results = []
     for index, run in enumerate(runs.split(",")):
         try:
-            result = hit_run(out, 8380 + 10 * index, run, deadline, layer_groups)
+            result = hit_run(out, 8380 + 10 * index, run, deadline, layer_groups, block_size)
         except (subprocess.TimeoutExpired, RuntimeError, TimeoutError, FileNotFoundError) as exc:
             print(f"{run}: {exc!r}", flush=True)
             results.append({"run": run, "error": repr(exc)})
@@ -309,6 +317,12 @@ def main() -> int:
         default=0,
         help="hit: kvshare up --pool-load-layer-groups (0: the engine's default on CUDA)",
     )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=EngineConfig.block_size,
+        help="hit: kvshare up --block-size (tokens per KV block)",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.what == "validate":
@@ -316,7 +330,7 @@ def main() -> int:
     if args.what == "two-replicas":
         return two_replicas(args.out, args.sessions, args.context, args.pool_size)
     if args.what == "hit":
-        return hit(args.out, args.runs, args.budget_s, args.layer_groups)
+        return hit(args.out, args.runs, args.budget_s, args.layer_groups, args.block_size)
     if args.what == "sessions":
         return sessions_bench(args.out, args.sessions, args.context, args.pool_size)
     return bench27b(args.out, args.lengths, args.per_block, args.pool_size)
