@@ -4,7 +4,8 @@ needed (Triton compiles for a target it is given).
     PYTHONPATH=$PWD python3 scripts/paged_kernel_ptx.py --blocks 16x4,15x3 --bf16
 
 Compiles `paged_decode._split_kernel` at shape:qwen3.5-27b's attention shape (4 KV heads,
-group 6, head dim 256, 16-token blocks, a 32-token step's 64-row query tile) for an fp8
+group 6, head dim 256, 16-token blocks, a 32-token step's tile as paged_decode.split_tile
+picks it for each cache) for an fp8
 cache (blocks of value planes then scales, kv_fp8.PackedBlocks) and with --bf16 for a
 bfloat16 cache, and counts the global-to-shared asynchronous copies by size.
 A value row is 16-byte aligned when a block's bytes are a multiple of 16: with
@@ -59,18 +60,19 @@ COPY = re.compile(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^\]]*\], \
 
 
 def kernel_ptx(fp8: bool, block_size: int = 16, kv_heads: int = 4, fp8_dot_f16: bool = True) -> str:
-    """The kernel's PTX for sm_90 (head dim 256, group 6, a 64-row query tile); an fp8
-    cache's dots in float16 (the kernel's own) or in the query's bfloat16."""
+    """The kernel's PTX for sm_90 (head dim 256, group 6, a 32-token step's own tile); an
+    fp8 cache's dots in float16 (the kernel's own) or in the query's bfloat16."""
+    tile = paged_decode.split_tile(6, 32, HEAD_DIM, fp8, query_bytes=2)
     kv_type = "*u8" if fp8 else "*bf16"
     signature = {name: kind or kv_type for name, kind in ARGS}
     value_bytes, block_bytes = kv_fp8.plane_bytes(block_size, kv_heads, HEAD_DIM) if fp8 else (0, 0)
     constants = {
         "GROUP": 6,
-        "ROWS": 64,
+        "ROWS": tile.rows,
         "HEAD_DIM": HEAD_DIM,
         "NUM_KV_HEADS": kv_heads,
         "BLOCK_SIZE": block_size,
-        "TILE": paged_decode.TILE,
+        "TILE": tile.keys,
         "VARLEN": True,
         "BLOCK_BYTES": block_bytes,
         "VALUE_BYTES": value_bytes,
@@ -90,7 +92,9 @@ def kernel_ptx(fp8: bool, block_size: int = 16, kv_heads: int = 4, fp8_dot_f16: 
             if kind is None or kind.startswith("*")
         },
     )
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    compiled = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.warps}
+    )
     return compiled.asm["ptx"]
 
 
@@ -177,11 +181,19 @@ def main() -> int:
         cases.append((f"fp8, {blocks} blocks", True, block_size, kv_heads))
     if args.bf16:
         cases.append(("bf16, 16x4 blocks", False, 16, 4))
-    print("cache                 async copies by bytes (static count in the PTX)")
+    # A thread's static count includes the pipeline's prologue: bytes a key of the tile
+    # (count x size x threads / keys) compare caches whose tiles differ.
+    print("cache                 async copies by bytes (static count in the PTX), per key")
     for label, fp8, block_size, kv_heads in cases:
         ptx = kernel_ptx(fp8, block_size, kv_heads)
+        tile = paged_decode.split_tile(6, 32, HEAD_DIM, fp8, query_bytes=2)
         sizes = Counter(int(n, 0) for n in COPY.findall(ptx))
-        print(f"{label:21} " + ", ".join(f"{n} x {b} B" for b, n in sorted(sizes.items())))
+        per_key = sizes[16] * 16 * 32 * tile.warps // tile.keys
+        print(
+            f"{label:21} "
+            + ", ".join(f"{n} x {b} B" for b, n in sorted(sizes.items()))
+            + f"; {per_key} B a key in 16-byte copies"
+        )
     return 0
 
 

@@ -87,17 +87,23 @@ def test_the_hit_profile_compares_settings_and_goes_through_http_on_the_cpu(
 
 def test_the_fp8_kernel_copies_its_tiles_in_16_byte_pieces_like_bf16() -> None:
     """What docs/fp8.md says of the fp8 kernel's loads, from its sm_90 PTX: with the block
-    planes of 16-token, 4-head blocks the K and V tiles come in 16-byte copies, half as
-    many as bf16's (half the bytes); blocks whose bytes are not a multiple of 16 (15 x 3)
-    leave 4-byte copies only."""
+    planes of 16-token, 4-head blocks the K and V tiles come in 16-byte copies, half of
+    bf16's bytes a key (each cache at its own tile); blocks whose bytes are not a multiple
+    of 16 (15 x 3) leave 4-byte copies only."""
     done = run_script("paged_kernel_ptx.py", "--blocks", "16x4,15x3", "--bf16", timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     copies = {
         label: dict((int(b), int(n)) for n, b in re.findall(r"(\d+) x (\d+) B", sizes))
         for label, sizes in re.findall(r"^(\w+, \d+x\d+) blocks +(.*)$", done.stdout, re.M)
     }
-    fp8, bf16, misaligned = copies["fp8, 16x4"], copies["bf16, 16x4"], copies["fp8, 15x3"]
-    assert 2 * fp8[16] == bf16[16], done.stdout
+    per_key = dict(
+        re.findall(
+            r"^(\w+, \d+x\d+) blocks .*; (\d+) B a key in 16-byte copies$", done.stdout, re.M
+        )
+    )
+    fp8, misaligned = copies["fp8, 16x4"], copies["fp8, 15x3"]
+    assert 16 in fp8 and 16 in copies["bf16, 16x4"], done.stdout
+    assert 2 * int(per_key["fp8, 16x4"]) == int(per_key["bf16, 16x4"]), done.stdout
     assert 16 not in misaligned and misaligned[4] > fp8[4], done.stdout
 
 
