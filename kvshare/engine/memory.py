@@ -233,8 +233,10 @@ HYBRID_GRAPH_MAX_BATCH = 16
 SHORT_STEP_TOKENS = (16, 32, 64)
 SHORT_STEP_MAX_BATCH = 2
 # The paged attention kernel's split buffers (paged_decode.py): about 4 waves of 132
-# programs, each holding up to 64 query rows of float32 partial sums and two scalars.
-PAGED_SPLIT_ROWS = 4 * 132 * 64
+# programs, each holding up to its tile's query rows (paged_decode.split_tile, which a test
+# holds to these) of float32 partial sums and two scalars.
+PAGED_TILE_ROWS = {"auto": 128, "fp8": 64}
+PAGED_SPLIT_PROGRAMS = 4 * 132
 
 
 def graph_batch(model: ModelConfig, config: EngineConfig) -> int:
@@ -258,7 +260,8 @@ def graph_bytes(model: ModelConfig, config: EngineConfig, max_blocks_per_seq: in
     rows = max(batch, SHORT_STEP_TOKENS[-1])
     seqs = max(batch, short_step_batch(config))
     tables = (4 if model.sliding_window else 2) * seqs * max_blocks_per_seq * 4
-    splits = PAGED_SPLIT_ROWS * (model.head_dim + 2) * 4
+    split_rows = PAGED_SPLIT_PROGRAMS * PAGED_TILE_ROWS[config.kv_cache_dtype]
+    splits = split_rows * (model.head_dim + 2) * 4
     global_layers = model.layer_kinds.count("full")
     short_rows = short_step_batch(config) * sum(SHORT_STEP_TOKENS)  # at most, over the shapes
     segments = short_rows * global_layers * model.hidden_size * item_bytes(config.resolved_dtype)

@@ -203,6 +203,23 @@ def test_the_short_step_limit_is_the_paged_kernels() -> None:
     assert cuda_graphs.MAX_QUERY == paged_decode.MAX_QUERY
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_the_graph_budget_holds_the_paged_kernels_tiles(kv_cache_dtype: str) -> None:
+    """memory.graph_bytes counts split buffers of PAGED_TILE_ROWS query rows a program: no
+    tile the kernel picks for a captured short step has more (16-bit queries, any group
+    and head dim of the presets)."""
+    pytest.importorskip("triton")
+    from kvshare.engine import memory, paged_decode
+
+    rows = max(
+        paged_decode.split_tile(group, tokens, head_dim, kv_cache_dtype == "fp8", 2).rows
+        for group in (1, 2, 4, 6, 8, 16)
+        for tokens in (1, *memory.SHORT_STEP_TOKENS)
+        for head_dim in (64, 128, 256)
+    )
+    assert rows == memory.PAGED_TILE_ROWS[kv_cache_dtype]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("model", ["shape:tiny-llama", "shape:tiny-gemma3", "shape:tiny-qwen3.5"])
 def test_replayed_steps_equal_the_eager_ones_on_the_gpu(model: str) -> None:
