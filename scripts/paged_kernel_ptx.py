@@ -56,18 +56,25 @@ ARGS = (
     ("q_blocks", "i32"),
 )
 HEAD_DIM = 256
+GROUP = 6
+
 COPY = re.compile(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^\]]*\], \[[^\]]*\], (\w+)")
+
+
+def step_tile(fp8: bool) -> paged_decode.SplitTile:
+    """The kernel's own tile for a 32-token step of bfloat16 queries at this shape."""
+    return paged_decode.split_tile(GROUP, 32, HEAD_DIM, fp8, query_bytes=2)
 
 
 def kernel_ptx(fp8: bool, block_size: int = 16, kv_heads: int = 4, fp8_dot_f16: bool = True) -> str:
     """The kernel's PTX for sm_90 (head dim 256, group 6, a 32-token step's own tile); an
     fp8 cache's dots in float16 (the kernel's own) or in the query's bfloat16."""
-    tile = paged_decode.split_tile(6, 32, HEAD_DIM, fp8, query_bytes=2)
+    tile = step_tile(fp8)
     kv_type = "*u8" if fp8 else "*bf16"
     signature = {name: kind or kv_type for name, kind in ARGS}
     value_bytes, block_bytes = kv_fp8.plane_bytes(block_size, kv_heads, HEAD_DIM) if fp8 else (0, 0)
     constants = {
-        "GROUP": 6,
+        "GROUP": GROUP,
         "ROWS": tile.rows,
         "HEAD_DIM": HEAD_DIM,
         "NUM_KV_HEADS": kv_heads,
@@ -186,7 +193,7 @@ def main() -> int:
     print("cache                 async copies by bytes (static count in the PTX), per key")
     for label, fp8, block_size, kv_heads in cases:
         ptx = kernel_ptx(fp8, block_size, kv_heads)
-        tile = paged_decode.split_tile(6, 32, HEAD_DIM, fp8, query_bytes=2)
+        tile = step_tile(fp8)
         sizes = Counter(int(n, 0) for n in COPY.findall(ptx))
         per_key = sizes[16] * 16 * 32 * tile.warps // tile.keys
         print(

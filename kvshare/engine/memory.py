@@ -233,8 +233,9 @@ HYBRID_GRAPH_MAX_BATCH = 16
 SHORT_STEP_TOKENS = (16, 32, 64)
 SHORT_STEP_MAX_BATCH = 2
 # The paged attention kernel's split buffers (paged_decode.py): about 4 waves of 132
-# programs, each holding up to its tile's query rows (paged_decode.split_tile, which a test
-# holds to these) of float32 partial sums and two scalars.
+# programs, each holding up to its tile's query rows of float32 partial sums and two
+# scalars. The most rows a tile takes, by KV cache (paged_decode.split_tile reads them;
+# float32 queries take the smaller).
 PAGED_TILE_ROWS = {"auto": 128, "fp8": 64}
 PAGED_SPLIT_PROGRAMS = 4 * 132
 

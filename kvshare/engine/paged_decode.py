@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kvshare.engine import kv_fp8
+from kvshare.engine.memory import PAGED_TILE_ROWS
 
 TILE = 64  # keys per loop iteration of a decode program (split_tile for several tokens)
 MAX_QUERY = (
@@ -246,7 +247,11 @@ def split_tile(group: int, max_q: int, head_dim: int, fp8: bool, query_bytes: in
     if max_q == 1:
         return SplitTile(TILE, max(16, triton.next_power_of_2(group)), 4)
     fp8 = fp8 and query_bytes == 2
-    most_rows, keys = (64, 128) if fp8 else (64 if query_bytes > 2 else 128, 64)
+    if query_bytes > 2:
+        most_rows = min(PAGED_TILE_ROWS.values())
+    else:
+        most_rows = PAGED_TILE_ROWS["fp8" if fp8 else "auto"]
+    keys = 128 if fp8 else TILE
     rows = max(16, triton.next_power_of_2(min(most_rows, max_q * group)))
     warps = 4 if fp8 or rows * head_dim <= 64 * 128 else 8
     return SplitTile(keys, rows, warps)
