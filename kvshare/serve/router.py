@@ -43,7 +43,7 @@ from aiohttp import web
 
 from kvshare.serve.auth import AccessKeys, access_middleware
 from kvshare.serve.errors import APIError, bad_request
-from kvshare.serve.http import error_middleware, parse_json_object, sse_event
+from kvshare.serve.http import ArrayReader, error_middleware, parse_json_object, sse_event
 from kvshare.serve.metrics import CONTENT_TYPE, RouterMetrics
 from kvshare.serve.packed_request import CONTENT_TYPE as PACKED_TYPE
 from kvshare.serve.packed_request import pack_request
@@ -213,6 +213,7 @@ class Router:
         # What the fan-out sends replicas: in `kvshare up` they hold the router's keys.
         self.admin_credential = AccessKeys(config.api_key, config.admin_key).admin_credential
         self.bodies = BodyBudget(config.max_buffered_bytes)
+        self.arrays = ArrayReader()  # a long prompt's ids, parsed in pieces
         self.admin = replica_admin(config.engine, config.kv_pool)
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
@@ -234,6 +235,7 @@ class Router:
         if self._session is not None:
             await self._session.close()
         await self.admin.close()
+        self.arrays.close()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -487,7 +489,7 @@ class Router:
 
     def _parse(self, path: str, body: bytes, pack: bool) -> Parsed:
         try:
-            parsed = parse_json_object(body)
+            parsed = parse_json_object(body, self.arrays)
         except APIError:
             return Parsed()  # the replica answers the 400
         return Parsed(self.keys.prefix_of(path, parsed), pack_request(parsed) if pack else None)

@@ -37,6 +37,7 @@ from kvshare.serve.engine_thread import EngineFailure, EngineThread, snapshot_of
 from kvshare.serve.errors import APIError, bad_request
 from kvshare.serve.http import (
     SSE_HEADERS,
+    ArrayReader,
     Handler,
     error_middleware,
     read_json_object,
@@ -174,6 +175,7 @@ class ReplicaServer:
             engine.config.resolved_dtype,
         )
         self.thread = EngineThread(engine)
+        self.arrays = ArrayReader()  # a long prompt's ids, parsed in pieces
         self.metrics = ServerMetrics(lambda: self.thread.snapshot, config.served_model_name)
         self.instance = uuid.uuid4().hex  # changes on restart: the router drops its cache index
         self.created = int(time.time())
@@ -183,6 +185,7 @@ class ReplicaServer:
 
     async def stop(self, app: web.Application) -> None:
         await asyncio.to_thread(self.thread.stop)
+        self.arrays.close()
 
     @web.middleware
     async def count_requests(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -249,7 +252,7 @@ class ReplicaServer:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         received = time.monotonic()
         clock = PhaseClock(received)
-        body = await read_json_object(request, clock=clock)
+        body = await read_json_object(request, clock=clock, reader=self.arrays)
         if self.config.cache_salt_required and body.get("cache_salt") is None:
             raise bad_request(
                 "this server requires a cache_salt on every request: a non-empty "

@@ -5,6 +5,7 @@ not sure of goes to json.loads, with json.loads' errors."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvshare.serve.errors import APIError
-from kvshare.serve.http import TOKEN_ARRAY_BYTES, parse_json_object, token_array
+from kvshare.serve.http import (
+    TOKEN_ARRAY_BYTES,
+    ArrayReader,
+    _cut_at_commas,
+    parse_json_object,
+    token_array,
+)
 from kvshare.serve.protocol import ModelInfo, parse_generate
 from kvshare.serve.routing_keys import RoutingKeys
 
@@ -31,6 +38,14 @@ def plain(body: dict[str, Any]) -> dict[str, Any]:
 
 
 SPACE = st.sampled_from(["", " ", "\n", "\t ", "\r\n  "])
+
+
+@pytest.fixture(scope="module")
+def pieces() -> Iterator[ArrayReader]:
+    """A reader that cuts any array of two ids or more: pieces of 1 byte at least, 3 threads."""
+    reader = ArrayReader(threads=3, piece_bytes=1)
+    yield reader
+    reader.close()
 
 
 @settings(max_examples=200, deadline=None)
@@ -51,6 +66,20 @@ def test_a_list_of_ids_reads_as_json_loads_reads_it(
     assert plain(parsed) == json.loads(text)
     found = token_array(array.encode(), 0)
     assert found is not None and found[0].tolist() == ids and found[1] == len(array)
+    reader = ArrayReader(threads=3, piece_bytes=1)
+    try:
+        in_pieces = token_array(array.encode(), 0, reader)
+        assert in_pieces is not None and in_pieces[0].tolist() == ids
+        assert plain(parse_json_object(text.encode(), reader)) == json.loads(text)
+    finally:
+        reader.close()
+
+
+@given(text=st.text(alphabet="0123 ,]", max_size=30), parts=st.integers(1, 5))
+def test_pieces_are_cut_at_commas_and_join_back(text: str, parts: int) -> None:
+    data = text.encode()
+    cut = _cut_at_commas(data, parts)
+    assert b",".join(cut) == data and 1 <= len(cut) <= parts
 
 
 # Arrays token_array must leave to json.loads: invalid JSON, or values that are not
@@ -83,8 +112,9 @@ NOT_READ = [
 
 
 @pytest.mark.parametrize("array", NOT_READ)
-def test_anything_else_is_left_to_json_loads(array: str) -> None:
+def test_anything_else_is_left_to_json_loads(array: str, pieces: ArrayReader) -> None:
     assert token_array(array.encode(), 0) is None
+    assert token_array(array.encode(), 0, pieces) is None
     text = '{"model": "m", "pad": "' + PAD + '", "prompt": ' + array + "}"
     try:
         expected = json.loads(text)
@@ -168,3 +198,16 @@ def test_a_lone_surrogate_beside_a_token_array_is_still_a_400(members: list[str]
     paired = paired.replace("\\uDBFF", "\\ud83d\\ude00")
     parsed = parse_json_object(paired.encode())
     assert isinstance(parsed["prompt"], np.ndarray) and plain(parsed) == json.loads(paired)
+
+
+@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (7, 1), (8, 2), (16, 4), (64, 4)])
+def test_a_reader_takes_a_thread_for_every_four_cores_up_to_four(
+    monkeypatch: pytest.MonkeyPatch, cores: int, threads: int
+) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))
+    reader = ArrayReader()
+    try:
+        assert reader.threads == threads
+        assert reader.pieces(10 << 20) == threads
+    finally:
+        reader.close()
