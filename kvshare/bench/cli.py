@@ -82,8 +82,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "--warmup-tokens",
         type=int,
         default=1024,
-        help="before block 0, one request of this many tokens per replica, reported apart and "
-        "never pooled: it takes the one-time costs (kernel compilation) out of block 0 (0: none)",
+        help="before block 0, one request of this many tokens per replica and, when the "
+        "design switches the pool on, the same prompt restored on the next replica; reported "
+        "apart and never pooled: they take the one-time costs (kernel compilation, a first "
+        "restore) out of the blocks (0: none)",
     )
     parser.add_argument("--json", type=Path, help="write every request's timings and usage here")
     parser.add_argument("--markdown", type=Path, help="write a Markdown summary here")

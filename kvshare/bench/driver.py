@@ -45,7 +45,7 @@ class BenchOptions:
     request_timeout_s: float = 3600.0  # one request, stream included
     command: str = ""
     settle_timeout_s: float = 10.0  # longest wait for the pool's stores to commit (runner.settle)
-    warmup_tokens: int = 0  # a warm-up request of this many tokens per replica first; 0: none
+    warmup_tokens: int = 0  # warm-up requests of this many tokens first (runner.warm_up); 0: none
 
     def __post_init__(self) -> None:
         if self.request_timeout_s <= 0 or self.settle_timeout_s < 0:
@@ -101,7 +101,13 @@ async def run_bench(
             warmup = ()
             if options.warmup_tokens:
                 warmup = await warm_up(
-                    client, model, len(replicas), options.warmup_tokens, options.seed
+                    client,
+                    model,
+                    len(replicas),
+                    options.warmup_tokens,
+                    options.seed,
+                    restore=any(block.pool_enabled for block in options.design.blocks),
+                    settle_timeout_s=options.settle_timeout_s,
                 )
             blocks = await run_design(
                 workload,

@@ -111,7 +111,7 @@ class RunInfo:
 class BenchRun:
     info: RunInfo
     blocks: tuple[BlockResult, ...]
-    warmup: tuple[RequestRecord, ...] = ()  # one per replica before block 0; never pooled
+    warmup: tuple[RequestRecord, ...] = ()  # before block 0 (runner.warm_up); never pooled
 
     def __post_init__(self) -> None:
         if tuple(b.block for b in self.blocks) != self.info.design.blocks[: len(self.blocks)]:

@@ -124,9 +124,11 @@ def blocks_table(rows: Sequence[BlockRow]) -> Table:
 
 def warmup_table(records: Sequence[RequestRecord]) -> Table:
     cells = tuple(
-        (str(r.replica), seconds(r.result.ttft_s), seconds(r.result.total_s)) for r in records
+        (r.tag.label, str(r.replica), seconds(r.result.ttft_s), seconds(r.result.total_s))
+        for r in records
     )
-    return Table("warm-up before block 0 (not in the results)", ("replica", "TTFT", "total"), cells)
+    headers = ("request", "replica", "TTFT", "total")
+    return Table("warm-up before block 0 (not in the results)", headers, cells)
 
 
 def timing_table(records: Sequence[RequestRecord]) -> Table | None:

@@ -118,22 +118,48 @@ async def prepare_block(client: BenchClient, block: Block, settle_timeout_s: flo
 
 
 async def warm_up(
-    client: BenchClient, model: PromptModel, replicas: int, tokens: int, seed: int
+    client: BenchClient,
+    model: PromptModel,
+    replicas: int,
+    tokens: int,
+    seed: int,
+    *,
+    restore: bool,
+    settle_timeout_s: float,
 ) -> tuple[RequestRecord, ...]:
-    """One request of `tokens` tokens pinned to each replica in turn, before block 0.
+    """One request of `tokens` tokens pinned to each replica in turn, before block 0; with
+    `restore` (a design that switches the pool on), the pool on for these, and then each
+    replica's prompt again on the next replica (one replica: on itself after a cache
+    reset), restored from the pool.
 
     A replica's first request carries one-time costs (kernel compilation and autotuning,
-    allocator growth: 46 s against 28.5 s for a 128k prefill on an H200); inside block 0
-    they would bias whichever condition comes first. The records are reported on their
-    own and never pooled (the block setup that follows resets every cache).
+    allocator growth: 46 s against 28.5 s for a 128k prefill on an H200), and so does its
+    first restore (an H100's first fp8 hit at 131,072 tokens took 268 ms, the next three
+    94-96); inside block 0 or the first ON block they would bias whichever condition comes
+    first. The records are reported on their own and never pooled (the block setup that
+    follows clears the pool and resets every cache).
     """
-    records = []
-    for replica in range(replicas):
-        prompt = model.prompt(tokens, prompt_rng(seed, "warmup", replica))
-        result = await client.complete(prompt, RequestOptions(1, replica=replica))
-        tag = Tag(WARMUP, None, PREFILL, f"replica{replica}")
-        records.append(RequestRecord(-1, WARMUP, tag, replica, 0.0, result))
+    prompts = [model.prompt(tokens, prompt_rng(seed, "warmup", r)) for r in range(replicas)]
+    if restore:
+        await client.admin_all("kv_pool", {"enabled": True})
+    records = [
+        await _warm_up_request(client, prompt, replica, f"replica{replica}")
+        for replica, prompt in enumerate(prompts)
+    ]
+    if restore:
+        await settle(client, settle_timeout_s)
+        await client.admin_all("reset_prefix_cache")
+        for source, prompt in enumerate(prompts):
+            target = (source + 1) % replicas
+            records.append(await _warm_up_request(client, prompt, target, f"restore{source}"))
     return tuple(records)
+
+
+async def _warm_up_request(
+    client: BenchClient, prompt: Prompt, replica: int, label: str
+) -> RequestRecord:
+    result = await client.complete(prompt, RequestOptions(1, replica=replica))
+    return RequestRecord(-1, WARMUP, Tag(WARMUP, None, PREFILL, label), replica, 0.0, result)
 
 
 async def run_design(

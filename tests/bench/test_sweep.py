@@ -56,7 +56,7 @@ def test_each_pool_size_gets_one_cluster_and_one_warm_up(fake: RunningFake) -> N
         assert partial.params == sweep.params
     assert opened == [8 * MIB, 32 * MIB]
     assert calls == [(1, fake.url, True), (3, fake.url, False)] * 2
-    assert [len(run.warmup) for run in sweep.runs] == [2, 0, 2, 0]
+    assert [len(run.warmup) for run in sweep.runs] == [4, 0, 4, 0]  # 2 prefills, 2 restores
     assert sweep.points == (
         SweepPoint(1, 8 * MIB),
         SweepPoint(3, 8 * MIB),

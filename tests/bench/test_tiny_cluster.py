@@ -166,7 +166,7 @@ def test_a_tiny_concurrency_sweep_writes_its_rows_json_and_plot(
         (1, 1),
         (3, 3),
     ]
-    assert [len(run["run"]["warmup"]) for run in runs] == [2, 0]
+    assert [len(run["run"]["warmup"]) for run in runs] == [4, 0]  # 2 prefills, 2 restores
     for run in runs:
         assert [b["condition"] for b in run["run"]["blocks"]] == ["OFF", "ON"]
         assert len(run["run"]["requests"]) == 12

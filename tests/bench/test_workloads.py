@@ -268,18 +268,26 @@ def test_a_warm_up_per_replica_comes_first_and_is_reported_but_never_pooled(
     )
     fake.cluster.commit_delay_s = 0.0
     result = run(workload, fake, smollm2, design="OFF-ON", warmup_tokens=40)
-    first = fake.cluster.events[:2]  # before block 0's setup: one pinned request per replica
-    assert [(e.kind, e.replica, e.pinned) for e in first] == [
-        ("request", 0, True),
-        ("request", 1, True),
+    # Before block 0's setup: the pool on, one pinned request per replica, then each prompt
+    # on the other replica after a cache reset, restored from the pool.
+    first = [(e.kind, e.replica, e.path, e.pinned) for e in fake.cluster.events[:9]]
+    requests = [e for e in first if e[0] == "request"]
+    assert first[:2] == [("admin", 0, "kv_pool", False), ("admin", 1, "kv_pool", False)]
+    assert [(e[1], e[3]) for e in requests] == [(0, True), (1, True), (1, True), (0, True)]
+    assert first[4:6] == [
+        ("admin", 0, "reset_prefix_cache", False),
+        ("admin", 1, "reset_prefix_cache", False),
     ]
-    assert [r.replica for r in result.warmup] == [0, 1]
+    assert [r.replica for r in result.warmup] == [0, 1, 1, 0]
+    assert [r.tag.label for r in result.warmup] == ["replica0", "replica1", "restore0", "restore1"]
     assert all(r.result.ttft_s is not None for r in result.warmup)
+    hits = [r.usage_int("kv", "pool_hit_tokens") for r in result.warmup]
+    assert hits == [0, 0, 36, 36]  # each chunk but the last: one token is always computed
     assert not {id(r) for r in result.warmup} & {id(r) for r in result.records()}
     [ttft] = compare(result.blocks, Design.parse("OFF-ON"), BootstrapSpec(100))
     assert ttft.counts == (6, 6)  # the blocks' users only
     assert "warm-up before block 0" in markdown(result, [ttft], BootstrapSpec(100), None)
-    assert len(to_json(result, [ttft], BootstrapSpec(100))["warmup"]) == 2
+    assert len(to_json(result, [ttft], BootstrapSpec(100))["warmup"]) == 4
     # Every report states computed/ideal; the OFF block computes each document per replica.
     rows = [block_row(b) for b in result.blocks]
     assert all(r.computed_over_ideal is not None for r in rows)
