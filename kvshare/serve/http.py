@@ -132,10 +132,10 @@ def token_array(
     inner = data[start + 1 : stop]
     pieces = _cut_at_commas(inner, reader.pieces(len(inner)) if reader else 1)
     read = reader.read(pieces) if reader and len(pieces) > 1 else [_read_ids(inner)]
-    if any(ids is None for ids in read):
+    arrays = [ids for ids in read if ids is not None]
+    if len(arrays) != len(read):
         return None
-    ids = read[0] if len(read) == 1 else np.concatenate(read)  # type: ignore[arg-type]
-    return ids, stop + 1  # type: ignore[return-value]
+    return (arrays[0] if len(arrays) == 1 else np.concatenate(arrays)), stop + 1
 
 
 def _cut_at_commas(text: bytes, pieces: int) -> list[bytes]:
