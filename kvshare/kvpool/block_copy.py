@@ -25,7 +25,13 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["first_page", "first_chunk"])
+# A load's page groups slice the pairs table at any page: with one block a page, a slice at
+# an odd page starts 24 bytes past 16-byte alignment, and Triton, which specializes pointers
+# on alignment, compiled a second kernel there inside the first such hit (268 ms against 95
+# for a 131,072-token hit on an H100). PAIRS is read as scalars: alignment buys nothing.
+@triton.jit(
+    do_not_specialize=["first_page", "first_chunk"], do_not_specialize_on_alignment=["PAIRS"]
+)
 def _copy_blocks_kernel(
     KV,
     ROWS,
