@@ -123,6 +123,9 @@ class UpConfig:
     pool_remote: RemoteConfig | None = None  # the pool's tier shared with other hosts
     kv_pool: bool = True
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    # The replicas' KV block, in tokens: the router's routing-key block must be the same, or
+    # the replicas' cache events name blocks the router does not know (and are ignored).
+    block_tokens: int = 16
     host: str = "127.0.0.1"
     port: int = 8080  # the router; replica i at port + 1 + i. 0: any free ports
     policy: str = "cache-aware"
@@ -157,8 +160,8 @@ class UpConfig:
             raise ValueError(f"port must be 0 or leave room for {self.replicas} replica ports")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
-        if self.ready_timeout <= 0 or self.chunk_tokens < 1:
-            raise ValueError("ready_timeout and chunk_tokens must be positive")
+        if self.ready_timeout <= 0 or self.chunk_tokens < 1 or self.block_tokens < 1:
+            raise ValueError("ready_timeout, chunk_tokens and block_tokens must be positive")
 
     @classmethod
     def from_args(cls, argv: Sequence[str]) -> UpConfig:
@@ -266,6 +269,8 @@ def up_config(args: argparse.Namespace) -> UpConfig:
         exclude=("device", "gpu_memory_fraction"),
     )
     salt = ("--cache-salt-required",) if args.cache_salt_required else ()
+    # vLLM replicas keep vLLM's own block (16 by default), not kvshare's --block-size.
+    block_tokens = args.block_size if args.engine == "kvshare" else UpConfig.block_tokens
     return UpConfig(
         replicas=args.replicas,
         model=args.model,
@@ -278,6 +283,7 @@ def up_config(args: argparse.Namespace) -> UpConfig:
         pool_remote=remote_config(args),
         kv_pool=not args.no_kv_pool,
         chunk_tokens=args.chunk_tokens,
+        block_tokens=block_tokens,
         host=args.host,
         port=args.port,
         policy=args.policy,
@@ -712,6 +718,8 @@ class Cluster:
             c.model,
             "--chunk-tokens",
             str(c.chunk_tokens),
+            "--block-tokens",
+            str(c.block_tokens),
         ]
         if not c.kv_pool:  # nothing is shared: only GPU-local hits count
             argv += ["--pool-credit", "0"]

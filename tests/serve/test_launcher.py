@@ -127,9 +127,26 @@ def test_up_config_from_args_matches_the_command() -> None:
         dict(device="tpu"),
         dict(port=70000),
         dict(gpu_memory_fraction=1.5),
+        dict(block_tokens=0),
     ):
         with pytest.raises(ValueError):
             UpConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_the_router_keys_prompts_by_the_replicas_kv_block() -> None:
+    """`--block-size 256` reaches the replicas and the router's --block-tokens alike: with
+    the router at 16 (as on the H200 on 2026-12-06) every cache event of a replica names
+    blocks the router cannot match, and the cache-aware policy loses what they say."""
+
+    def blocks(args: list[str]) -> tuple[str, str]:
+        cluster = Cluster(UpConfig.from_args([*args, "--port", "0"]))
+        replica, router = cluster._replica_argv(0), cluster._router_argv()
+        return replica[replica.index("--block-size") + 1], router[
+            router.index("--block-tokens") + 1
+        ]
+
+    assert blocks([]) == ("16", "16")
+    assert blocks(["--block-size", "256"]) == ("256", "256")
 
 
 def _imported_modules(path: str) -> set[str]:
