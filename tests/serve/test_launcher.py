@@ -138,12 +138,13 @@ def test_the_router_keys_prompts_by_the_replicas_kv_block() -> None:
     the router at 16 (as on the H200 on 2026-12-06) every cache event of a replica names
     blocks the router cannot match, and the cache-aware policy loses what they say."""
 
+    def value(argv: list[str], flag: str) -> str:
+        return argv[argv.index(flag) + 1]
+
     def blocks(args: list[str]) -> tuple[str, str]:
         cluster = Cluster(UpConfig.from_args([*args, "--port", "0"]))
         replica, router = cluster._replica_argv(0), cluster._router_argv()
-        return replica[replica.index("--block-size") + 1], router[
-            router.index("--block-tokens") + 1
-        ]
+        return value(replica, "--block-size"), value(router, "--block-tokens")
 
     assert blocks([]) == ("16", "16")
     assert blocks(["--block-size", "256"]) == ("256", "256")
