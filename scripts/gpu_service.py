@@ -193,6 +193,17 @@ def hit_run(
     }
 
 
+def hit_run_seconds(run: str) -> float:
+    """About how long hit_run takes on the H200: a cluster start and warm-up (~50 s), then
+    per request of the design's 4 blocks a prefill on replica A and, in the 2 OFF blocks,
+    the same prefill again on B (27 s at 131,072 tokens, 78 s at 261,888: 6 prefills a
+    request a block). A run the budget cannot finish is skipped instead of being cut off
+    by its timeout (a 131k run given 89 s failed in block 0 on 2026-12-06)."""
+    _, tokens, per_block, *_ = run.split(":")
+    prefill_s = 27.5 * (int(tokens) / 131072) ** 1.5
+    return 50.0 + 6 * int(per_block) * prefill_s
+
+
 def hit(out: Path, runs: str, budget_s: float, layer_groups: int, block_size: int) -> int:
     deadline = time.monotonic() + budget_s
     import torch
@@ -204,6 +215,13 @@ def hit(out: Path, runs: str, budget_s: float, layer_groups: int, block_size: in
     h2d = ceiling["h2d_GBps"] * 1e9
     results = []
     for index, run in enumerate(runs.split(",")):
+        left, need = deadline - time.monotonic(), hit_run_seconds(run)
+        if left < need:
+            print(
+                f"{run}: skipped, needs ~{need:.0f} s, {left:.0f} s of the budget left", flush=True
+            )
+            results.append({"run": run, "error": f"skipped: ~{need:.0f} s needed, {left:.0f} left"})
+            continue
         try:
             result = hit_run(out, 8380 + 10 * index, run, deadline, layer_groups, block_size)
         except (subprocess.TimeoutExpired, RuntimeError, TimeoutError, FileNotFoundError) as exc:
@@ -310,7 +328,12 @@ def main() -> int:
     parser.add_argument(
         "--runs", default="auto:131072:2", help="hit: DTYPE:TOKENS:PER_BLOCK[:GPU_FRACTION],..."
     )
-    parser.add_argument("--budget-s", type=float, default=560.0, help="hit: stop starting runs")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=560.0,
+        help="hit: runs the rest of it cannot finish are skipped",
+    )
     parser.add_argument(
         "--layer-groups",
         type=int,
