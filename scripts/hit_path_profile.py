@@ -434,6 +434,42 @@ def device_time_by_name(trace: Any, limit: int) -> list[dict[str, Any]]:
     return rows[:limit]
 
 
+def copy_rates(trace_path: Path) -> dict[str, Any]:
+    """The traced hit's host-to-device copies over 0.5 ms, in time order (ms from the
+    hit's first device event, GB/s), the small pageable copies beside them (ms, bytes), and
+    the median rate of the first five and of the rest: on an H100 the rest ran ~7% slower
+    (docs/results/2026-12-06-h100-block-size.md)."""
+    events = [e for e in json.loads(trace_path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy")]
+    if not device:
+        return {}
+    t0 = min(e["ts"] for e in device)
+    big = sorted(
+        (e for e in device if e.get("cat") == "gpu_memcpy" and e["dur"] > 500),
+        key=lambda e: e["ts"],
+    )
+    copies = [((e["ts"] - t0) / 1e3, e["args"]["bytes"] / e["dur"] / 1e3) for e in big]
+    pageable = [
+        ((e["ts"] - t0) / 1e3, e["args"].get("bytes"))
+        for e in device
+        if e.get("cat") == "gpu_memcpy" and "Pageable" in e["name"]
+    ]
+    rates = [rate for _, rate in copies]
+    first, rest = rates[:5], rates[5:]
+    summary = {
+        "copies_ms_gbps": copies,
+        "pageable_ms_bytes": sorted(pageable),
+        "first_five_gbps": statistics.median(first) if first else None,
+        "rest_gbps": statistics.median(rest) if rest else None,
+    }
+    print(
+        f"copies over 0.5 ms: {len(copies)}; median GB/s of the first five "
+        f"{summary['first_five_gbps'] or 0:.1f}, of the rest {summary['rest_gbps'] or 0:.1f}; "
+        f"pageable copies at ms {[round(t, 2) for t, _ in summary['pageable_ms_bytes'][:12]]}"
+    )
+    return summary
+
+
 def request_body(prompt: list[int], name: str) -> bytes:
     """The body an OpenAI client sends for a shape model: a token-id prompt."""
     return json.dumps(
@@ -700,6 +736,7 @@ def main() -> int:
         if args.compare_collector:
             compared |= compare_collector(engine, served, args, pauses)
         traced_kernels: list[dict[str, Any]] = []
+        traced_copies: dict[str, Any] = {}
         if args.trace is not None:
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
@@ -713,6 +750,7 @@ def main() -> int:
             engine.connector.wait_idle()
             trace.export_chrome_trace(str(args.trace))
             traced_kernels = device_time_by_name(trace, args.kernels)
+            traced_copies = copy_rates(args.trace)
         result = {
             "args": {k: str(v) for k, v in vars(args).items()},
             "device": str(engine.runner.device),
@@ -725,6 +763,7 @@ def main() -> int:
             "engine_phase_calls": dict(timer.calls),
             "compared": compared,
             "traced_kernels": traced_kernels,
+            "traced_copies": traced_copies,
             "http_phases_s": http_phases(engine, follow_up, args.model, args.repeats),
             # add_request's entry to the load's transfer (its first copy is issued there)
             "engine_before_copies_s": min(before_copies),

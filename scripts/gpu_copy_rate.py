@@ -1,0 +1,233 @@
+"""What sets the host-to-GPU copy rate of a pool restore, measured on the GPU.
+
+    PYTHONPATH=$PWD python3 scripts/gpu_copy_rate.py --out $OUT [--only load,source,beside]
+
+A restore's copies ran at ~55 GB/s for the first ~15 ms of a hit and at ~51 GB/s after
+(H100, 2026-12-06; docs/results/2026-12-06-h100-block-size.md). Three suspects, each
+against raw pinned memcpy in the same process:
+
+1. `load`: 2 GiB in 128 MiB copies with the GPU idle, beside a device-to-device copy loop,
+   beside bf16 GEMMs of a 32-token step's shape; on one copy stream and on two.
+2. `source`: 128 MiB copies from each GiB of 16 GiB of torch's pinned memory and of a
+   /dev/shm mapping registered in 1 GiB slabs (kvshare.kvpool.host_memory, as a replica
+   registers the pool's arena); flat, and strided as a grouped restore issues them.
+3. `beside`: 24 copies of 128 MiB on one stream, each timed by events; after the 7th is
+   issued, on another stream: nothing, a step's small pageable uploads, a 154 MB device
+   copy (a restored recurrent state), the same uploads from pinned memory, a few kernels,
+   or the small arrays read by a kernel straight from pinned memory (no copy engine).
+   Rates before and after, per interlude.
+
+Prints a table per part; writes gpu_copy_rate.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from kvshare.kvpool.host_memory import HostRegistration
+from kvshare.kvpool.strided_copy import StridedCopy
+
+GIB = 1 << 30
+CHUNK = 128 << 20
+# The small uploads of a step after a restore, as a trace showed them (int64 elements).
+STEP_UPLOADS = (32, 32, 1, 32, 512, 1, 1, 34, 9)
+
+
+@triton.jit
+def _read_host(src, dst, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+
+def gbps(nbytes: int, fn: Callable[[], object], repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def beside_load(device: torch.device) -> dict[str, float]:
+    host = torch.empty(2 * GIB, dtype=torch.uint8, pin_memory=True)
+    host.fill_(7)
+    dst = torch.empty_like(host, device=device)
+    a, b = torch.empty_like(dst), torch.empty_like(dst)
+    w = torch.randn(5120, 17408, device=device, dtype=torch.bfloat16)
+    x = torch.randn(32, 5120, device=device, dtype=torch.bfloat16)
+    streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
+    load_stream = torch.cuda.Stream(device)
+
+    def load(kind: str) -> None:
+        with torch.cuda.stream(load_stream):
+            for _ in range(60):  # outlasts the copies
+                if kind == "device copy":
+                    b.copy_(a)
+                elif kind == "gemm":
+                    for _ in range(16):
+                        x @ w
+
+    def copies(n_streams: int) -> None:
+        for i in range(host.numel() // CHUNK):
+            with torch.cuda.stream(streams[i % n_streams]):
+                part = slice(i * CHUNK, (i + 1) * CHUNK)
+                dst[part].copy_(host[part], non_blocking=True)
+
+    rows = {}
+    for kind in ("idle", "device copy", "gemm"):
+        for n_streams in (1, 2):
+
+            def run(kind: str = kind, n_streams: int = n_streams) -> None:
+                if kind != "idle":
+                    load(kind)
+                copies(n_streams)
+
+            rows[f"{kind}, {n_streams} stream(s)"] = gbps(host.numel(), run)
+    assert torch.equal(dst[:: 1 << 20].cpu(), host[:: 1 << 20])
+    return rows
+
+
+def by_source(device: torch.device, gib: int = 16) -> dict[str, float]:
+    dst = torch.empty(GIB, dtype=torch.uint8, device=device)
+    pinned = torch.empty(gib * GIB, dtype=torch.uint8, pin_memory=True)
+    pinned.numpy()[::4096] = 1
+    path = f"/dev/shm/kvshare-copy-rate-{uuid.uuid4().hex[:8]}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, gib * GIB)
+        mapping = mmap.mmap(fd, gib * GIB)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    np.frombuffer(mapping, dtype=np.uint8)[::4096] = 1  # every page touched
+    shm = torch.frombuffer(mapping, dtype=torch.uint8)
+    registration = HostRegistration(device)
+    registration.register_slabs(shm, GIB, gib)
+    registration.wait()
+    strided = StridedCopy.find()
+    width, pitch, rows = 4_259_840, 8_519_680, 120  # a grouped restore's rows, in one slab
+    out = {}
+    try:
+        assert registration.registered_bytes == gib * GIB, "cudaHostRegister refused a slab"
+        for name, host in (("pinned", pinned), ("registered /dev/shm", shm)):
+            slabs = [host[g * GIB : g * GIB + CHUNK] for g in range(gib)]
+            flat = [gbps(CHUNK, lambda s=s: dst[:CHUNK].copy_(s, True)) for s in slabs]
+            out[f"{name}, flat: min"], out[f"{name}, flat: max"] = min(flat), max(flat)
+            if strided is not None:
+                starts = [host.data_ptr() + g * GIB for g in range(gib)]
+                rates = [
+                    gbps(width * rows, lambda p=p: strided(dst, p, pitch, width, rows))
+                    for p in starts
+                ]
+                out[f"{name}, strided: min"], out[f"{name}, strided: max"] = min(rates), max(rates)
+    finally:
+        registration.unregister()
+    return out
+
+
+def beside_copies(device: torch.device, n: int = 24, at: int = 6) -> dict[str, list[float]]:
+    host = torch.empty(n * CHUNK, dtype=torch.uint8, pin_memory=True)
+    host.numpy()[::4096] = 3
+    dst = torch.empty(n * CHUNK, dtype=torch.uint8, device=device)
+    a = torch.empty(154 << 20, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    small = [np.arange(k, dtype=np.int64) for k in STEP_UPLOADS]
+    pinned_small = [torch.from_numpy(s).pin_memory() for s in small]
+    device_small = [torch.empty(len(s), dtype=torch.int64, device=device) for s in small]
+    copies, side = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def interlude(kind: str) -> None:
+        with torch.cuda.stream(side):
+            if kind == "pageable uploads":
+                for s in small:
+                    torch.from_numpy(s).to(device, non_blocking=True)
+            elif kind == "pinned uploads":
+                for s in small:
+                    torch.from_numpy(s).pin_memory().to(device, non_blocking=True)
+            elif kind == "device copy":
+                b.copy_(a)
+            elif kind == "kernels":
+                for _ in range(20):
+                    b.add_(1)
+            elif kind == "kernel reads pinned":
+                for src, out in zip(pinned_small, device_small):
+                    block = triton.next_power_of_2(max(16, src.numel()))
+                    _read_host[(1,)](src, out, src.numel(), BLOCK=block)
+
+    def run(kind: str) -> list[float]:
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+        events[0].record(copies)
+        for i in range(n):
+            with torch.cuda.stream(copies):
+                part = slice(i * CHUNK, (i + 1) * CHUNK)
+                dst[part].copy_(host[part], non_blocking=True)
+            events[i + 1].record(copies)
+            if i == at:
+                interlude(kind)
+        torch.cuda.synchronize()
+        return [CHUNK / events[i].elapsed_time(events[i + 1]) / 1e6 for i in range(n)]
+
+    kinds = ["none", "pageable uploads", "device copy", "pinned uploads", "kernels"]
+    try:
+        interlude("kernel reads pinned")
+        torch.cuda.synchronize()
+        if all(torch.equal(o.cpu(), s) for s, o in zip(pinned_small, device_small)):
+            kinds.append("kernel reads pinned")
+    except Exception as exc:  # Triton may refuse a host pointer: then that row is missing
+        print(f"a kernel reading pinned memory was refused: {type(exc).__name__}: {exc}")
+    rows = {}
+    for kind in [*kinds, "none", "pageable uploads"]:  # again: does anything persist?
+        per_copy = [statistics.median(c) for c in zip(*[run(kind) for _ in range(4)][1:])]
+        before, after = statistics.median(per_copy[1:at]), statistics.median(per_copy[at + 2 :])
+        rows.setdefault(kind, []).extend([before, after])
+    assert torch.equal(dst[:: 1 << 20].cpu(), host[:: 1 << 20])
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--only", default="load,source,beside")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda", torch.cuda.current_device())
+    parts = set(args.only.split(","))
+    result: dict[str, object] = {"device": torch.cuda.get_device_name(device)}
+    if "load" in parts:
+        result["load"] = load = beside_load(device)
+        print("| copies beside | GB/s |\n| --- | --- |")
+        for name, rate in load.items():
+            print(f"| {name} | {rate:.2f} |")
+    if "source" in parts:
+        result["source"] = source = by_source(device)
+        print("| source | GB/s |\n| --- | --- |")
+        for name, rate in source.items():
+            print(f"| {name} | {rate:.2f} |")
+    if "beside" in parts:
+        result["beside"] = beside = beside_copies(device)
+        print("| after the 7th copy, beside | before | after | after / before |")
+        print("| --- | --- | --- | --- |")
+        for name, rates in beside.items():
+            for before, after in zip(rates[::2], rates[1::2]):
+                print(f"| {name} | {before:.2f} | {after:.2f} | {after / before:.3f} |")
+    (args.out / "gpu_copy_rate.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
