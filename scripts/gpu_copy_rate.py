@@ -14,8 +14,10 @@ against raw pinned memcpy in the same process:
 3. `beside`: 24 copies of 128 MiB on one stream, each timed by events; after the 7th is
    issued, on another stream: nothing, a step's small pageable uploads, a 154 MB device
    copy (a restored recurrent state), the same uploads from pinned memory, a few kernels,
-   or the small arrays read by a kernel straight from pinned memory (no copy engine).
-   Rates before and after, per interlude.
+   17 replays of a captured graph (a step's segments), or the small arrays read by a
+   kernel straight from pinned memory (no copy engine); or nothing, with the host thread
+   asleep instead of spinning in the wait (all its copies then run beside a sleeping
+   host: compare them with those of `none`). Rates before and after, per interlude.
 
 Prints a table per part; writes gpu_copy_rate.json.
 """
@@ -150,6 +152,12 @@ def beside_copies(device: torch.device, n: int = 24, at: int = 6) -> dict[str, l
     pinned_small = [torch.from_numpy(s).pin_memory() for s in small]
     device_small = [torch.empty(len(s), dtype=torch.int64, device=device) for s in small]
     copies, side = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        b.add_(1)  # warm the kernel outside the capture
+        with torch.cuda.graph(graph, stream=side):
+            for _ in range(8):
+                b.add_(1)
 
     def interlude(kind: str) -> None:
         with torch.cuda.stream(side):
@@ -164,6 +172,9 @@ def beside_copies(device: torch.device, n: int = 24, at: int = 6) -> dict[str, l
             elif kind == "kernels":
                 for _ in range(20):
                     b.add_(1)
+            elif kind == "graph replays":
+                for _ in range(17):
+                    graph.replay()
             elif kind == "kernel reads pinned":
                 for src, out in zip(pinned_small, device_small):
                     block = triton.next_power_of_2(max(16, src.numel()))
@@ -179,10 +190,13 @@ def beside_copies(device: torch.device, n: int = 24, at: int = 6) -> dict[str, l
             events[i + 1].record(copies)
             if i == at:
                 interlude(kind)
+        if kind == "host asleep":
+            time.sleep(n * CHUNK / 40e9)  # past the copies' end: the wait does not spin
         torch.cuda.synchronize()
         return [CHUNK / events[i].elapsed_time(events[i + 1]) / 1e6 for i in range(n)]
 
     kinds = ["none", "pageable uploads", "device copy", "pinned uploads", "kernels"]
+    kinds += ["graph replays", "host asleep"]
     try:
         interlude("kernel reads pinned")
         torch.cuda.synchronize()
