@@ -138,12 +138,18 @@ def bench27b(out: Path, lengths: str, per_block: int, pool_size: str) -> int:
 
 
 def hit_run(
-    out: Path, port: int, run: str, deadline: float, layer_groups: int, block_size: int
+    out: Path,
+    port: int,
+    run: str,
+    deadline: float,
+    layer_groups: int,
+    block_size: int,
+    design: str,
 ) -> dict:
-    """One cluster, one cross-replica bench for `run` (DTYPE:TOKENS:PER_BLOCK[:FRACTION]),
-    pool restores in at most `layer_groups` groups of layers, KV blocks of `block_size`
-    tokens; returns the ON/OFF medians, the bytes loaded per hit and the replicas' GPU
-    memory."""
+    """One cluster, one cross-replica bench for `run` (DTYPE:TOKENS:PER_BLOCK[:FRACTION])
+    in the blocked `design`, pool restores in at most `layer_groups` groups of layers, KV
+    blocks of `block_size` tokens; returns the ON/OFF medians, the bytes loaded per hit and
+    the replicas' GPU memory."""
     dtype, tokens, blocks, *fraction = run.split(":")
     length, per_block = int(tokens), int(blocks)
     name = f"hit_{dtype}_{length}"
@@ -178,7 +184,8 @@ def hit_run(
     )
     try:
         memory = {"after start": gpu_memory_by_process()}
-        done = cross_replica_bench(port, length, per_block, out, name, deadline - time.monotonic())
+        left = deadline - time.monotonic()
+        done = cross_replica_bench(port, length, per_block, out, name, left, "--design", design)
         memory["after the bench"] = gpu_memory_by_process()  # the allocators keep their peak
     finally:
         stop_cluster(up)
@@ -193,18 +200,21 @@ def hit_run(
     }
 
 
-def hit_run_seconds(run: str) -> float:
+def hit_run_seconds(run: str, design: str) -> float:
     """About how long hit_run takes on the H200: a cluster start and warm-up (~50 s), then
-    per request of the design's 4 blocks a prefill on replica A and, in the 2 OFF blocks,
-    the same prefill again on B (27 s at 131,072 tokens, 78 s at 261,888: 6 prefills a
-    request a block). A run the budget cannot finish is skipped instead of being cut off
-    by its timeout (a 131k run given 89 s failed in block 0 on 2026-12-06)."""
+    per request a prefill on replica A and, in an OFF block, the same prefill again on B
+    (27 s at 131,072 tokens, 78 s at 261,888). A run the budget cannot finish is skipped
+    instead of being cut off by its timeout (a 131k run given 89 s failed in block 0 on
+    2026-12-06)."""
     _, tokens, per_block, *_ = run.split(":")
     prefill_s = 27.5 * (int(tokens) / 131072) ** 1.5
-    return 50.0 + 6 * int(per_block) * prefill_s
+    prefills = sum(2 if block == "OFF" else 1 for block in design.split("-"))
+    return 50.0 + prefills * int(per_block) * prefill_s
 
 
-def hit(out: Path, runs: str, budget_s: float, layer_groups: int, block_size: int) -> int:
+def hit(
+    out: Path, runs: str, budget_s: float, layer_groups: int, block_size: int, design: str
+) -> int:
     deadline = time.monotonic() + budget_s
     import torch
 
@@ -215,7 +225,7 @@ def hit(out: Path, runs: str, budget_s: float, layer_groups: int, block_size: in
     h2d = ceiling["h2d_GBps"] * 1e9
     results = []
     for index, run in enumerate(runs.split(",")):
-        left, need = deadline - time.monotonic(), hit_run_seconds(run)
+        left, need = deadline - time.monotonic(), hit_run_seconds(run, design)
         if left < need:
             print(
                 f"{run}: skipped, needs ~{need:.0f} s, {left:.0f} s of the budget left", flush=True
@@ -223,7 +233,9 @@ def hit(out: Path, runs: str, budget_s: float, layer_groups: int, block_size: in
             results.append({"run": run, "error": f"skipped: ~{need:.0f} s needed, {left:.0f} left"})
             continue
         try:
-            result = hit_run(out, 8380 + 10 * index, run, deadline, layer_groups, block_size)
+            result = hit_run(
+                out, 8380 + 10 * index, run, deadline, layer_groups, block_size, design
+            )
         except (subprocess.TimeoutExpired, RuntimeError, TimeoutError, FileNotFoundError) as exc:
             print(f"{run}: {exc!r}", flush=True)
             results.append({"run": run, "error": repr(exc)})
@@ -346,6 +358,11 @@ def main() -> int:
         default=EngineConfig.block_size,
         help="hit: kvshare up --block-size (tokens per KV block)",
     )
+    parser.add_argument(
+        "--design",
+        default="OFF-ON-ON-OFF",
+        help="hit: the bench's blocked design (more ON blocks: more hits for one prefill each)",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.what == "validate":
@@ -353,7 +370,9 @@ def main() -> int:
     if args.what == "two-replicas":
         return two_replicas(args.out, args.sessions, args.context, args.pool_size)
     if args.what == "hit":
-        return hit(args.out, args.runs, args.budget_s, args.layer_groups, args.block_size)
+        return hit(
+            args.out, args.runs, args.budget_s, args.layer_groups, args.block_size, args.design
+        )
     if args.what == "sessions":
         return sessions_bench(args.out, args.sessions, args.context, args.pool_size)
     return bench27b(args.out, args.lengths, args.per_block, args.pool_size)
