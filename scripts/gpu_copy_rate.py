@@ -44,7 +44,9 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+from hit_path_profile import copy_rates
 
+from kvshare.bench.ceilings import median_seconds
 from kvshare.kvpool.host_memory import HostRegistration
 from kvshare.kvpool.strided_copy import StridedCopy
 
@@ -60,15 +62,8 @@ def _read_host(src, dst, n, BLOCK: tl.constexpr):
     tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
 
 
-def gbps(nbytes: int, fn: Callable[[], object], repeats: int = 5) -> float:
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times) / 1e9
+def gbps(nbytes: int, fn: Callable[[], object]) -> float:
+    return nbytes / median_seconds(fn, 5) / 1e9
 
 
 def beside_load(device: torch.device) -> dict[str, float]:
@@ -272,21 +267,8 @@ def pipeline(device: torch.device, out: Path, tokens: int = 131072) -> dict[str,
             transfer.load(copies).wait()
             seconds = time.perf_counter() - start
         trace.export_chrome_trace(str(trace_path))
-    events = json.loads(trace_path.read_text())["traceEvents"]
-    big = sorted(
-        (e for e in events if e.get("cat") == "gpu_memcpy" and e.get("dur", 0) > 500),
-        key=lambda e: e["ts"],
-    )
-    rates = [e["args"]["bytes"] / e["dur"] / 1e3 for e in big]
     nbytes = pages * layout.payload_bytes
-    return {
-        "bytes": nbytes,
-        "load_gbps": nbytes / seconds / 1e9,
-        "copies": len(rates),
-        "first_five_gbps": statistics.median(rates[:5]),
-        "rest_gbps": statistics.median(rates[5:]),
-        "rates_gbps": rates,
-    }
+    return {"bytes": nbytes, "load_gbps": nbytes / seconds / 1e9, **copy_rates(trace_path)}
 
 
 def main() -> int:
@@ -317,11 +299,7 @@ def main() -> int:
                 print(f"| {name} | {before:.2f} | {after:.2f} | {after / before:.3f} |")
     if "pipeline" in parts:
         result["pipeline"] = piped = pipeline(device, args.out)
-        print(
-            f"pipeline: {piped['bytes'] / 1e9:.2f} GB in {piped['copies']} copies, "
-            f"{piped['load_gbps']:.2f} GB/s whole; copies' median GB/s: first five "
-            f"{piped['first_five_gbps']:.2f}, the rest {piped['rest_gbps']:.2f}"
-        )
+        print(f"pipeline: {piped['bytes'] / 1e9:.2f} GB, {piped['load_gbps']:.2f} GB/s whole")
     (args.out / "gpu_copy_rate.json").write_text(json.dumps(result, indent=1))
     return 0
 
