@@ -30,6 +30,7 @@ writer of the arena.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,9 +104,18 @@ class PageLayout:
 def checksum_constants(key: bytes) -> np.ndarray:
     """The page checksum's constants k0..k3 (uint64 [4]) for a page key; k1 and k3, the
     position multipliers, are odd so that distinct word indices give distinct offsets."""
-    digest = hashlib.blake2b(key, digest_size=32, person=_CONSTANTS_PERSON).digest()
-    constants = np.frombuffer(digest, dtype="<u8").astype(np.uint64)
-    constants[[1, 3]] |= np.uint64(1)
+    return checksum_constants_table([key])[0]
+
+
+def checksum_constants_table(keys: Sequence[bytes]) -> np.ndarray:
+    """checksum_constants of every key, uint64 [len(keys), 4], in one array: a restore
+    builds this table for every page on the host while its first copies run (512 pages of
+    a 131k-token hit took ~3 ms one key at a time on a 2-core machine)."""
+    digests = b"".join(
+        hashlib.blake2b(key, digest_size=32, person=_CONSTANTS_PERSON).digest() for key in keys
+    )
+    constants = np.frombuffer(digests, dtype="<u8").astype(np.uint64).reshape(len(keys), 4)
+    constants[:, [1, 3]] |= np.uint64(1)
     return constants
 
 

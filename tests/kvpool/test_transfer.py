@@ -1,6 +1,7 @@
 """The CPU transfer checksums each segment of a page where it lies in the page, and the
 grouping of a load or store covers every copy once, in order, one page size per group. On
-CUDA a state load lands after the compute stream's earlier writes to its slot."""
+CUDA a state load lands after the compute stream's earlier writes to its slot, and a load
+reuses its staging buffers only after their drains read them."""
 
 from __future__ import annotations
 
@@ -280,3 +281,56 @@ def test_a_prefix_stored_beside_states_is_read_in_groups_inside_one_slab_each() 
 
     assert all(first == last for first, last in spanned_slabs(slab))
     assert any(first != last for first, last in spanned_slabs(8 * slab))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("grouped", [False, True])
+def test_cuda_load_through_one_page_staging_buffers_with_slow_drains_brings_every_byte(
+    grouped: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load runs its pages through two staging buffers: fill k + 2 may only overwrite a
+    buffer once drain k has read it, and the drains are issued one fill behind. With one
+    page a buffer and every drain held back by a GPU sleep, a fill that does not wait
+    overwrites a page before its drain: the cache and the checksums then differ from the
+    CPU transfer's load of the same arena (whole pages, and in groups of layers)."""
+    from kvshare.kvpool import transfer_cuda
+    from kvshare.kvpool.transfer import LayerGroups
+
+    monkeypatch.setattr(transfer_cuda, "staging_buffer_bytes", lambda page_bytes: page_bytes)
+    device, pages = torch.device("cuda"), 9
+    caches = [
+        KVCacheLayout.allocate(shape_preset("qwen3-8b"), 2 * pages + 1, 16, torch.bfloat16, d)
+        for d in (device, torch.device("cpu"))
+    ]
+    layout = PageLayout.of(caches[0], 32)
+    groups = LayerGroups(min_bytes=1, max_groups=3) if grouped else None
+    gpu = transfer_cuda.CudaTransfer(caches[0].kv, layout, layer_groups=groups)
+    if grouped and gpu.strided_copy is None:
+        pytest.skip("no strided host copy in this CUDA runtime: groups of 4 MiB parts")
+    cpu = ThreadTransfer(caches[1].kv, layout)
+    arena = torch.randint(0, 256, (pages * layout.payload_bytes,), dtype=torch.uint8)
+    gpu.set_arena(arena.pin_memory())
+    cpu.set_arena(arena)
+    checksum_rows = gpu.checksum_rows
+
+    def slow_checksum_rows(*args: object) -> None:
+        torch.cuda._sleep(int(0.002 * 1.5e9))  # on the drain's stream, before it reads
+        checksum_rows(*args)
+
+    gpu.checksum_rows = slow_checksum_rows
+    copies = [
+        PageCopy(
+            i * layout.payload_bytes,
+            layout.payload_bytes,
+            (2 * i, 2 * i + 1),
+            i.to_bytes(16, "little"),
+        )
+        for i in range(pages)
+    ]
+    assert len(gpu.slot_ranges(copies)) == (3 if grouped else 1)
+    loaded, expected = gpu.load(copies), cpu.load(copies)
+    loaded.wait()
+    expected.wait()
+    gpu_bytes, cpu_bytes = (c.kv[:, :, : 2 * pages].view(torch.int16) for c in caches)
+    assert torch.equal(gpu_bytes.cpu(), cpu_bytes)  # bytes: random bits hold NaNs
+    assert loaded.checksums() == expected.checksums()
