@@ -286,8 +286,8 @@ class CudaTransfer(Transfer):
 
     def load(self, copies: Sequence[PageCopy]) -> TransferJob:
         """Pages of adjacent arena slots come in one copy per group (span_groups), and the
-        first copy is issued before the tables the scatter needs are built: until the
-        first copy starts, the host's time is the hit's time to first token."""
+        first two copies are issued before the tables the scatter needs are built: until
+        the first copy starts, the host's time is the hit's time to first token."""
         ranges = self.slot_ranges(copies)
         if len(ranges) > 1:
             return self._load_by_layers(copies, ranges)
