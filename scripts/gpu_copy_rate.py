@@ -14,7 +14,8 @@ against raw pinned memcpy in the same process:
 3. `beside`: 24 copies of 128 MiB on one stream, each timed by events; after the 7th is
    issued, on another stream: nothing, a step's small pageable uploads, a 154 MB device
    copy (a restored recurrent state), the same uploads from pinned memory, a few kernels,
-   17 replays of a captured graph (a step's segments), or the small arrays read by a
+   17 replays of a captured graph (a step's segments), 32 tokens through 8.6 GB of the 27B
+   shape's weight matrices (a step's linear layers), or the small arrays read by a
    kernel straight from pinned memory (no copy engine); or nothing, with the host thread
    asleep instead of spinning in the wait (all its copies then run beside a sleeping
    host: compare them with those of `none`). Rates before and after, per interlude.
@@ -165,6 +166,10 @@ def beside_copies(device: torch.device, n: int = 24, at: int = 6) -> dict[str, l
     pinned_small = [torch.from_numpy(s).pin_memory() for s in small]
     device_small = [torch.empty(len(s), dtype=torch.int64, device=device) for s in small]
     copies, side = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    # A step's linear layers: 32 tokens through 48 weight matrices of the 27B shape (8.6 GB
+    # read once, ~3 ms), where the stand-ins above touch a few hundred MB.
+    x = torch.randn(32, 5120, device=device, dtype=torch.bfloat16)
+    weights = [torch.empty(5120, 17408, device=device, dtype=torch.bfloat16) for _ in range(48)]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
         b.add_(1)  # warm the kernel outside the capture
@@ -188,6 +193,9 @@ def beside_copies(device: torch.device, n: int = 24, at: int = 6) -> dict[str, l
             elif kind == "graph replays":
                 for _ in range(17):
                     graph.replay()
+            elif kind == "weight sweep":
+                for w in weights:
+                    x @ w
             elif kind == "kernel reads pinned":
                 for src, out in zip(pinned_small, device_small):
                     block = triton.next_power_of_2(max(16, src.numel()))
@@ -209,7 +217,7 @@ def beside_copies(device: torch.device, n: int = 24, at: int = 6) -> dict[str, l
         return [CHUNK / events[i].elapsed_time(events[i + 1]) / 1e6 for i in range(n)]
 
     kinds = ["none", "pageable uploads", "device copy", "pinned uploads", "kernels"]
-    kinds += ["graph replays", "host asleep"]
+    kinds += ["graph replays", "weight sweep", "host asleep"]
     try:
         interlude("kernel reads pinned")
         torch.cuda.synchronize()
