@@ -26,12 +26,18 @@ against raw pinned memcpy in the same process:
    against the rest. The same slowdown here puts it in the transfer; none puts it in what
    the engine does beside the load.
 
+5. `step`: the engine's real step beside the copies (beside_step): a shape:qwen3.5-27b
+   engine runs a 32-token request to its first token ~10 ms into 24 copies of 128 MiB, from
+   torch's pinned memory, from a mapping registered in slabs, and strided from it; rates
+   before and after the step starts, against trials with nothing beside the copies.
+
 Prints a table per part; writes gpu_copy_rate.json (and the pipeline's trace).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import mmap
 import os
@@ -234,6 +240,95 @@ def beside_copies(device: torch.device, n: int = 24, at: int = 6) -> dict[str, l
     return rows
 
 
+def beside_step(device: torch.device, n: int = 24, trials: int = 3) -> dict[str, list[dict]]:
+    """The engine's real step beside the copies: one shape:qwen3.5-27b engine (random bf16
+    weights, no pool). Per trial, n copies of 128 MiB on a side stream, each timed by
+    events; ~10 ms after they were issued, either nothing or one 32-token request run
+    through the engine to its first token (GEMMs over the 27B weights, DeltaNet, attention).
+    From torch's pinned memory, a /dev/shm-like mapping registered in 1 GiB slabs, and
+    strided copies (15 rows of 4.26 MB, 8.5 MB apart) from that mapping."""
+    from kvshare.engine.config import EngineConfig
+    from kvshare.engine.llm_engine import LLMEngine
+    from kvshare.engine.sampling_params import SamplingParams
+    from kvshare.kvpool.host_memory import mapped_in_slabs
+    from kvshare.models.loader import load_model
+
+    loaded = load_model("shape:qwen3.5-27b", device="cuda", dtype="bfloat16", seed=0)
+    config = EngineConfig(
+        device="cuda",
+        dtype="bfloat16",
+        block_size=256,
+        max_num_batched_tokens=8192,
+        max_num_seqs=1,
+        max_model_len=16384,
+        gpu_memory_fraction=0.9,
+        kv_cache_dtype="fp8",
+        kv_cache_memory=2 << 30,
+    )
+    engine = LLMEngine(loaded, config)
+    rng = np.random.default_rng(0)
+    requests = itertools.count()
+
+    def first_token_ms() -> float:
+        start = time.perf_counter()
+        prompt = rng.integers(100, 20000, 32).tolist()
+        engine.add_request(
+            f"r{next(requests)}", prompt, SamplingParams(max_tokens=1, temperature=0.0)
+        )
+        while engine.has_unfinished():
+            engine.step()
+        return (time.perf_counter() - start) * 1e3
+
+    for _ in range(3):
+        first_token_ms()  # compiles and captures before anything is timed
+    dst = torch.empty(n * CHUNK, dtype=torch.uint8, device=device)
+    side = torch.cuda.Stream(device)
+    strided = StridedCopy.find()
+    width, pitch, rows = 4_259_840, 8_519_680, 15
+
+    def trial(host: torch.Tensor, source: str, step: bool) -> dict:
+        torch.cuda.synchronize()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+        mark = torch.cuda.Event(enable_timing=True)
+        events[0].record(side)
+        for i in range(n):
+            with torch.cuda.stream(side):
+                if source == "strided":
+                    src = host.data_ptr() + (i // 8) * GIB + (i % 8) * rows * pitch
+                    strided(dst[i * CHUNK :], src, pitch, width, rows)
+                else:
+                    dst[i * CHUNK : (i + 1) * CHUNK].copy_(host[i * CHUNK : (i + 1) * CHUNK], True)
+            events[i + 1].record(side)
+        time.sleep(0.010)
+        mark.record(torch.cuda.current_stream(device))
+        step_ms = first_token_ms() if step else 0.0
+        torch.cuda.synchronize()
+        at = events[0].elapsed_time(mark)
+        nbytes = width * rows if source == "strided" else CHUNK
+        rates = [nbytes / events[i].elapsed_time(events[i + 1]) / 1e6 for i in range(n)]
+        ends = [events[0].elapsed_time(events[i + 1]) for i in range(n)]
+        return {
+            "step": step,
+            "mark_ms": at,
+            "step_ms": step_ms,
+            "before": statistics.median(r for r, e in zip(rates, ends) if e <= at),
+            "after": statistics.median(r for r, e in zip(rates, ends) if e > at + 5),
+            "rates": rates,
+        }
+
+    pinned = torch.empty(n * CHUNK, dtype=torch.uint8, pin_memory=True)
+    pinned.numpy()[::4096] = 5
+    out: dict[str, list[dict]] = {}
+    with mapped_in_slabs(-(-n * CHUNK // GIB), GIB) as registered:
+        registered.numpy()[::4096] = 5
+        sources = {"pinned": pinned, "registered": registered}
+        if strided is not None:
+            sources["strided"] = registered
+        for source, host in sources.items():
+            out[source] = [trial(host, source, step) for _ in range(trials) for step in (0, 1)]
+    return out
+
+
 def pipeline(device: torch.device, out: Path, tokens: int = 131072) -> dict[str, object]:
     from kvshare.engine.connector import KVCacheLayout
     from kvshare.kvpool.host_memory import mapped_in_slabs
@@ -282,7 +377,7 @@ def pipeline(device: torch.device, out: Path, tokens: int = 131072) -> dict[str,
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--only", default="load,source,beside,pipeline")
+    parser.add_argument("--only", default="load,source,beside,step,pipeline")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -305,6 +400,13 @@ def main() -> int:
         for name, rates in beside.items():
             for before, after in zip(rates[::2], rates[1::2]):
                 print(f"| {name} | {before:.2f} | {after:.2f} | {after / before:.3f} |")
+    if "step" in parts:
+        result["step"] = stepped = beside_step(device)
+        print("| source | beside | before | after |\n| --- | --- | --- | --- |")
+        for source, trials in stepped.items():
+            for t in trials:
+                beside = f"a step ({t['step_ms']:.1f} ms)" if t["step"] else "nothing"
+                print(f"| {source} | {beside} | {t['before']:.2f} | {t['after']:.2f} |")
     if "pipeline" in parts:
         result["pipeline"] = piped = pipeline(device, args.out)
         print(f"pipeline: {piped['bytes'] / 1e9:.2f} GB, {piped['load_gbps']:.2f} GB/s whole")
