@@ -18,7 +18,9 @@ against raw pinned memcpy in the same process:
    shape's weight matrices (a step's linear layers), or the small arrays read by a
    kernel straight from pinned memory (no copy engine); or nothing, with the host thread
    asleep instead of spinning in the wait (all its copies then run beside a sleeping
-   host: compare them with those of `none`). Rates before and after, per interlude.
+   host: compare them with those of `none`); or, from about the 7th copy on, the default
+   stream or another one blocked in a wait for the copies' end, as a step waits for its
+   next group of layers. Rates before and after, per interlude.
 
 4. `pipeline`: a restore's copies without the engine: kvshare's CudaTransfer loads
    shape:qwen3.5-27b's fp8 KV of 131,072 tokens (512 pages, 256-token blocks) in layer
@@ -219,11 +221,20 @@ def beside_copies(device: torch.device, n: int = 24, at: int = 6) -> dict[str, l
                 interlude(kind)
         if kind == "host asleep":
             time.sleep(n * CHUNK / 40e9)  # past the copies' end: the wait does not spin
+        elif kind.endswith("stream waits"):
+            # As a step waits for its next group of layers: from about the 7th copy on, a
+            # stream sits in a wait for the copies' end (a GPU sleep until then).
+            waiter = torch.cuda.default_stream(device) if kind.startswith("default") else side
+            with torch.cuda.stream(waiter):
+                torch.cuda._sleep(int(at * CHUNK / 55e9 * 1.5e9))
+                waiter.wait_event(events[n])
+                b.add_(1)
         torch.cuda.synchronize()
         return [CHUNK / events[i].elapsed_time(events[i + 1]) / 1e6 for i in range(n)]
 
     kinds = ["none", "pageable uploads", "device copy", "pinned uploads", "kernels"]
     kinds += ["graph replays", "weight sweep", "host asleep"]
+    kinds += ["default stream waits", "side stream waits"]
     try:
         interlude("kernel reads pinned")
         torch.cuda.synchronize()
