@@ -399,8 +399,9 @@ class Router:
         body = await request.read()
         clock.lap("router-read")
         pinned = self._pinned(request)
-        # Parsing and hashing a 130k-token prompt take ~20 ms. A pinned request needs its
-        # prefix only to record where it went: it is forwarded while the hashing runs.
+        # Parsing, hashing and packing 131,072 token ids take ~4.5 ms on a 2-core machine
+        # (16-token blocks ~6 ms). A pinned request needs its prefix only to record where it
+        # went: it is forwarded while the hashing runs.
         hashing = asyncio.ensure_future(self._parsed(request, body, pack=pinned is None))
         try:
             if pinned is None:
