@@ -258,14 +258,13 @@ def beside_step(device: torch.device, n: int = 24, trials: int = 3) -> dict[str,
     through the engine to its first token (GEMMs over the 27B weights, DeltaNet, attention).
     From torch's pinned memory, a /dev/shm-like mapping registered in 1 GiB slabs, and
     strided copies (15 rows of 4.26 MB, 8.5 MB apart) from that mapping."""
-    from kvshare.engine.config import EngineConfig
-    from kvshare.engine.llm_engine import LLMEngine
+    from kvshare import LLM
+    from kvshare.bench.engine_perf import random_prompt
     from kvshare.engine.sampling_params import SamplingParams
     from kvshare.kvpool.host_memory import mapped_in_slabs
-    from kvshare.models.loader import load_model
 
-    loaded = load_model("shape:qwen3.5-27b", device="cuda", dtype="bfloat16", seed=0)
-    config = EngineConfig(
+    llm = LLM(
+        "shape:qwen3.5-27b",
         device="cuda",
         dtype="bfloat16",
         block_size=256,
@@ -276,15 +275,16 @@ def beside_step(device: torch.device, n: int = 24, trials: int = 3) -> dict[str,
         kv_cache_dtype="fp8",
         kv_cache_memory=2 << 30,
     )
-    engine = LLMEngine(loaded, config)
-    rng = np.random.default_rng(0)
+    engine, vocab = llm.engine, llm.loaded.config.vocab_size
     requests = itertools.count()
 
     def first_token_ms() -> float:
+        """A 32-token request to its first token. Not bench.engine_perf.first_token: that
+        synchronizes the device first, which would wait for the copies beside it."""
+        k = next(requests)
         start = time.perf_counter()
-        prompt = rng.integers(100, 20000, 32).tolist()
         engine.add_request(
-            f"r{next(requests)}", prompt, SamplingParams(max_tokens=1, temperature=0.0)
+            f"r{k}", random_prompt(32, vocab, k), SamplingParams(max_tokens=1, temperature=0.0)
         )
         while engine.has_unfinished():
             engine.step()
