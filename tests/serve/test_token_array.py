@@ -55,7 +55,7 @@ def pieces() -> Iterator[ArrayReader]:
     first=st.booleans(),
 )
 def test_a_list_of_ids_reads_as_json_loads_reads_it(
-    ids: list[int], spaces: list[str], first: bool
+    ids: list[int], spaces: list[str], first: bool, pieces: ArrayReader
 ) -> None:
     a, b, c = spaces
     array = "[" + a + (b + "," + c).join(map(str, ids)) + b + "]"
@@ -66,13 +66,9 @@ def test_a_list_of_ids_reads_as_json_loads_reads_it(
     assert plain(parsed) == json.loads(text)
     found = token_array(array.encode(), 0)
     assert found is not None and found[0].tolist() == ids and found[1] == len(array)
-    reader = ArrayReader(threads=3, piece_bytes=1)
-    try:
-        in_pieces = token_array(array.encode(), 0, reader)
-        assert in_pieces is not None and in_pieces[0].tolist() == ids
-        assert plain(parse_json_object(text.encode(), reader)) == json.loads(text)
-    finally:
-        reader.close()
+    in_pieces = token_array(array.encode(), 0, pieces)
+    assert in_pieces is not None and in_pieces[0].tolist() == ids
+    assert plain(parse_json_object(text.encode(), pieces)) == json.loads(text)
 
 
 @given(text=st.text(alphabet="0123 ,]", max_size=30), parts=st.integers(1, 5))
