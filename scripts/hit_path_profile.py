@@ -75,6 +75,7 @@ from kvshare.engine.sequence import Sequence
 from kvshare.kvpool.connector import PoolConnector
 from kvshare.kvpool.launch import PoolProcess, PoolProcessConfig
 from kvshare.kvpool.transfer import LayerGroups
+from kvshare.kvpool.transfer_cuda import CudaTransfer
 from kvshare.models.loader import load_model
 from kvshare.ports import free_port
 from kvshare.serve import collector
@@ -281,6 +282,24 @@ def compare_layer_groups(
     settings = {f"layer groups {spec.text}": setting(spec) for spec in args.compare_layer_groups}
     results = alternate(engine, served, args, settings, pauses)
     transfer.layer_groups = engines_own
+    return results
+
+
+def compare_host_waited_groups(
+    engine: LLMEngine, served: PromptIds, args: argparse.Namespace, pauses: CollectorPauses
+) -> dict[str, list[dict]]:
+    """Hits with each --compare-host-waited-groups count (how many of a restore's first
+    layer groups the host waits for; the rest the compute stream); the engine's is put back."""
+    transfer = engine.connector.transfer if isinstance(engine.connector, PoolConnector) else None
+    if not isinstance(transfer, CudaTransfer):
+        raise SystemExit("--compare-host-waited-groups needs a CUDA engine with the pool")
+    engines_own = transfer.host_waited_groups
+    settings = {
+        f"host-waited groups {n}": (lambda n=n: setattr(transfer, "host_waited_groups", n))
+        for n in args.compare_host_waited_groups
+    }
+    results = alternate(engine, served, args, settings, pauses)
+    transfer.host_waited_groups = engines_own
     return results
 
 
@@ -649,6 +668,14 @@ def main() -> int:
         "(default --layer-group-min-mib)",
     )
     parser.add_argument(
+        "--compare-host-waited-groups",
+        type=lambda text: [int(item) for item in text.split(",")],
+        default=[],
+        metavar="N,...",
+        help="after the profile, time --repeats hits with each count of a restore's first "
+        "layer groups waited for by the host (CUDA; kvshare.kvpool.transfer_cuda)",
+    )
+    parser.add_argument(
         "--compare-graphs",
         action="store_true",
         help="after the profile, time --repeats hits with CUDA graphs and without, alternated",
@@ -731,6 +758,8 @@ def main() -> int:
         compared = {}
         if args.compare_layer_groups:
             compared |= compare_layer_groups(engine, served, args, pauses)
+        if args.compare_host_waited_groups:
+            compared |= compare_host_waited_groups(engine, served, args, pauses)
         if args.compare_graphs:
             compared |= compare_graphs(engine, served, args, pauses)
         if args.compare_collector:
