@@ -136,9 +136,9 @@ class CudaTransfer(Transfer):
         self.checksum_rows = checksum_rows
         # None: one host copy per page's part of a layer group (strided_copy.py).
         self.strided_copy = StridedCopy.find()
-        self.host_waited_groups = HOST_WAITED_GROUPS
         if self.strided_copy is None and self.layer_groups is not None:
             self.layer_groups = self.layer_groups.for_row_copies()
+        self.host_waited_groups = HOST_WAITED_GROUPS
 
     def warm_up(self, raw_bytes: Sequence[int] = ()) -> None:
         """Compile the scatter, gather and checksum kernels for this layout now: Triton
