@@ -107,7 +107,8 @@ class CudaTransfer(Transfer):
     ) -> None:
         super().__init__(kv, layout, faults, sliding_kv, layer_groups)
         self.device = kv.device
-        # ~1.5 GHz SM clock: a lower bound of the injected delay is enough
+        # Cycles at 1.5 GHz: the delay lasts the asked time x 1.5 GHz / the SM clock (~0.75x
+        # at an H100's or H200's ~2 GHz); it widens a race window, its length is not exact.
         self.delay_cycles = int(injected_delay(faults) * 1.5e9)
         self.streams = {
             name: torch.cuda.Stream(self.device)
