@@ -23,9 +23,11 @@
 - A /v1 path with a dot segment or an encoded separator is refused: the client side of
   the proxy would resolve `/v1/..%2Fadmin` into a replica's /admin.
 - Keys and the loopback rule for /admin without one: kvshare.serve.auth.
-- Bodies are held in memory (a failed send is retried with them): one is at most
-  `max_body_bytes` (413 above), and all held together at most `max_buffered_bytes`; a
-  request that finds no room waits up to `body_wait_timeout` seconds, then gets a 503.
+- Bodies are held in memory (a failed send is retried with them; a pinned request's,
+  never retried, goes on to its replica as it arrives and is kept for the prefix record):
+  one is at most `max_body_bytes` (413 above), and all held together at most
+  `max_buffered_bytes`; a request that finds no room waits up to `body_wait_timeout`
+  seconds, then gets a 503.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,6 +147,36 @@ class Parsed:
 
     prefix: Prefix = field(default_factory=Prefix)
     packed: bytes | None = None
+
+
+class StreamedBody:
+    """A request body passed on as it arrives (chunks(), once) and kept: `received` is the
+    whole of it once the last byte came in (b"" after answered() if it had not: an answer
+    that came before the body was all sent has nothing to record); `broken`, what broke the
+    client's side off before that (a client's failure, not the replica's)."""
+
+    def __init__(self, request: web.Request) -> None:
+        self._content = request.content
+        self.received: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self.broken: BaseException | None = None
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        parts = []
+        try:
+            async for chunk in self._content.iter_any():
+                parts.append(chunk)
+                yield chunk
+        except Exception as exc:
+            self.broken = exc
+            raise
+        if not self.received.done():
+            self.received.set_result(b"".join(parts))
+
+    def answered(self) -> None:
+        """The replica answered: a replica reads the whole body first, so its last chunk
+        went out before; one that answered early (an error) leaves nothing to wait for."""
+        if not self.received.done():
+            self.received.set_result(b"")
 
 
 class BodyBudget:
@@ -396,12 +428,13 @@ class Router:
         return limit if length is None else length
 
     async def _proxy(self, request: web.Request, clock: PhaseClock) -> web.StreamResponse:
+        pinned = self._pinned(request)
+        if pinned is not None and request.content_length and request.method == "POST":
+            return await self._proxy_streamed(request, pinned, clock)
         body = await request.read()
         clock.lap("router-read")
-        pinned = self._pinned(request)
         # Parsing, hashing and packing 131,072 token ids take ~4.5 ms on a 2-core machine
-        # (16-token blocks ~6 ms). A pinned request needs its prefix only to record where it
-        # went: it is forwarded while the hashing runs.
+        # (16-token blocks ~6 ms): a request is routed once they are done.
         hashing = asyncio.ensure_future(self._parsed(request, body, pack=pinned is None))
         try:
             if pinned is None:
@@ -410,10 +443,27 @@ class Router:
         finally:
             hashing.cancel()  # still running only if the request failed before it finished
 
+    async def _proxy_streamed(
+        self, request: web.Request, pinned: int, clock: PhaseClock
+    ) -> web.StreamResponse:
+        """A pinned request needs its prefix only to record where it went: its body goes
+        on to the replica as it arrives (the replica's read overlaps the client's send),
+        and is hashed once it is all in, while the replica works."""
+        body = StreamedBody(request)
+        clock.lap("router-read")  # the headers: the body is the replica's read
+        hashing = asyncio.ensure_future(self._parsed_when_in(request, body))
+        try:
+            return await self._forward(request, body, pinned, hashing, clock)
+        finally:
+            hashing.cancel()
+
+    async def _parsed_when_in(self, request: web.Request, body: StreamedBody) -> Parsed:
+        return await self._parsed(request, await body.received, pack=False)
+
     async def _forward(
         self,
         request: web.Request,
-        body: bytes,
+        body: bytes | StreamedBody,
         pinned: int | None,
         hashing: asyncio.Future[Parsed],
         clock: PhaseClock,
@@ -437,6 +487,8 @@ class Router:
                     packed = parsed.packed if replica.takes_packed else None
                     upstream = await self._send(replica, request, body, packed)
                 except _UPSTREAM_ERRORS as exc:
+                    if isinstance(body, StreamedBody) and body.broken is not None:
+                        raise bad_request(f"request body broke off: {body.broken}") from None
                     tried.add(replica.index)
                     self._failed(replica, exc)
                     if pinned is not None:
@@ -448,6 +500,8 @@ class Router:
                     self.metrics.retries.inc()
                     continue
                 clock.lap("router-upstream")
+                if isinstance(body, StreamedBody):
+                    body.answered()
                 # A kvshare replica sends its headers with its first output (streamed) or its
                 # whole answer: either way the prefill is over.
                 self.policy.answered(route, replica.index)
@@ -516,17 +570,29 @@ class Router:
         return self.replicas[self.policy.choose(route, candidates)]
 
     async def _send(
-        self, replica: Replica, request: web.Request, body: bytes, packed: bytes | None
+        self,
+        replica: Replica,
+        request: web.Request,
+        body: bytes | StreamedBody,
+        packed: bytes | None,
     ) -> aiohttp.ClientResponse:
-        """Forward the request with its body as received, or `packed` in its place."""
+        """Forward the request with its body as received (or as it arrives), or `packed`
+        in its place."""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+        data: bytes | AsyncIterator[bytes] | None
+        if isinstance(body, StreamedBody):
+            # The length the client announced: the server reads exactly that many bytes.
+            headers["Content-Length"] = str(request.content_length)
+            data = body.chunks()
+        else:
+            data = (body if packed is None else packed) or None
         if packed is not None:
             headers = {k: v for k, v in headers.items() if k.lower() != "content-type"}
             headers["Content-Type"] = PACKED_TYPE
         return await self.session.request(
             request.method,
             replica.url + request.rel_url.path_qs,
-            data=(body if packed is None else packed) or None,
+            data=data,
             headers=headers,
             allow_redirects=False,
         )

@@ -15,11 +15,15 @@ from kvshare.serve.router import Router
 
 class BackgroundServer:
     """Serves `app` on 127.0.0.1 (`port`, or a free one) until `close()`; handlers are cancelled when
-    their client disconnects, as under `kvshare serve`."""
+    their client disconnects, as under `kvshare serve` (unless `handler_cancellation` is
+    False: aiohttp's default)."""
 
-    def __init__(self, app: web.Application, port: int = 0) -> None:
+    def __init__(
+        self, app: web.Application, port: int = 0, handler_cancellation: bool = True
+    ) -> None:
         self._app = app
         self._port = port
+        self._handler_cancellation = handler_cancellation
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
@@ -35,7 +39,9 @@ class BackgroundServer:
         self._loop.close()
 
     async def _serve(self) -> None:
-        runner = web.AppRunner(self._app, handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(
+            self._app, handler_cancellation=self._handler_cancellation, access_log=None
+        )
         try:
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", self._port)

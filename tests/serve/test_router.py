@@ -240,6 +240,102 @@ def test_a_pinned_request_is_forwarded_while_its_prompt_is_hashed() -> None:
     assert isinstance(policy, CacheAware) and policy.gpu_tokens(route, 0) == 64
 
 
+def test_a_pinned_body_reaches_the_replica_while_the_client_still_sends_it() -> None:
+    """The replica reads a pinned request's body as the client sends it, byte for byte,
+    and the router still records the prefix: the client sends the rest of its body only
+    once the replica has the first part (a router that waits for the whole body first
+    makes it wait out its 5 s)."""
+    ids = list(range(4096))
+    raw = json.dumps({"model": "m", "prompt": ids}).encode()
+    first_part = threading.Event()
+    received: list[bytes] = []
+
+    async def completions(request: web.Request) -> web.Response:
+        parts = [await request.content.readany()]
+        first_part.set()
+        parts.append(await request.content.read())
+        received.append(b"".join(parts))
+        return web.json_response({"served_by": "a"})
+
+    def client_body() -> Iterator[bytes]:
+        yield raw[:1000]
+        first_part.wait(5)
+        yield raw[1000:]
+
+    replica = stand_in_replica(completions)
+    app = build_router_app(RouterConfig((replica.url,), "cache-aware"), RoutingKeys(None, 16))
+    router = BackgroundServer(app)
+    try:
+        with httpx.Client(base_url=router.url, timeout=10) as client:
+            started = time.monotonic()
+            resp = client.post(
+                "/v1/completions",
+                content=client_body(),
+                headers={
+                    "x-kvshare-replica": "0",
+                    "Content-Type": "application/json",
+                    "Content-Length": str(len(raw)),
+                },
+            )
+            took = time.monotonic() - started
+    finally:
+        router.close()
+        replica.close()
+    assert resp.status_code == 200, resp.text
+    assert took < 4.0 and received == [raw]
+    route = RouteRequest(prefix=tuple(block_hashes(ids, 16)))
+    policy = app[ROUTER_KEY].policy
+    assert isinstance(policy, CacheAware) and policy.gpu_tokens(route, 0) == 4096
+
+
+@pytest.mark.parametrize("handler_cancellation", [True, False])
+def test_a_client_that_breaks_off_its_body_leaves_the_replica_in_rotation(
+    handler_cancellation: bool,
+) -> None:
+    """The client's failure is not the replica's: its body broke off mid-way, the replica
+    saw an incomplete request, and the router keeps it healthy and serving, whether the
+    router's handler is cancelled as the client leaves (as `kvshare router` runs) or
+    finds the broken body in its send to the replica (as aiohttp runs by default)."""
+    seen: list[str] = []
+
+    async def completions(request: web.Request) -> web.Response:
+        try:
+            await request.read()
+        except BaseException as exc:  # the router's side of the body broke off
+            seen.append(type(exc).__name__)
+            raise
+        seen.append("whole")
+        return web.json_response({"served_by": "a"})
+
+    replica = stand_in_replica(completions)
+    app = build_router_app(RouterConfig((replica.url,), "cache-aware"), RoutingKeys(None, 16))
+    router = BackgroundServer(app, handler_cancellation=handler_cancellation)
+    host, port = router.url.removeprefix("http://").split(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nx-kvshare-replica: 0\r\n"
+                b"Content-Length: 100000\r\n\r\n" + b'{"model": "m", "prompt": [1, 2, '
+            )
+            time.sleep(0.3)  # the replica reads the part that came
+            assert not seen
+        deadline = time.monotonic() + 5
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen and seen != ["whole"], seen
+        time.sleep(0.3)  # the router's side of the request unwinds
+        router_state = app[ROUTER_KEY]
+        assert router_state.replicas[0].healthy
+        with httpx.Client(base_url=router.url, timeout=10) as client:
+            resp = post(client, headers={"x-kvshare-replica": "0"})
+        assert resp.status_code == 200 and seen[-1] == "whole"
+        assert router_state.replicas[0].healthy
+    finally:
+        router.close()
+        replica.close()
+
+
 @pytest.mark.parametrize("client_stays", [True, False])
 def test_a_placement_is_recorded_after_the_first_chunk_and_even_if_the_client_left(
     client_stays: bool,
