@@ -78,7 +78,7 @@ from kvshare.kvpool.transfer import LayerGroups
 from kvshare.kvpool.transfer_cuda import CudaTransfer
 from kvshare.models.loader import load_model
 from kvshare.ports import free_port
-from kvshare.serve import c_heap, collector
+from kvshare.serve import collector
 from kvshare.serve.http import parse_json_object
 from kvshare.serve.protocol import ModelInfo, parse_generate
 from kvshare.serve.routing_keys import RoutingKeys
@@ -707,16 +707,8 @@ def main() -> int:
         help="at the end, N hits through the replica's HTTP app and `kvshare router` (the "
         "serving path of `kvshare up`), timed at the client, with their Server-Timing phases",
     )
-    parser.add_argument(
-        "--default-c-heap",
-        action="store_true",
-        help="leave glibc's malloc at its defaults (kvshare serve keeps freed memory: "
-        "kvshare.serve.c_heap)",
-    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    if not args.default_c_heap:
-        c_heap.keep_freed_heap()
 
     folder = Path(tempfile.mkdtemp(prefix="kvshare-hit-"))
     pool_config = PoolProcessConfig(

@@ -16,7 +16,7 @@ from kvshare.engine.cli import (
     engine_options,
 )
 from kvshare.kvpool.faults import BREAK_ORDERS
-from kvshare.serve import c_heap, collector
+from kvshare.serve import collector
 from kvshare.serve.policies import DEFAULT_POOL_CREDIT
 from kvshare.spec import DEFAULT_CHUNK_TOKENS
 
@@ -266,7 +266,6 @@ def _run_app(command: str, app: web.Application, args: argparse.Namespace, banne
     from aiohttp import web
 
     collector.settle_startup()
-    c_heap.keep_freed_heap()
     try:
         web.run_app(
             app,
