@@ -56,7 +56,7 @@ import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import aiohttp
 import torch
@@ -230,6 +230,14 @@ class LayerGroupSpec(NamedTuple):
     groups: int
     min_mib: float | None
     text: str
+
+
+T = TypeVar("T")
+
+
+def comma_list(item: Callable[[str], T]) -> Callable[[str], list[T]]:
+    """An argparse type: a comma-separated list, each item read by `item`."""
+    return lambda text: [item(part) for part in text.split(",")]
 
 
 def layer_group_spec(text: str) -> LayerGroupSpec:
@@ -660,7 +668,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--compare-layer-groups",
-        type=lambda text: [layer_group_spec(item) for item in text.split(",")],
+        type=comma_list(layer_group_spec),
         default=[],
         metavar="[SPLIT:]G[:MIB],...",
         help="after the profile, time --repeats hits with each setting: at most G groups, "
@@ -669,7 +677,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--compare-host-waited-groups",
-        type=lambda text: [int(item) for item in text.split(",")],
+        type=comma_list(int),
         default=[],
         metavar="N,...",
         help="after the profile, time --repeats hits with each count of a restore's first "
