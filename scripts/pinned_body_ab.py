@@ -29,9 +29,8 @@ from aiohttp import web
 from kvshare.bench.client import BenchClient, RequestOptions
 from kvshare.ports import free_port
 from kvshare.serve.http import ArrayReader, parse_json_object
-from kvshare.serve.router import Parsed, Router, RouterConfig, build_router_app
+from kvshare.serve.router import Router, RouterConfig, build_router_app
 from kvshare.serve.routing_keys import RoutingKeys
-from kvshare.serve.server_timing import PhaseClock
 
 WARM_UP = 5
 MODES = ("read whole", "as it arrives")
@@ -57,24 +56,10 @@ def serve_replica(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None, handler_cancellation=True)
 
 
-async def _read_whole(
-    router: Router, request: web.Request, pinned: int, clock: PhaseClock
-) -> web.StreamResponse:
-    """The pinned path before bodies were passed on as they arrive."""
-    body = await request.read()
-    clock.lap("router-read")
-    hashing: asyncio.Future[Parsed] = asyncio.ensure_future(
-        router._parsed(request, body, pack=False)
-    )
-    try:
-        return await router._forward(request, body, pinned, hashing, clock)
-    finally:
-        hashing.cancel()
-
-
 def serve_router(port: int, replica_port: int, mode: str) -> None:
     if mode == MODES[0]:
-        Router._proxy_streamed = _read_whole  # type: ignore[method-assign]
+        # The pinned path before bodies were passed on: read whole, then forwarded.
+        Router._proxy_streamed = Router._proxy_buffered  # type: ignore[method-assign]
     config = RouterConfig((f"http://127.0.0.1:{replica_port}",), "cache-aware")
     app = build_router_app(config, RoutingKeys(None, 256))
     web.run_app(app, host="127.0.0.1", port=port, print=None, handler_cancellation=True)
