@@ -9,9 +9,10 @@ import aiohttp
 from aiohttp import web
 
 from kvshare.bench.client import BenchClient, RequestOptions
+from tests.serve.inprocess import stand_in_replica
 
 
-async def _send_prompt(prompt: list[int]) -> bytes:
+def _send_prompt(prompt: list[int]) -> bytes:
     """The raw body the client sends for a completion of `prompt`."""
     bodies: list[bytes] = []
 
@@ -23,20 +24,18 @@ async def _send_prompt(prompt: list[int]) -> bytes:
         await resp.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
+    async def complete(url: str) -> tuple[int, ...]:
         async with aiohttp.ClientSession() as session:
-            client = BenchClient(session, f"http://127.0.0.1:{port}", "m", text_content=False)
+            client = BenchClient(session, url, "m", text_content=False)
             result = await client.complete(prompt, RequestOptions(max_tokens=1))
+        assert result.ttft_s is not None
+        return result.token_ids
+
+    replica = stand_in_replica(completions)
+    try:
+        assert asyncio.run(complete(replica.url)) == (7,)
     finally:
-        await runner.cleanup()
-    assert result.token_ids == (7,) and result.ttft_s is not None
+        replica.close()
     return bodies[0]
 
 
@@ -44,7 +43,7 @@ def test_a_prompt_of_token_ids_goes_as_compact_json() -> None:
     """As the official openai client (httpx) writes JSON: no space after a comma, which
     would add a byte per id for the router and the replica to read."""
     prompt = [101, 2, 30_000, 0]
-    raw = asyncio.run(_send_prompt(prompt))
+    raw = _send_prompt(prompt)
     assert b"[101,2,30000,0]" in raw
     assert b", " not in raw and b": " not in raw
     assert json.loads(raw)["prompt"] == prompt
