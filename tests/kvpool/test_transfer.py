@@ -9,6 +9,7 @@ import gc
 import time
 import weakref
 from itertools import pairwise
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -21,9 +22,12 @@ from kvshare.kvpool.arena import ArenaGeometry
 from kvshare.kvpool.faults import FaultInjection
 from kvshare.kvpool.index import PoolIndex
 from kvshare.kvpool.layout import PageLayout, checksum_constants, payload_checksum, payload_words
-from kvshare.kvpool.transfer import PageCopy, page_groups, strided_groups
+from kvshare.kvpool.transfer import LayerGroups, PageCopy, page_groups, strided_groups
 from kvshare.kvpool.transfer_cpu import ThreadTransfer
 from kvshare.models.presets import shape_preset
+
+if TYPE_CHECKING:
+    from kvshare.kvpool.transfer_cuda import CudaTransfer
 
 
 @given(
@@ -284,6 +288,38 @@ def test_a_prefix_stored_beside_states_is_read_in_groups_inside_one_slab_each() 
     assert any(first != last for first, last in spanned_slabs(8 * slab))
 
 
+def _cuda_and_cpu_transfers(
+    pages: int, layer_groups: LayerGroups | None
+) -> tuple[list[KVCacheLayout], CudaTransfer, ThreadTransfer, list[PageCopy]]:
+    """A CUDA transfer and a CPU one over caches of one shape (CUDA first), their arenas
+    the same random bytes, and a copy of each of the arena's `pages` pages into two
+    blocks; skips where grouped loads would not copy strided."""
+    from kvshare.kvpool import transfer_cuda
+
+    caches = [
+        KVCacheLayout.allocate(shape_preset("qwen3-8b"), 2 * pages + 1, 16, torch.bfloat16, d)
+        for d in (torch.device("cuda"), torch.device("cpu"))
+    ]
+    layout = PageLayout.of(caches[0], 32)
+    gpu = transfer_cuda.CudaTransfer(caches[0].kv, layout, layer_groups=layer_groups)
+    if layer_groups is not None and gpu.strided_copy is None:
+        pytest.skip("no strided host copy in this CUDA runtime: groups of 4 MiB parts")
+    cpu = ThreadTransfer(caches[1].kv, layout)
+    arena = torch.randint(0, 256, (pages * layout.payload_bytes,), dtype=torch.uint8)
+    gpu.set_arena(arena.pin_memory())
+    cpu.set_arena(arena)
+    copies = [
+        PageCopy(
+            i * layout.payload_bytes,
+            layout.payload_bytes,
+            (2 * i, 2 * i + 1),
+            i.to_bytes(16, "little"),
+        )
+        for i in range(pages)
+    ]
+    return caches, gpu, cpu, copies
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("grouped", [False, True])
 def test_cuda_load_through_one_page_staging_buffers_with_slow_drains_brings_every_byte(
@@ -295,23 +331,11 @@ def test_cuda_load_through_one_page_staging_buffers_with_slow_drains_brings_ever
     overwrites a page before its drain: the cache and the checksums then differ from the
     CPU transfer's load of the same arena (whole pages, and in groups of layers)."""
     from kvshare.kvpool import transfer_cuda
-    from kvshare.kvpool.transfer import LayerGroups
 
     monkeypatch.setattr(transfer_cuda, "staging_buffer_bytes", lambda page_bytes: page_bytes)
-    device, pages = torch.device("cuda"), 9
-    caches = [
-        KVCacheLayout.allocate(shape_preset("qwen3-8b"), 2 * pages + 1, 16, torch.bfloat16, d)
-        for d in (device, torch.device("cpu"))
-    ]
-    layout = PageLayout.of(caches[0], 32)
+    pages = 9
     groups = LayerGroups(min_bytes=1, max_groups=3) if grouped else None
-    gpu = transfer_cuda.CudaTransfer(caches[0].kv, layout, layer_groups=groups)
-    if grouped and gpu.strided_copy is None:
-        pytest.skip("no strided host copy in this CUDA runtime: groups of 4 MiB parts")
-    cpu = ThreadTransfer(caches[1].kv, layout)
-    arena = torch.randint(0, 256, (pages * layout.payload_bytes,), dtype=torch.uint8)
-    gpu.set_arena(arena.pin_memory())
-    cpu.set_arena(arena)
+    caches, gpu, cpu, copies = _cuda_and_cpu_transfers(pages, groups)
     checksum_rows = gpu.checksum_rows
 
     def slow_checksum_rows(*args: object) -> None:
@@ -319,15 +343,6 @@ def test_cuda_load_through_one_page_staging_buffers_with_slow_drains_brings_ever
         checksum_rows(*args)
 
     gpu.checksum_rows = slow_checksum_rows
-    copies = [
-        PageCopy(
-            i * layout.payload_bytes,
-            layout.payload_bytes,
-            (2 * i, 2 * i + 1),
-            i.to_bytes(16, "little"),
-        )
-        for i in range(pages)
-    ]
     assert len(gpu.slot_ranges(copies)) == (3 if grouped else 1)
     loaded, expected = gpu.load(copies), cpu.load(copies)
     loaded.wait()
@@ -345,24 +360,10 @@ def test_a_grouped_cuda_load_holds_the_host_for_its_first_group_only(
     wait slowed the load's copies ~10% on an H100): calling it returns only once that
     group is in, while a later group's wait returns at once and orders the stream. Each
     group's drains are held back 50 ms on the GPU; the bytes still match the CPU load."""
-    from kvshare.kvpool import transfer_cuda
-    from kvshare.kvpool.transfer import LayerGroups
-
-    device, pages, held_s = torch.device("cuda"), 4, 0.05
-    caches = [
-        KVCacheLayout.allocate(shape_preset("qwen3-8b"), 2 * pages + 1, 16, torch.bfloat16, d)
-        for d in (device, torch.device("cpu"))
-    ]
-    layout = PageLayout.of(caches[0], 32)
-    gpu = transfer_cuda.CudaTransfer(
-        caches[0].kv, layout, layer_groups=LayerGroups(min_bytes=1, max_groups=3)
+    pages, held_s = 4, 0.05
+    caches, gpu, cpu, copies = _cuda_and_cpu_transfers(
+        pages, LayerGroups(min_bytes=1, max_groups=3)
     )
-    if gpu.strided_copy is None:
-        pytest.skip("no strided host copy in this CUDA runtime: groups of 4 MiB parts")
-    cpu = ThreadTransfer(caches[1].kv, layout)
-    arena = torch.randint(0, 256, (pages * layout.payload_bytes,), dtype=torch.uint8)
-    gpu.set_arena(arena.pin_memory())
-    cpu.set_arena(arena)
     gpu.warm_up()
     scatter = type(gpu.blocks).__call__
 
@@ -371,12 +372,6 @@ def test_a_grouped_cuda_load_holds_the_host_for_its_first_group_only(
         scatter(self, *args, **kwargs)
 
     monkeypatch.setattr(type(gpu.blocks), "__call__", held_scatter)
-    copies = [
-        PageCopy(
-            i * layout.payload_bytes, layout.payload_bytes, (2 * i, 2 * i + 1), bytes([i]) * 16
-        )
-        for i in range(pages)
-    ]
     job, expected = gpu.load(copies), cpu.load(copies)
     assert len(job.slot_waits) == 3
     seconds = []
