@@ -20,7 +20,8 @@ against raw pinned memcpy in the same process:
    asleep instead of spinning in the wait (all its copies then run beside a sleeping
    host: compare them with those of `none`); or, from about the 7th copy on, the default
    stream or another one blocked in a wait for the copies' end, as a step waits for its
-   next group of layers. Rates before and after, per interlude.
+   next group of layers, a step's graph replays queued behind it. Rates before and after,
+   per interlude.
 
 4. `pipeline`: a restore's copies without the engine: kvshare's CudaTransfer loads
    shape:qwen3.5-27b's fp8 KV of 131,072 tokens (512 pages, 256-token blocks) in layer
@@ -223,12 +224,14 @@ def beside_copies(device: torch.device, n: int = 24, at: int = 6) -> dict[str, l
             time.sleep(n * CHUNK / 40e9)  # past the copies' end: the wait does not spin
         elif kind.endswith("stream waits"):
             # As a step waits for its next group of layers: from about the 7th copy on, a
-            # stream sits in a wait for the copies' end (a GPU sleep until then).
+            # stream sits in a wait for the copies' end (a GPU sleep until then), a step's
+            # segments queued behind it.
             waiter = torch.cuda.default_stream(device) if kind.startswith("default") else side
             with torch.cuda.stream(waiter):
                 torch.cuda._sleep(int(at * CHUNK / 55e9 * 1.5e9))
                 waiter.wait_event(events[n])
-                b.add_(1)
+                for _ in range(17):
+                    graph.replay()
         torch.cuda.synchronize()
         return [CHUNK / events[i].elapsed_time(events[i + 1]) / 1e6 for i in range(n)]
 

@@ -50,10 +50,11 @@ _log = logging.getLogger(__name__)
 
 # Layer groups of a load whose wait the host does (event.synchronize before the step's layers
 # that read them are launched) instead of the compute stream (cudaStreamWaitEvent). Measured
-# on an H100 (fp8 hit at 131,072 tokens, 2026-12-06): while the compute stream sat blocked in
-# a GPU-side wait with the step queued behind it, the load's host-to-device copies ran at
-# ~49.5 GB/s against 55.2 without it; the first group, half the bytes, is that wait's longest
-# stretch (time to first token, median of 6: 91.9 ms against 93.8). Later groups keep
+# on an H100 (fp8 hit at 131,072 tokens, 2026-12-06): once the step is launched the load's
+# host-to-device copies run at ~49.5 GB/s against 55.2 before (with the later waits as spinning
+# kernels instead, no stream blocked, the same drop: the launch, not the wait, sets it), so
+# holding the step back until the first group, half the bytes, is in keeps that half at the
+# full rate (time to first token, median of 6: 91.9 ms against 93.8). Later groups keep
 # GPU-side waits: done by the host, each left the compute stream idle while the host woke
 # and launched the next layers (every group by the host: 96.9 ms against 93.2).
 HOST_WAITED_GROUPS = 1

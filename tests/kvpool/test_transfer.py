@@ -356,8 +356,8 @@ def test_cuda_load_through_one_page_staging_buffers_with_slow_drains_brings_ever
 def test_a_grouped_cuda_load_holds_the_host_for_its_first_group_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The first layer group's wait is the host's (a compute stream blocked in a GPU-side
-    wait slowed the load's copies ~10% on an H100): calling it returns only once that
+    """The first layer group's wait is the host's (once the step is launched the load's
+    copies ran ~10% slower on an H100): calling it returns only once that
     group is in, while a later group's wait returns at once and orders the stream. Each
     group's drains are held back 50 ms on the GPU; the bytes still match the CPU load."""
     pages, held_s = 4, 0.05
