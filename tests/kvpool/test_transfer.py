@@ -357,9 +357,9 @@ def test_a_grouped_cuda_load_holds_the_host_for_its_first_group_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The first layer group's wait is the host's (once the step is launched the load's
-    copies ran ~10% slower on an H100): calling it returns only once that
-    group is in, while a later group's wait returns at once and orders the stream. Each
-    group's drains are held back 50 ms on the GPU; the bytes still match the CPU load."""
+    copies ran ~10% slower on an H100): calling it returns only once that group is in,
+    while a later group's wait returns at once and orders the stream. Each group's drains
+    are held back 50 ms on the GPU; the bytes still match the CPU load."""
     pages, held_s = 4, 0.05
     caches, gpu, cpu, copies = _cuda_and_cpu_transfers(
         pages, LayerGroups(min_bytes=1, max_groups=3)
