@@ -34,12 +34,18 @@ against raw pinned memcpy in the same process:
    torch's pinned memory, from a mapping registered in slabs, and strided from it; rates
    before and after the step starts, against trials with nothing beside the copies.
 
-Prints a table per part; writes gpu_copy_rate.json (and the pipeline's trace).
+6. `pipeline-step`: the two together (pipeline_beside_step): the restore pipeline of 4.
+   with the step of 5. started ~10 ms after the load, against the pipeline alone,
+   alternated. Parts 4. and 5. each kept ~55 GB/s on an H100; a hit's copies drop to ~48
+   once its step starts. A drop here puts it in the pipeline and a step together.
+
+Prints a table per part; writes gpu_copy_rate.json (and the pipelines' traces).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import mmap
@@ -47,7 +53,7 @@ import os
 import statistics
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +65,8 @@ from hit_path_profile import copy_rates
 from kvshare.bench.ceilings import median_seconds
 from kvshare.kvpool.host_memory import HostRegistration
 from kvshare.kvpool.strided_copy import StridedCopy
+from kvshare.kvpool.transfer import PageCopy
+from kvshare.kvpool.transfer_cuda import CudaTransfer
 
 GIB = 1 << 30
 CHUNK = 128 << 20
@@ -254,17 +262,13 @@ def beside_copies(device: torch.device, n: int = 24, at: int = 6) -> dict[str, l
     return rows
 
 
-def beside_step(device: torch.device, n: int = 24, trials: int = 3) -> dict[str, list[dict]]:
-    """The engine's real step beside the copies: one shape:qwen3.5-27b engine (random bf16
-    weights, no pool). Per trial, n copies of 128 MiB on a side stream, each timed by
-    events; ~10 ms after they were issued, either nothing or one 32-token request run
-    through the engine to its first token (GEMMs over the 27B weights, DeltaNet, attention).
-    From torch's pinned memory, a /dev/shm-like mapping registered in 1 GiB slabs, and
-    strided copies (15 rows of 4.26 MB, 8.5 MB apart) from that mapping."""
+def step_engine() -> Callable[[], float]:
+    """One shape:qwen3.5-27b engine (random bf16 weights, fp8 KV, no pool), warm; returns a
+    function that runs a 32-token request through it to its first token (GEMMs over the
+    27B weights, DeltaNet, attention) and gives the milliseconds it took."""
     from kvshare import LLM
     from kvshare.bench.engine_perf import random_prompt
     from kvshare.engine.sampling_params import SamplingParams
-    from kvshare.kvpool.host_memory import mapped_in_slabs
 
     llm = LLM(
         "shape:qwen3.5-27b",
@@ -282,8 +286,8 @@ def beside_step(device: torch.device, n: int = 24, trials: int = 3) -> dict[str,
     requests = itertools.count()
 
     def first_token_ms() -> float:
-        """A 32-token request to its first token. Not bench.engine_perf.first_token: that
-        synchronizes the device first, which would wait for the copies beside it."""
+        """Not bench.engine_perf.first_token: that synchronizes the device first, which
+        would wait for the copies beside the request."""
         k = next(requests)
         start = time.perf_counter()
         engine.add_request(
@@ -295,6 +299,18 @@ def beside_step(device: torch.device, n: int = 24, trials: int = 3) -> dict[str,
 
     for _ in range(3):
         first_token_ms()  # compiles and captures before anything is timed
+    return first_token_ms
+
+
+def beside_step(device: torch.device, n: int = 24, trials: int = 3) -> dict[str, list[dict]]:
+    """The engine's real step beside the copies (step_engine). Per trial, n copies of 128
+    MiB on a side stream, each timed by events; ~10 ms after they were issued, either
+    nothing or the step's 32-token request. From torch's pinned memory, a /dev/shm-like
+    mapping registered in 1 GiB slabs, and strided copies (15 rows of 4.26 MB, 8.5 MB apart)
+    from that mapping."""
+    from kvshare.kvpool.host_memory import mapped_in_slabs
+
+    first_token_ms = step_engine()
     dst = torch.empty(n * CHUNK, dtype=torch.uint8, device=device)
     side = torch.cuda.Stream(device)
     strided = StridedCopy.find()
@@ -343,13 +359,18 @@ def beside_step(device: torch.device, n: int = 24, trials: int = 3) -> dict[str,
     return out
 
 
-def pipeline(device: torch.device, out: Path, tokens: int = 131072) -> dict[str, object]:
+@contextlib.contextmanager
+def restore_pipeline(
+    device: torch.device, tokens: int = 131072
+) -> Iterator[tuple[CudaTransfer, list[PageCopy], int]]:
+    """kvshare's CudaTransfer for shape:qwen3.5-27b's fp8 KV of `tokens` tokens (256-token
+    blocks, layer groups as the engine sets them on CUDA) over an arena registered in 1 GiB
+    slabs, warm; yields it with the copies of a whole restore and their bytes."""
     from kvshare.engine.connector import KVCacheLayout
     from kvshare.kvpool.host_memory import mapped_in_slabs
     from kvshare.kvpool.layout import PageLayout
     from kvshare.kvpool.page import HEADER_BYTES, slot_bytes_for
-    from kvshare.kvpool.transfer import LayerGroups, PageCopy
-    from kvshare.kvpool.transfer_cuda import CudaTransfer
+    from kvshare.kvpool.transfer import LayerGroups
     from kvshare.models.presets import shape_preset
 
     chunk = 256
@@ -374,24 +395,57 @@ def pipeline(device: torch.device, out: Path, tokens: int = 131072) -> dict[str,
     ]
     transfer = CudaTransfer(cache.kv, layout, layer_groups=LayerGroups())
     transfer.warm_up()
-    trace_path = out / "pipeline.trace.json"
     with mapped_in_slabs(slabs, GIB) as arena:
         transfer.set_arena(arena, GIB)
         for _ in range(2):
             transfer.load(copies).wait()
+        yield transfer, copies, pages * layout.payload_bytes
+
+
+def pipeline(device: torch.device, out: Path) -> dict[str, object]:
+    trace_path = out / "pipeline.trace.json"
+    with restore_pipeline(device) as (transfer, copies, nbytes):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
             start = time.perf_counter()
             transfer.load(copies).wait()
             seconds = time.perf_counter() - start
         trace.export_chrome_trace(str(trace_path))
-    nbytes = pages * layout.payload_bytes
     return {"bytes": nbytes, "load_gbps": nbytes / seconds / 1e9, **copy_rates(trace_path)}
+
+
+def pipeline_beside_step(device: torch.device, out: Path, trials: int = 3) -> list[dict]:
+    """The restore pipeline (restore_pipeline) with the engine's real step (step_engine)
+    started ~10 ms after the load, as a hit starts its step once the first layer group is
+    in, against the pipeline alone, alternated; each load traced. The step here reads none
+    of the restored KV and waits for none of its events: a drop in the copies' rate with
+    it puts the cause in the pipeline and the step together, none in the hit's waits."""
+    first_token_ms = step_engine()
+    results = []
+    with restore_pipeline(device) as (transfer, copies, nbytes):
+        for t in range(trials):
+            for step in (False, True):
+                trace_path = out / f"pipeline-step{int(step)}-{t}.trace.json"
+                torch.cuda.synchronize()
+                activities = [torch.profiler.ProfilerActivity.CUDA]
+                with torch.profiler.profile(activities=activities) as trace:
+                    start = time.perf_counter()
+                    job = transfer.load(copies)
+                    time.sleep(max(0.0, 0.010 - (time.perf_counter() - start)))
+                    step_ms = first_token_ms() if step else 0.0
+                    job.wait()
+                    seconds = time.perf_counter() - start
+                trace.export_chrome_trace(str(trace_path))
+                rates = copy_rates(trace_path)
+                results.append(
+                    {"step": step, "step_ms": step_ms, "load_gbps": nbytes / seconds / 1e9} | rates
+                )
+    return results
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--only", default="load,source,beside,step,pipeline")
+    parser.add_argument("--only", default="load,source,beside,step,pipeline,pipeline-step")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -424,6 +478,16 @@ def main() -> int:
     if "pipeline" in parts:
         result["pipeline"] = piped = pipeline(device, args.out)
         print(f"pipeline: {piped['bytes'] / 1e9:.2f} GB, {piped['load_gbps']:.2f} GB/s whole")
+    if "pipeline-step" in parts:
+        result["pipeline_step"] = runs = pipeline_beside_step(device, args.out)
+        print("| beside the pipeline | load GB/s | first five | the rest |")
+        print("| --- | --- | --- | --- |")
+        for r in runs:
+            beside = f"a step ({r['step_ms']:.1f} ms)" if r["step"] else "nothing"
+            print(
+                f"| {beside} | {r['load_gbps']:.2f} | {r.get('first_five_gbps') or 0:.2f} "
+                f"| {r.get('rest_gbps') or 0:.2f} |"
+            )
     (args.out / "gpu_copy_rate.json").write_text(json.dumps(result, indent=1))
     return 0
 
