@@ -402,44 +402,58 @@ def restore_pipeline(
         yield transfer, copies, pages * layout.payload_bytes
 
 
+def traced_load(
+    transfer: CudaTransfer,
+    copies: list[PageCopy],
+    nbytes: int,
+    trace_path: Path,
+    beside: Callable[[], float] | None = None,
+) -> dict[str, object]:
+    """One whole restore through `transfer`, traced to trace_path; ~10 ms after the load
+    is issued (a hit launches its step once the first layer group is in) the host runs
+    beside() if given, its milliseconds kept. The load's rate and each copy's."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
+        start = time.perf_counter()
+        job = transfer.load(copies)
+        time.sleep(max(0.0, 0.010 - (time.perf_counter() - start)))
+        beside_ms = beside() if beside is not None else 0.0
+        job.wait()
+        seconds = time.perf_counter() - start
+    trace.export_chrome_trace(str(trace_path))
+    return {
+        "bytes": nbytes,
+        "load_gbps": nbytes / seconds / 1e9,
+        "beside_ms": beside_ms,
+        **copy_rates(trace_path),
+    }
+
+
 def pipeline(device: torch.device, out: Path) -> dict[str, object]:
-    trace_path = out / "pipeline.trace.json"
     with restore_pipeline(device) as (transfer, copies, nbytes):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
-            start = time.perf_counter()
-            transfer.load(copies).wait()
-            seconds = time.perf_counter() - start
-        trace.export_chrome_trace(str(trace_path))
-    return {"bytes": nbytes, "load_gbps": nbytes / seconds / 1e9, **copy_rates(trace_path)}
+        return traced_load(transfer, copies, nbytes, out / "pipeline.trace.json")
 
 
 def pipeline_beside_step(device: torch.device, out: Path, trials: int = 3) -> list[dict]:
     """The restore pipeline (restore_pipeline) with the engine's real step (step_engine)
-    started ~10 ms after the load, as a hit starts its step once the first layer group is
-    in, against the pipeline alone, alternated; each load traced. The step here reads none
-    of the restored KV and waits for none of its events: a drop in the copies' rate with
-    it puts the cause in the pipeline and the step together, none in the hit's waits."""
+    started ~10 ms after the load, against the pipeline alone, alternated; each load
+    traced. The step here reads none of the restored KV and waits for none of its events:
+    a drop in the copies' rate with it puts the cause in the pipeline and the step
+    together, none in the hit's waits."""
     first_token_ms = step_engine()
-    results = []
     with restore_pipeline(device) as (transfer, copies, nbytes):
-        for t in range(trials):
-            for step in (False, True):
-                trace_path = out / f"pipeline-step{int(step)}-{t}.trace.json"
-                torch.cuda.synchronize()
-                activities = [torch.profiler.ProfilerActivity.CUDA]
-                with torch.profiler.profile(activities=activities) as trace:
-                    start = time.perf_counter()
-                    job = transfer.load(copies)
-                    time.sleep(max(0.0, 0.010 - (time.perf_counter() - start)))
-                    step_ms = first_token_ms() if step else 0.0
-                    job.wait()
-                    seconds = time.perf_counter() - start
-                trace.export_chrome_trace(str(trace_path))
-                rates = copy_rates(trace_path)
-                results.append(
-                    {"step": step, "step_ms": step_ms, "load_gbps": nbytes / seconds / 1e9} | rates
-                )
-    return results
+        return [
+            {"step": step}
+            | traced_load(
+                transfer,
+                copies,
+                nbytes,
+                out / f"pipeline-step{int(step)}-{t}.trace.json",
+                first_token_ms if step else None,
+            )
+            for t in range(trials)
+            for step in (False, True)
+        ]
 
 
 def main() -> int:
@@ -483,7 +497,7 @@ def main() -> int:
         print("| beside the pipeline | load GB/s | first five | the rest |")
         print("| --- | --- | --- | --- |")
         for r in runs:
-            beside = f"a step ({r['step_ms']:.1f} ms)" if r["step"] else "nothing"
+            beside = f"a step ({r['beside_ms']:.1f} ms)" if r["step"] else "nothing"
             print(
                 f"| {beside} | {r['load_gbps']:.2f} | {r.get('first_five_gbps') or 0:.2f} "
                 f"| {r.get('rest_gbps') or 0:.2f} |"
