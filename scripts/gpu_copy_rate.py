@@ -25,9 +25,8 @@ against raw pinned memcpy in the same process:
 
 4. `pipeline`: a restore's copies without the engine: kvshare's CudaTransfer loads
    shape:qwen3.5-27b's fp8 KV of 131,072 tokens (512 pages, 256-token blocks) in layer
-   groups from an arena registered in 1 GiB slabs, traced; each copy's rate, the first five
-   against the rest. The same slowdown here puts it in the transfer; none puts it in what
-   the engine does beside the load.
+   groups from an arena registered in 1 GiB slabs, traced; each copy's rate and how much of
+   it ran beside a kernel other than the restore's own (hit_path_profile.copy_rates).
 
 5. `step`: the engine's real step beside the copies (beside_step): a shape:qwen3.5-27b
    engine runs a 32-token request to its first token ~10 ms into 24 copies of 128 MiB, from
@@ -36,8 +35,8 @@ against raw pinned memcpy in the same process:
 
 6. `pipeline-step`: the two together (pipeline_beside_step): the restore pipeline of 4.
    with the step of 5. started ~10 ms after the load, against the pipeline alone,
-   alternated. Parts 4. and 5. each kept ~55 GB/s on an H100; a hit's copies drop to ~48
-   once its step starts. A drop here puts it in the pipeline and a step together.
+   alternated. On an H100 the copies beside the step's kernels ran ~51 GB/s against ~55
+   alone, in a hit as here (docs/results/2026-12-07-h100-copies-beside-step.md).
 
 Prints a table per part; writes gpu_copy_rate.json (and the pipelines' traces).
 """
@@ -494,13 +493,13 @@ def main() -> int:
         print(f"pipeline: {piped['bytes'] / 1e9:.2f} GB, {piped['load_gbps']:.2f} GB/s whole")
     if "pipeline-step" in parts:
         result["pipeline_step"] = runs = pipeline_beside_step(device, args.out)
-        print("| beside the pipeline | load GB/s | first five | the rest |")
+        print("| beside the pipeline | load GB/s | copies alone | beside the step |")
         print("| --- | --- | --- | --- |")
         for r in runs:
             beside = f"a step ({r['beside_ms']:.1f} ms)" if r["step"] else "nothing"
             print(
-                f"| {beside} | {r['load_gbps']:.2f} | {r.get('first_five_gbps') or 0:.2f} "
-                f"| {r.get('rest_gbps') or 0:.2f} |"
+                f"| {beside} | {r['load_gbps']:.2f} | {r.get('alone_gbps') or 0:.2f} "
+                f"| {r.get('beside_step_gbps') or 0:.2f} |"
             )
     (args.out / "gpu_copy_rate.json").write_text(json.dumps(result, indent=1))
     return 0

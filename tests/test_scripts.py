@@ -130,3 +130,45 @@ def test_the_sass_table_shows_the_fp8_kernels_round_trip_through_shared_memory()
     )
     assert bf16_ops["STS"] == 0 and f16_ops["STS"] > 0 and f16_ops["HGMMA"] > 0, done.stdout
     assert bf16 < f16 < bf, done.stdout
+
+
+def test_the_copy_rates_part_copies_alone_from_copies_beside_the_step(tmp_path: Path) -> None:
+    """A trace's copies are told apart by the step kernels beside them: kernels of several
+    streams count once where they overlap, the restore's own kernels not at all; short
+    copies are left out."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from hit_path_profile import RESTORE_KERNELS, copy_rates
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+
+    def copy(ts: int, dur: int, gbps: float) -> dict:
+        nbytes = int(gbps * dur * 1e3)
+        name = "Memcpy HtoD (Pinned -> Device)"
+        return {"ph": "X", "cat": "gpu_memcpy", "name": name, "ts": ts, "dur": dur,
+                "args": {"bytes": nbytes}}  # fmt: skip
+
+    def kernel(name: str, ts: int, dur: int) -> dict:
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {}}
+
+    restore = sorted(RESTORE_KERNELS)
+    events = [
+        copy(0, 1000, 55.0),
+        kernel(restore[0], 100, 800),  # the restore's own: still alone
+        copy(1000, 1000, 54.0),
+        kernel(restore[1], 1000, 1000),
+        copy(2000, 1000, 51.0),
+        kernel("gemm", 2000, 400),
+        kernel("attention", 2300, 400),  # overlaps gemm: 2000-2700 covered, 70%
+        copy(3000, 1000, 50.0),
+        kernel("gemm", 3000, 300),  # 30%: neither alone nor beside
+        copy(4000, 400, 10.0),  # under 0.5 ms: left out
+        kernel("gemm", 4000, 400),
+    ]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    rates = copy_rates(trace)
+    shares = [round(busy, 3) for _, _, busy in rates["copies_ms_gbps_step"]]
+    assert shares == [0.0, 0.0, 0.7, 0.3]
+    assert rates["alone_gbps"] == pytest.approx(54.5)
+    assert rates["beside_step_gbps"] == pytest.approx(51.0)
