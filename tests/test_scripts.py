@@ -143,14 +143,18 @@ def test_the_copy_rates_part_copies_alone_from_copies_beside_the_step(tmp_path: 
         sys.path.remove(str(REPO / "scripts"))
 
     def copy(ts: int, dur: int, gbps: float) -> dict:
-        nbytes = int(gbps * dur * 1e3)
         name = "Memcpy HtoD (Pinned -> Device)"
-        return {"ph": "X", "cat": "gpu_memcpy", "name": name, "ts": ts, "dur": dur,
-                "args": {"bytes": nbytes}}  # fmt: skip
+        args = {"bytes": int(gbps * dur * 1e3)}
+        return {"ph": "X", "cat": "gpu_memcpy", "name": name, "ts": ts, "dur": dur, "args": args}
 
     def kernel(name: str, ts: int, dur: int) -> dict:
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {}}
 
+    kernels = "".join(
+        (REPO / "kvshare" / "kvpool" / f).read_text()
+        for f in ("block_copy.py", "checksum_kernel.py")
+    )
+    assert all(f"def {name}(" in kernels for name in RESTORE_KERNELS)  # still their names
     restore = sorted(RESTORE_KERNELS)
     events = [
         copy(0, 1000, 55.0),
