@@ -32,7 +32,8 @@ device time too but takes away the overlap of the copy with the step. `--cprofil
 prints the N functions with the most cumulative time of the last hit; `--trace PATH`
 writes a torch profiler Chrome trace of one more hit (on CUDA: the copy streams, the
 step's kernels and where the host waited) and prints that hit's device time summed by
-kernel or copy name (`--kernels N` names).
+kernel or copy name (`--kernels N` names) and its copies' rates, alone and beside the
+step's kernels (copy_rates).
 """
 
 from __future__ import annotations
