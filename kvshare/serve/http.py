@@ -108,8 +108,10 @@ class ArrayReader:
     def pieces(self, nbytes: int) -> int:
         return max(1, min(self.threads, nbytes // self.piece_bytes))
 
-    def read(self, pieces: list[bytes]) -> list[np.ndarray | None]:
-        return list(self._pool.map(_read_ids, pieces))
+    def read(self, data: bytes, spans: list[tuple[int, int]]) -> list[np.ndarray | None]:
+        """_read_ids of each data[a:b], each on a thread: a piece's copy out of `data` (with
+        the GIL held) overlaps the pieces before it being parsed."""
+        return list(self._pool.map(_read_span, [data] * len(spans), *zip(*spans)))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -118,51 +120,67 @@ class ArrayReader:
 def token_array(
     data: bytes, start: int, reader: ArrayReader | None = None
 ) -> tuple[np.ndarray, int] | None:
-    """The JSON array at data[start] ("[") as int64 and the index after its "]", when it
+    """The JSON array at data[start] ("[") as int32 and the index after its "]", when it
     is a non-empty flat list of integers in [0, 10**9) written as JSON writes them; None
     for anything else, which the general parser then reads (with its errors). A long array
     is read in pieces cut at commas on `reader`'s threads.
 
     Exact, not a guess: the array holds only digits, commas and JSON whitespace (so its
     first "]" ends it) and every piece passes _read_ids, so the whole does: each piece has
-    one comma fewer than ids and the pieces are joined by one comma each."""
+    one comma fewer than ids and the pieces are joined by one comma each.
+
+    Each piece is copied out of `data` once, by the thread that reads it, and comes back
+    as int32, the engine's dtype: a 131k-id body is ~1 MB of text and 0.5 MB of ids, and
+    every fresh megabyte a request allocates costs page faults (0.3-0.5 ms on a 2-vCPU
+    machine) on the way to its first token."""
     stop = data.find(b"]", start)
     if stop < 0:
         return None
-    inner = data[start + 1 : stop]
-    pieces = _cut_at_commas(inner, reader.pieces(len(inner)) if reader else 1)
-    read = reader.read(pieces) if reader and len(pieces) > 1 else [_read_ids(inner)]
+    spans = _cut_at_commas(data, start + 1, stop, reader.pieces(stop - start - 1) if reader else 1)
+    if reader is not None and len(spans) > 1:
+        read = reader.read(data, spans)
+    else:
+        read = [_read_span(data, *spans[0])]
     arrays = [ids for ids in read if ids is not None]
     if len(arrays) != len(read):
         return None
     return (arrays[0] if len(arrays) == 1 else np.concatenate(arrays)), stop + 1
 
 
-def _cut_at_commas(text: bytes, pieces: int) -> list[bytes]:
-    """text cut into at most `pieces` parts of about equal size at commas, the commas
-    dropped (a comma between two ids: any other makes a part that _read_ids refuses)."""
+def _cut_at_commas(data: bytes, start: int, stop: int, pieces: int) -> list[tuple[int, int]]:
+    """data[start:stop] cut into at most `pieces` spans of about equal size at commas, the
+    commas left out (a comma between two ids: any other makes a span that _read_ids
+    refuses)."""
+    size = stop - start
     cuts: list[int] = []
     for k in range(1, pieces):
-        at = text.find(b",", max(len(text) * k // pieces, cuts[-1] + 1 if cuts else 0))
+        at = data.find(b",", max(start + size * k // pieces, cuts[-1] + 1 if cuts else 0), stop)
         if at < 0:
             break
         cuts.append(at)
-    starts = [0, *(at + 1 for at in cuts)]
-    return [text[a:b] for a, b in zip(starts, [*cuts, len(text)])]
+    return list(zip([start, *(at + 1 for at in cuts)], [*cuts, stop]))
+
+
+def _read_span(data: bytes, start: int, stop: int) -> np.ndarray | None:
+    return _read_ids(data[start:stop])
 
 
 def _read_ids(text: bytes) -> np.ndarray | None:
-    """The ids of text (between brackets, or a piece of that cut at a comma) when it is a
-    non-empty list of integers in [0, 10**9) written as JSON writes them, else None.
+    """The ids of text (between brackets, or a piece of that cut at a comma) as int32 when
+    it is a non-empty list of integers in [0, 10**9) written as JSON writes them, else None.
 
     Exact: text holds only digits, commas and JSON whitespace, numpy reads every id, there
-    is one comma fewer than ids, and the digits numpy read are all the digits there are (no
-    leading zeros, no empty items)."""
+    is one comma fewer than ids, and the digits of the ids numpy read are all the digits
+    there are. An id numpy reads wrong has fewer digits than its text: a leading zero
+    (read as the number without it), or a number past int32 (ten digits or more), which
+    wraps to a negative one (counted as one digit) or to one of at most ten digits, and
+    ten-digit ids are refused by their value; no id is read with more digits than its
+    text, so the totals agree only when every id was read right."""
     digits, commas, spaces = _character_counts(text)
     if digits == 0 or digits + commas + spaces != len(text):
         return None
     try:
-        ids = np.fromstring(text, dtype=np.int64, sep=",")  # raises on a malformed list
+        ids = np.fromstring(text, dtype=np.int32, sep=",")  # raises on a malformed list
     except ValueError:
         return None
     if len(ids) != commas + 1 or ids.max() >= _ID_LIMIT:
@@ -192,27 +210,56 @@ def _skip_space(text: str, i: int) -> int:
     return len(text) if match is None else match.start()
 
 
-# Where a body's text holds the token arrays read by token_array: [start, end) spans.
-ArraySpans = list[tuple[int, int]]
+# A top-level "prompt" of token ids as clients write it: the key, JSON whitespace, a colon,
+# whitespace, the array's "[" (the match's last byte). A match elsewhere (a nested object's
+# key) is found out by the walk over the rest of the body.
+_PROMPT_ARRAY = re.compile(rb'"prompt"[ \t\n\r]*:[ \t\n\r]*\[')
+# Stands for the token array in the text the rest of the body is walked in.
+_ARRAY_STAND_IN = "0"
 
 
-def _object_with_token_array(
-    text: str, data: bytes | None, reader: ArrayReader | None
-) -> tuple[dict[str, Any], ArraySpans] | None:
-    """json.loads(text) for a JSON object, with its top-level `prompt` of token ids read
-    by token_array from `data` (text's bytes when they index like text: ASCII; None: no
-    fast read) as an int64 array instead of a list, and the spans of text read so; None
-    when the text is anything else or anything is off (the general parser then reads it
-    and names the error). Keys and every other value go through json's own scanner,
-    duplicate keys included."""
+def _object_around_token_array(
+    raw: bytes, reader: ArrayReader | None
+) -> tuple[dict[str, Any], str] | None:
+    """json.loads(raw) for a JSON object whose top-level `prompt` is the first array
+    _PROMPT_ARRAY finds and token_array reads (as an int32 array instead of a list), and
+    the text the rest was read from; None when the body is anything else or anything is
+    off (the general parser then reads it and names the error).
+
+    Only the bytes around the array are decoded: they are walked as one text with the
+    array replaced by a one-character stand-in, keys and every other value through json's
+    own scanner, duplicate keys included. Exact: when the walk meets the top-level
+    `prompt` key with its value at the stand-in, the body reads as that text does with
+    the array in the stand-in's place (the array is digits, commas and whitespace up to
+    its first "]", and UTF-8 cannot run across its ASCII ends)."""
+    match = _PROMPT_ARRAY.search(raw)
+    if match is None:
+        return None
+    read = token_array(raw, match.end() - 1, reader)
+    if read is None:
+        return None
+    ids, end = read
+    try:
+        head, tail = raw[: match.end() - 1].decode("utf-8"), raw[end:].decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    text = head + _ARRAY_STAND_IN + tail
+    body = _object_with_value_at(text, len(head), ids)
+    return None if body is None else (body, text)
+
+
+def _object_with_value_at(text: str, at: int, value: object) -> dict[str, Any] | None:
+    """The JSON object of text with `value` as its top-level `prompt` read at text[at]
+    (the stand-in); None when text is not a JSON object or its walk never reads that
+    member."""
     i = _skip_space(text, 0)
     if not text.startswith("{", i):
         return None
     body: dict[str, Any] = {}
-    arrays: ArraySpans = []
+    found = False
     i = _skip_space(text, i + 1)
     if text.startswith("}", i):
-        return (body, arrays) if _skip_space(text, i + 1) == len(text) else None
+        return None
     while True:
         if not text.startswith('"', i):
             return None
@@ -221,18 +268,13 @@ def _object_with_token_array(
         if not text.startswith(":", i):
             return None
         i = _skip_space(text, i + 1)
-        fast = None
-        if data is not None and key == TOKEN_ARRAY_KEY and text.startswith("[", i):
-            fast = token_array(data, i, reader)
-        if fast is None:
-            value, i = _DECODER.scan_once(text, i)
+        if i == at and key == TOKEN_ARRAY_KEY:
+            body[key], i, found = value, at + len(_ARRAY_STAND_IN), True
         else:
-            arrays.append((i, fast[1]))
-            value, i = fast
-        body[key] = value
+            body[key], i = _DECODER.scan_once(text, i)
         i = _skip_space(text, i)
         if text.startswith("}", i):
-            return (body, arrays) if _skip_space(text, i + 1) == len(text) else None
+            return body if found and _skip_space(text, i + 1) == len(text) else None
         if not text.startswith(",", i):
             return None
         i = _skip_space(text, i + 1)
@@ -242,21 +284,19 @@ def parse_json_object(raw: bytes, reader: ArrayReader | None = None) -> dict[str
     """A request body as a JSON object; APIError 400 for invalid UTF-8, malformed JSON (NaN
     included), nesting too deep for the parser, a lone UTF-16 surrogate in a string, or a
     non-object. In a body of TOKEN_ARRAY_BYTES or more, a top-level `prompt` that is a list
-    of token ids comes back as an int64 numpy array (see token_array; `reader`: read in
+    of token ids comes back as an int32 numpy array (see token_array; `reader`: read in
     pieces on its threads)."""
+    if len(raw) >= TOKEN_ARRAY_BYTES:
+        try:
+            fast = _object_around_token_array(raw, reader)
+        except (ValueError, RecursionError, StopIteration):
+            fast = None
+        if fast is not None:
+            return _checked(*fast)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise bad_request(f"request body is not valid UTF-8: {exc}") from None
-    if len(raw) >= TOKEN_ARRAY_BYTES:
-        try:
-            ascii_raw = raw if len(raw) == len(text) else None
-            fast = _object_with_token_array(text, ascii_raw, reader)
-        except (ValueError, RecursionError, StopIteration):
-            fast = None
-        if fast is not None:
-            body, arrays = fast
-            return _checked(body, arrays, text)
     try:
         body = json.loads(text, parse_constant=_reject_constant)
     except ValueError as exc:
@@ -265,29 +305,18 @@ def parse_json_object(raw: bytes, reader: ArrayReader | None = None) -> dict[str
         raise bad_request("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request(f"request body must be a JSON object, not {type(body).__name__}")
-    return _checked(body, [], text)
+    return _checked(body, text)
 
 
-def _checked(body: dict[str, Any], arrays: ArraySpans, text: str) -> dict[str, Any]:
-    """`body`, unless a string of it holds a lone surrogate. Only a \\u escape gives one,
-    and it is looked for outside the token arrays (`arrays`: digits, commas and spaces,
-    bounded by brackets, which no escape can reach into)."""
-    if _escape_outside(text, arrays) and _has_lone_surrogate(body):
+def _checked(body: dict[str, Any], text: str) -> dict[str, Any]:
+    """`body`, unless a string of it holds a lone surrogate. Only a \\u escape in `text`
+    (the body's, the token array left out) gives one."""
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(body):
         raise bad_request(
             "request body holds a string with a lone UTF-16 surrogate (e.g. "
             "\\ud800): strings must be valid Unicode"
         )
     return body
-
-
-def _escape_outside(text: str, arrays: ArraySpans) -> bool:
-    """Whether text outside `arrays` holds a \\u escape of a UTF-16 surrogate."""
-    start = 0
-    for end, after in [*arrays, (len(text), len(text))]:
-        if _SURROGATE_ESCAPE.search(text, start, end):
-            return True
-        start = after
-    return False
 
 
 async def read_json_object(

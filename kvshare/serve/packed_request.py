@@ -10,7 +10,7 @@ and any body for a replica that does not say it accepts this type (its GET /heal
 
 The replica accepts this type from anyone: it is the same request in another encoding,
 decoded into what parse_json_object would give (JSON's own types, string keys, finite
-floats; the prompt an int64 array) and checked by the same code after that.
+floats; the prompt an int32 array) and checked by the same code after that.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ _ID_LIMIT = 2**31
 
 
 def pack_request(body: dict[str, Any]) -> bytes | None:
-    """`body` (parsed, its prompt an int64 array) packed; None when it has no array
+    """`body` (parsed, its prompt an int32 array) packed; None when it has no array
     prompt, an id does not fit int32, or a value does not fit msgpack (an integer past
     64 bits): such a body is forwarded as received."""
     prompt = body.get(PROMPT_KEY)
@@ -39,7 +39,7 @@ def pack_request(body: dict[str, Any]) -> bytes | None:
     if prompt.min() < 0 or prompt.max() >= _ID_LIMIT:
         return None
     try:
-        return msgpack.packb({**body, PROMPT_KEY: prompt.astype(_ID).tobytes()})
+        return msgpack.packb({**body, PROMPT_KEY: prompt.astype(_ID, copy=False).tobytes()})
     except (OverflowError, TypeError, ValueError):
         return None
 
@@ -59,7 +59,7 @@ def unpack_request(raw: bytes) -> dict[str, Any]:
     if isinstance(prompt, bytes):
         if not prompt or len(prompt) % _ID.itemsize:
             raise bad_request(f"a packed prompt is whole int32 token ids: {len(prompt)} bytes")
-        body[PROMPT_KEY] = np.frombuffer(prompt, dtype=_ID).astype(np.int64)
+        body[PROMPT_KEY] = np.frombuffer(prompt, dtype=_ID).astype(np.int32)
     _check_json_values(
         [v for k, v in body.items() if k != PROMPT_KEY or not isinstance(v, np.ndarray)]
     )

@@ -14,7 +14,7 @@ import numpy as np
 
 from kvshare.models.tokenizer import Tokenizer
 
-# Token ids as a request carries them: a list, or the int64 array kvshare.serve.http reads
+# Token ids as a request carries them: a list, or the int32 array kvshare.serve.http reads
 # a long list of ids into.
 TokenIds = list[int] | np.ndarray
 
@@ -36,7 +36,7 @@ def _is_token_list(value: object) -> bool:
 
 
 def _is_token_array(value: object) -> bool:
-    return isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype == np.int64
+    return isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype == np.int32
 
 
 def completion_prompt(prompt: object) -> str | TokenIds:

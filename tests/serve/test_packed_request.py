@@ -112,7 +112,7 @@ def test_a_replica_answers_a_packed_request_as_its_json(replica: BackgroundServe
     assert CONTENT_TYPE in health["request_types"]
     body = {"model": "tiny", "prompt": list(range(3, 40)), "max_tokens": 4, "temperature": 0}
     as_json = httpx.post(replica.url + "/v1/completions", json=body, timeout=30)
-    packed = pack_request({**body, "prompt": np.array(body["prompt"], dtype=np.int64)})
+    packed = pack_request({**body, "prompt": np.array(body["prompt"], dtype=np.int32)})
     assert packed is not None
     as_packed = httpx.post(
         replica.url + "/v1/completions",

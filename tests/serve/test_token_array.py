@@ -32,7 +32,7 @@ def plain(body: dict[str, Any]) -> dict[str, Any]:
     """The body with an array prompt as the list json.loads gives."""
     prompt = body.get("prompt")
     if isinstance(prompt, np.ndarray):
-        assert prompt.dtype == np.int64
+        assert prompt.dtype == np.int32
         return {**body, "prompt": prompt.tolist()}
     return body
 
@@ -71,11 +71,19 @@ def test_a_list_of_ids_reads_as_json_loads_reads_it(
     assert plain(parse_json_object(text.encode(), pieces)) == json.loads(text)
 
 
-@given(text=st.text(alphabet="0123 ,]", max_size=30), parts=st.integers(1, 5))
-def test_pieces_are_cut_at_commas_and_join_back(text: str, parts: int) -> None:
-    data = text.encode()
-    cut = _cut_at_commas(data, parts)
-    assert b",".join(cut) == data and 1 <= len(cut) <= parts
+@given(
+    text=st.text(alphabet="0123 ,]", max_size=30),
+    parts=st.integers(1, 5),
+    around=st.tuples(st.text(alphabet="1,[", max_size=3), st.text(alphabet="1,]", max_size=3)),
+)
+def test_pieces_are_cut_at_commas_and_join_back(
+    text: str, parts: int, around: tuple[str, str]
+) -> None:
+    before, after = around
+    data = (before + text + after).encode()
+    spans = _cut_at_commas(data, len(before), len(before) + len(text), parts)
+    assert b",".join(data[a:b] for a, b in spans) == text.encode()
+    assert 1 <= len(spans) <= parts
 
 
 # Arrays token_array must leave to json.loads: invalid JSON, or values that are not
@@ -93,6 +101,9 @@ NOT_READ = [
     "[1.0, 2]",
     "[1e3, 2]",
     "[1000000000, 2]",  # 10 digits
+    "[2147483648, 2]",  # past int32: read as -2147483648
+    "[4294967297, 2]",  # read as 1
+    "[1, 3000000000]",
     "[99999999999999999999999, 1]",
     "[1, [2]]",
     '[1, "2"]',
@@ -131,6 +142,8 @@ def test_anything_else_is_left_to_json_loads(array: str, pieces: ArrayReader) ->
         '{"pad": "P ] \\"prompt\\": [7]", "prompt": [8]}',
         '  {"pad": "P", "prompt": [9]}  \n',
         '{"pad": "P", "prompt": [1], "é": "non-ASCII body"}',
+        '{"é": "P", "prompt": [1, 2], "prompt": [3]}',  # the second array: json's list
+        '{"pad": "P", "prompt": [1, 2, 3] }',
     ],
 )
 def test_objects_read_as_json_loads_reads_them(text: str) -> None:
@@ -152,6 +165,15 @@ def test_objects_read_as_json_loads_reads_them(text: str) -> None:
 def test_malformed_bodies_keep_their_400(text: str) -> None:
     with pytest.raises(APIError) as caught:
         parse_json_object(text.replace('"P', '"' + PAD).encode())
+    assert caught.value.status == 400
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_invalid_utf8_beside_a_token_array_is_a_400(where: str) -> None:
+    members = [b'"s": "\xff"', b'"prompt": [1, 2]', ('"pad": "' + PAD + '"').encode()]
+    raw = b"{" + b", ".join(members if where == "before" else members[::-1]) + b"}"
+    with pytest.raises(APIError, match="not valid UTF-8") as caught:
+        parse_json_object(raw)
     assert caught.value.status == 400
 
 
@@ -180,7 +202,7 @@ def test_the_replica_and_the_router_read_the_array_as_the_list() -> None:
     [
         ['"s": "\\ud800"', '"prompt": IDS'],  # an escape just before the array
         ['"prompt":IDS', '"s":"\\udfff"'],  # just after it
-        ['"prompt": IDS', '"prompt": IDS', '"s": "x\\uDBFFy"'],  # after two arrays
+        ['"prompt": "x"', '"prompt": IDS', '"s": "x\\uDBFFy"'],  # after a key met twice
     ],
 )
 def test_a_lone_surrogate_beside_a_token_array_is_still_a_400(members: list[str]) -> None:
