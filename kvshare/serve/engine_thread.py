@@ -9,7 +9,9 @@ Thread confinement is the whole synchronization story:
 - The loop steps while any request is unfinished and blocks on the queue otherwise, so an
   idle server uses no CPU and a busy one never waits for the HTTP side. Going idle, it
   commits the pool stores in flight and runs a young collection (kvshare.serve.collector),
-  so that the next request starts with none due.
+  so that the next request starts with none due; only once the event loop has handed the
+  last outputs to their handlers (it queues that work back), because both hold the GIL:
+  done at once, they delayed a first token that was also a last by 1-2 ms on a GPU host.
 - A request the engine ends with an error (its logits cannot be sampled, its token cannot
   be appended) fails alone; the others go on.
 - An exception out of a step (the batch's forward pass itself) fails every unfinished
@@ -100,7 +102,12 @@ class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _Call | _Stop
+@dataclass(frozen=True)
+class _IdleWork:
+    pass
+
+
+_Command = _Add | _Abort | _Call | _Stop | _IdleWork
 _Item = RequestOutput | EngineFailure
 
 
@@ -237,15 +244,20 @@ class EngineThread:
             if self.engine.has_unfinished():
                 produced = self._step()
                 if not self.engine.has_unfinished():
-                    self.engine.commit_pool_stores()
-                    collector.collect_idle()
+                    self._post(self._queue_idle_work)
             self.snapshot = snapshot_of(self.engine)
             if not self.engine.has_unfinished():
                 wait = None
             else:
                 wait = 0.0 if produced else _IDLE_STEP_WAIT_S
 
-    def _apply(self, command: _Add | _Abort | _Call) -> None:
+    def _queue_idle_work(self) -> None:
+        """On the loop, right after the last outputs were delivered: queue the idle work
+        behind the handlers those outputs woke, so that they write first."""
+        assert self._loop is not None
+        self._loop.call_soon(self._commands.put, _IdleWork())
+
+    def _apply(self, command: _Add | _Abort | _Call | _IdleWork) -> None:
         if isinstance(command, _Add):
             try:
                 self.engine.add_request(
@@ -261,6 +273,10 @@ class EngineThread:
                 self.engine.abort(command.request_id)
             except Exception:
                 _log.exception("abort of %s failed", command.request_id)
+        elif isinstance(command, _IdleWork):
+            if not self.engine.has_unfinished():  # else: queued again when it goes idle
+                self.engine.commit_pool_stores()
+                collector.collect_idle()
         else:
             self._call(command)
 

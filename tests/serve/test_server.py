@@ -3,6 +3,7 @@ engine thread, disconnects, engine failures, auth, admin and metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import gc
 import json
@@ -18,7 +19,9 @@ import pytest
 import kvshare
 from kvshare import LLM
 from kvshare.engine.llm_engine import LLMEngine
+from kvshare.engine.sampling_params import SamplingParams
 from kvshare.serve import collector
+from kvshare.serve.engine_thread import EngineThread
 from kvshare.serve.router import ADMIN_CALLS
 from kvshare.serve.server import SERVER_KEY, ServeConfig, build_app
 from tests.serve.inprocess import BackgroundServer
@@ -104,6 +107,33 @@ def test_the_engine_thread_collects_young_objects_when_it_goes_idle(
         gc.callbacks.remove(observe)
         gc.set_threshold(*threshold)
     assert ("kvshare-engine", 1, "start") in seen and not engine.has_unfinished()
+
+
+def test_the_idle_work_waits_until_the_last_output_reached_its_handler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine thread's work on going idle (pool stores, a young collection) holds the
+    GIL: it runs after the handler that awaited the last output has it, not beside it."""
+    llm = LLM("shape:tiny-llama", kv_cache_memory=16 << 20, max_num_batched_tokens=256)
+    thread = EngineThread(llm.engine)
+    order: list[str] = []
+    monkeypatch.setattr(collector, "collect_idle", lambda: order.append("idle work"))
+
+    async def one_request() -> None:
+        thread.start(asyncio.get_running_loop())
+        stream = thread.submit_group([("r", PROMPT, SamplingParams(max_tokens=1))])
+        assert (await stream.get()).finished
+        order.append("handler")
+        deadline = time.monotonic() + 10
+        while "idle work" not in order:
+            assert time.monotonic() < deadline, "the engine thread never did its idle work"
+            await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(one_request())
+    finally:
+        thread.stop()
+    assert order == ["handler", "idle work"]
 
 
 def test_completion_streams_the_same_ids_as_a_whole_answer(client: httpx.Client) -> None:
