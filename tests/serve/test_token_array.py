@@ -151,6 +151,39 @@ def test_objects_read_as_json_loads_reads_them(text: str) -> None:
     assert plain(parse_json_object(text.encode())) == json.loads(text)
 
 
+IDS = st.lists(st.integers(0, 10**9 - 1), min_size=1, max_size=8)
+# Values that look like a prompt array to a byte search: arrays of ids, nested objects
+# with a "prompt" array, strings holding '"prompt": [' (escaped quotes), non-ASCII text.
+VALUES = st.recursive(
+    st.one_of(
+        IDS,
+        st.text(alphabet='ab"\\[],: é\u2028', max_size=12),
+        st.just('"prompt": [1, 2]'),
+        st.integers(-5, 5),
+        st.none(),
+    ),
+    lambda inner: st.dictionaries(st.sampled_from(["prompt", 'a"prompt']), inner, max_size=2),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    members=st.lists(st.tuples(st.sampled_from(["prompt", "a", 'a"prompt']), VALUES), max_size=4),
+    spaces=st.lists(SPACE, min_size=2, max_size=2),
+)
+def test_any_object_reads_as_json_loads_reads_it(
+    members: list[tuple[str, object]], spaces: list[str]
+) -> None:
+    """Whatever surrounds, precedes or repeats the top-level prompt (duplicate keys: the
+    last wins; a key ending in an escaped '"prompt'), the body reads as json.loads reads it."""
+    a, b = spaces
+    parts = [f"{json.dumps(key)}{a}:{b}{json.dumps(value)}" for key, value in members]
+    text = "{" + ",".join([*parts, f'"pad": "{PAD}"']) + "}"
+    parsed = parse_json_object(text.encode())
+    assert plain(parsed) == json.loads(text)
+
+
 @pytest.mark.parametrize(
     "text",
     [
