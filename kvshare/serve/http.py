@@ -36,7 +36,8 @@ TOKEN_ARRAY_BYTES = 64 << 10
 TOKEN_ARRAY_KEY = "prompt"
 _ID_LIMIT = 10**9  # ids of more digits take the general parser (and its errors)
 _DIGIT_POWERS = tuple(10**k for k in range(1, 9))  # an id below 10**9 has at most 9 digits
-_NOT_SPACE = re.compile(r"[^ \t\n\r]")
+_JSON_SPACE = " \t\n\r"
+_NOT_SPACE = re.compile(f"[^{_JSON_SPACE}]")
 
 
 @web.middleware
@@ -213,7 +214,7 @@ def _skip_space(text: str, i: int) -> int:
 # A top-level "prompt" of token ids as clients write it: the key, JSON whitespace, a colon,
 # whitespace, the array's "[" (the match's last byte). A match elsewhere (a nested object's
 # key) is found out by the walk over the rest of the body.
-_PROMPT_ARRAY = re.compile(rb'"prompt"[ \t\n\r]*:[ \t\n\r]*\[')
+_PROMPT_ARRAY = re.compile(f'"{TOKEN_ARRAY_KEY}"[{_JSON_SPACE}]*:[{_JSON_SPACE}]*\\['.encode())
 # Stands for the token array in the text the rest of the body is walked in.
 _ARRAY_STAND_IN = "0"
 

@@ -251,6 +251,18 @@ def test_a_lone_surrogate_beside_a_token_array_is_still_a_400(members: list[str]
     assert isinstance(parsed["prompt"], np.ndarray) and plain(parsed) == json.loads(paired)
 
 
+def test_a_lone_surrogate_after_two_token_arrays_is_still_a_400() -> None:
+    """Two top-level arrays: the first is read as an array, the second (the one json.loads
+    keeps) by json's scanner; the escape after both is still found."""
+    ids = json.dumps(list(range(20_000)))
+    text = f'{{"prompt": {ids}, "prompt": {ids}, "s": "x\\uDBFFy", "model": "m"}}'
+    with pytest.raises(APIError, match="lone UTF-16 surrogate") as caught:
+        parse_json_object(text.encode())
+    assert caught.value.status == 400
+    paired = text.replace("\\uDBFF", "\\ud83d\\ude00")
+    assert plain(parse_json_object(paired.encode())) == json.loads(paired)
+
+
 @pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (7, 1), (8, 2), (16, 4), (64, 4)])
 def test_a_reader_takes_a_thread_for_every_four_cores_up_to_four(
     monkeypatch: pytest.MonkeyPatch, cores: int, threads: int
