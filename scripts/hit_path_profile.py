@@ -18,7 +18,7 @@ milliseconds Python's cyclic collector held the GIL inside it:
   checks, token ids): the functions `kvshare router` and `kvshare serve` run, called
   directly on the body an OpenAI client sends (token ids: shape models have no tokenizer);
 - the host's time before the load's first copy: the HTTP phases plus the engine's, from
-  add_request's entry to the load's transfer (where its first copy is issued);
+  add_request's entry to the load's first copy (its prefetch on CUDA, else its transfer);
 - the engine, from add_request (given the prompt as the replica hands it over) to the
   first token: hashing, admission (prefix cache, chunk keys, the daemon's lookup, the load
   plan, issuing the copies), the step that computes the new tokens (metadata, forward,
@@ -122,9 +122,12 @@ class PhaseTimer:
         self.calls.clear()
         self.entered.clear()
 
-    def until(self, label: str) -> float:
-        """Seconds from add_request's entry to `label`'s first entry."""
-        return self.entered[label] - self.entered["add_request"]
+    def until(self, *labels: str) -> float:
+        """Seconds from add_request's entry to the first entry of any of `labels`."""
+        return (
+            min(self.entered[label] for label in labels if label in self.entered)
+            - (self.entered["add_request"])
+        )
 
 
 def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
@@ -142,11 +145,12 @@ def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
     w("step/schedule/pool_match/chunk_keys", connector, "_keys")
     w("step/schedule/pool_match/state_keys", connector_module, "state_key")
     w("step/schedule/pool_match/lookup", connector.client, "lookup")
+    assert connector.transfer is not None
+    w("step/schedule/pool_match/prefetch", connector.transfer, "prefetch")
     w("step/schedule/allocate", engine.blocks, "allocate")
     w("step/schedule/pool_load", connector, "load")
     w("step/schedule/pool_load/plan", connector_module, "plan_load")
     w("step/schedule/pool_load/acquire", engine.blocks, "acquire")
-    assert connector.transfer is not None
     w("step/schedule/pool_load/transfer_load", connector.transfer, "load")
     w("step/schedule/pool_load/transfer_state", connector.transfer, "load_raw")
     w("step/schedule/pool_load/consume", connector.transfer, "consume")
@@ -313,6 +317,24 @@ def compare_host_waited_groups(
     }
     results = alternate(engine, served, args, settings, pauses)
     transfer.host_waited_groups = engines_own
+    return results
+
+
+def compare_prefetch_fills(
+    engine: LLMEngine, served: PromptIds, args: argparse.Namespace, pauses: CollectorPauses
+) -> dict[str, list[dict]]:
+    """Hits with each --compare-prefetch-fills count (staging fills a restore's prefetch
+    issues before the full lookup; 0: none); the engine's is put back."""
+    transfer = engine.connector.transfer if isinstance(engine.connector, PoolConnector) else None
+    if not isinstance(transfer, CudaTransfer):
+        raise SystemExit("--compare-prefetch-fills needs a CUDA engine with the pool")
+    engines_own = transfer.prefetch_fills
+    settings = {
+        f"prefetch fills {n}": (lambda n=n: setattr(transfer, "prefetch_fills", n))
+        for n in args.compare_prefetch_fills
+    }
+    results = alternate(engine, served, args, settings, pauses)
+    transfer.prefetch_fills = engines_own
     return results
 
 
@@ -721,6 +743,14 @@ def main() -> int:
         "layer groups waited for by the host (CUDA; kvshare.kvpool.transfer_cuda)",
     )
     parser.add_argument(
+        "--compare-prefetch-fills",
+        type=comma_list(int),
+        default=[],
+        metavar="N,...",
+        help="after the profile, time --repeats hits with each count of staging fills a "
+        "restore's prefetch issues before its full lookup (CUDA; 0: none)",
+    )
+    parser.add_argument(
         "--compare-graphs",
         action="store_true",
         help="after the profile, time --repeats hits with CUDA graphs and without, alternated",
@@ -796,7 +826,11 @@ def main() -> int:
                 profile.disable()
             engine.connector.wait_idle()
             runs.append(run)
-            before_copies.append(timer.until("step/schedule/pool_load/transfer_load"))
+            before_copies.append(
+                timer.until(
+                    "step/schedule/pool_match/prefetch", "step/schedule/pool_load/transfer_load"
+                )
+            )
             for label in timer.order:
                 phases[label].append(timer.seconds.get(label, 0.0))
             print(f"hit {r}: {run}", flush=True)
@@ -805,6 +839,8 @@ def main() -> int:
             compared |= compare_layer_groups(engine, served, args, pauses)
         if args.compare_host_waited_groups:
             compared |= compare_host_waited_groups(engine, served, args, pauses)
+        if args.compare_prefetch_fills:
+            compared |= compare_prefetch_fills(engine, served, args, pauses)
         if args.compare_graphs:
             compared |= compare_graphs(engine, served, args, pauses)
         if args.compare_collector:
@@ -839,7 +875,7 @@ def main() -> int:
             "traced_kernels": traced_kernels,
             "traced_copies": traced_copies,
             "http_phases_s": http_phases(engine, follow_up, args.model, args.repeats),
-            # add_request's entry to the load's transfer (its first copy is issued there)
+            # add_request's entry to the load's first copy (its prefetch, else its transfer)
             "engine_before_copies_s": min(before_copies),
         }
         http = result["http_phases_s"]
@@ -869,7 +905,7 @@ def main() -> int:
         name = "  " * depth + label.rsplit("/", 1)[-1]
         print(f"{name:<48} {seconds * 1e3:>9.2f} {timer.calls.get(label, 0):>6}")
     print(
-        f"{'engine: add_request -> transfer.load':<48} "
+        f"{'engine: add_request -> first copy':<48} "
         f"{result['engine_before_copies_s'] * 1e3:>9.2f}\n"
         f"{'host before the first copy (http + engine)':<48} "
         f"{result['host_before_copies_s'] * 1e3:>9.2f}"

@@ -172,6 +172,8 @@ class PoolClient:
         *,
         claim: bool = False,
         claim_states: Sequence[bytes] = (),
+        head: bool = False,
+        release: int = 0,
     ) -> LookupResult:
         """The longest committed run from keys[0], pinned. With `states` ([(chunk index,
         state key)]), the run ends after a chunk with a committed state page, which is
@@ -180,7 +182,13 @@ class PoolClient:
         keys it lacks from there first. With `claim`, the keys no page holds and no other
         client claims are claimed for this connection, after the answer's `in_progress`
         was counted (see PoolIndex.claim), and with them `claim_states`: the state keys of
-        the snapshots this client will store."""
+        the snapshots this client will store.
+
+        `head` (keys only: no states, page or claim): a lookup ahead of the full one, whose
+        copies may start while the full one is asked; it counts in no statistic and says
+        nothing of what is in progress. `release`: a lease of this client the daemon
+        releases in the same step, just before it pins this lookup's pages (pages the two
+        share stay pinned throughout)."""
         message: dict[str, Any] = {"op": "lookup", "keys": list(keys)}
         if states is not None:
             message["states"] = [[i, k] for i, k in states]
@@ -190,8 +198,14 @@ class PoolClient:
             message["claim"] = True
         if claim_states:
             message["claim_states"] = list(claim_states)
+        if head:
+            message["head"] = True
         with self._lock:
+            # A lease lost with a dropped connection is gone at the daemon already.
+            if release in self._leases:
+                message["release"] = release
             response = self._request_locked(message)
+            self._leases.discard(release)
             lease = response["lease"]
             if lease:
                 self._leases.add(lease)

@@ -29,6 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -49,8 +50,8 @@ from kvshare.kvpool.host_memory import HostRegistration
 from kvshare.kvpool.keys import Namespace, chain_seed, chunk_keys
 from kvshare.kvpool.layout import LAYOUT_VERSION, PageLayout
 from kvshare.kvpool.page import HEADER_BYTES, PageHeader
-from kvshare.kvpool.plan import plan_load, plan_store, storable_chunks
-from kvshare.kvpool.transfer import LayerGroups, Transfer, TransferJob
+from kvshare.kvpool.plan import plan_load, plan_store, prefetch_copies, storable_chunks
+from kvshare.kvpool.transfer import LayerGroups, Prefetch, Transfer, TransferJob
 from kvshare.kvpool.transfer_cpu import ThreadTransfer
 from kvshare.kvpool.transfer_cuda import CudaTransfer
 from kvshare.kvpool.verify import header_matches, mismatched_pages
@@ -91,6 +92,7 @@ class _Match:
     local_tokens: int
     state: PageRef | None = None  # hybrid models: the state after the last KV page
     remote_tokens: int = 0  # of the restorable tokens, fetched from another host's pool
+    prefetch: Prefetch | None = None  # the load's first copies, started during the match
 
 
 @dataclass
@@ -315,9 +317,13 @@ class PoolConnector(KVConnector):
         num_chunks: int,
         cache_salt: str | None,
     ) -> list[bytes]:
-        if len(req.keys) < num_chunks:
-            req.keys = chunk_keys(
-                self.namespace, token_ids[: num_chunks * self.chunk_tokens], cache_salt
+        known, chunk = len(req.keys), self.chunk_tokens
+        if known < num_chunks:
+            req.keys += chunk_keys(
+                self.namespace,
+                token_ids[known * chunk : num_chunks * chunk],
+                cache_salt,
+                previous=req.keys[-1] if known else None,
             )
         return req.keys[:num_chunks]
 
@@ -337,11 +343,16 @@ class PoolConnector(KVConnector):
         now = time.monotonic()
         if req.wait is not None and now < req.wait.next_ask:
             return PoolMatch(0, wait=True)
+        head_lease, prefetch = self._prefetch_head(
+            req, token_ids, num_local_tokens, usable_chunks, cache_salt
+        )
         keys = self._keys(req, token_ids, usable_chunks, cache_salt)
         states = self.cache.states if self.cache is not None else None
         try:
             if states is None:
-                result = self.client.lookup(keys, page=self._page_shape(), claim=True)
+                result = self.client.lookup(
+                    keys, page=self._page_shape(), claim=True, release=head_lease
+                )
             else:
                 snapshots = {
                     state_key(keys[b // self.chunk_tokens - 1])
@@ -354,6 +365,7 @@ class PoolConnector(KVConnector):
                     [(i, state_key(k)) for i, k in enumerate(keys)],
                     claim=True,
                     claim_states=sorted(snapshots),
+                    release=head_lease,
                 )
                 req.claimed_states |= snapshots
             req.claimed = max(req.claimed, len(keys))
@@ -361,6 +373,9 @@ class PoolConnector(KVConnector):
         except _POOL_ERRORS as exc:
             self._count_error("lookup", exc)
             self._end_wait(req, now, gave_up=True)
+            if head_lease:  # still held unless the link broke (the daemon dropped it then)
+                with contextlib.suppress(*_POOL_ERRORS):
+                    self.client.release(head_lease)
             return PoolMatch(0)
         self.counters["lookups"] += 1
         pages, state = result.pages, None
@@ -384,9 +399,40 @@ class PoolConnector(KVConnector):
         remote_tokens = self.chunk_tokens * sum(
             p.key in req.remote_keys for p in pages[local_chunks:]
         )
-        req.match = _Match(result.lease, pages, num_local_tokens, state, remote_tokens)
+        req.match = _Match(result.lease, pages, num_local_tokens, state, remote_tokens, prefetch)
         self.counters["miss_tokens"] += wanted - pool_tokens
         return PoolMatch(pool_tokens, remote_tokens=remote_tokens)
+
+    def _prefetch_head(
+        self,
+        req: _Request,
+        token_ids: Sequence[int] | np.ndarray,
+        num_local_tokens: int,
+        usable_chunks: int,
+        cache_salt: str | None,
+    ) -> tuple[int, Prefetch | None]:
+        """Start the copies of a long restore's first pages before the full lookup is
+        asked and the load planned: the keys of the chunks past the local prefix that a
+        prefetch can use, looked up alone (a short round trip, pinning what it finds), and
+        their pages handed to the transfer. The host's work before the rest of the copies
+        (the other keys, the full lookup, the plan) then runs beside these. Returns the
+        head lookup's lease (0: none), which the full lookup releases, and the prefetch."""
+        assert self.transfer is not None and self.layout is not None
+        ahead = self.transfer.prefetch_pages()
+        first = num_local_tokens // self.chunk_tokens
+        # A restore within the prefetch gains nothing from it and would pay its round trip.
+        if not ahead or usable_chunks - first <= ahead:
+            return 0, None
+        keys = self._keys(req, token_ids, first + ahead, cache_salt)[first:]
+        try:
+            result = self.client.lookup(keys, head=True)
+            self._adopt_arena()
+        except _POOL_ERRORS:
+            return 0, None  # the full lookup meets the same trouble, and counts it
+        if not result.pages:
+            return result.lease, None
+        self.counters["prefetches"] += 1
+        return result.lease, self.transfer.prefetch(prefetch_copies(result.pages, self.layout))
 
     def _page_shape(self) -> dict[str, object] | None:
         """What a daemon with a remote tier needs to fetch this model's pages."""
@@ -492,7 +538,7 @@ class PoolConnector(KVConnector):
                     self.cache.states.rows[state_slot],
                     match.state.key,
                 )
-            pending.job = self.transfer.load(list(plan.copies))
+            pending.job = self.transfer.load(list(plan.copies), match.prefetch)
         except Exception:  # a broken copy is a miss, never an engine crash
             _log.exception("pool load failed to start")
             # Copies it issued before failing may still run, and no job tracks them: they

@@ -313,9 +313,20 @@ class PoolDaemon:
         claim_states = _keys(request, "claim_states") if "claim_states" in request else []
         if claim_states and not claim:
             raise ValueError("field 'claim_states' needs 'claim'")
+        head = request.get("head", False)
+        if type(head) is not bool:
+            raise ValueError(f"field 'head' must be a bool, got {head!r}")
+        if head and (states is not None or claim or "page" in request):
+            raise ValueError("a head lookup takes keys only")
+        # Released first, in this one step of the index: pages the two leases share stay
+        # pinned throughout, and the caller's quota does not count them twice.
+        if "release" in request:
+            self.index.release(conn, _int(request, "release"))
         if not self.enabled:
             return {"lease": 0, "pages": []}
-        lease, pages = self.index.lookup(conn, keys, states)
+        lease, pages = self.index.lookup(conn, keys, states, counted=not head)
+        if head:
+            return {"lease": lease, "pages": pages}
         # What others are producing past the committed run, before this caller claims
         # the rest: the caller may wait for those keys instead of computing them.
         in_progress, idle_s = self.index.in_progress(conn, keys, states)

@@ -101,10 +101,15 @@ def chain_seed(namespace: Namespace, cache_salt: str | None = None) -> bytes:
 
 
 def chunk_keys(
-    namespace: Namespace, token_ids: Sequence[int] | np.ndarray, cache_salt: str | None = None
+    namespace: Namespace,
+    token_ids: Sequence[int] | np.ndarray,
+    cache_salt: str | None = None,
+    *,
+    previous: bytes | None = None,
 ) -> list[bytes]:
     """Return one 16-byte key per *full* chunk of `token_ids` (the tail is not keyed),
-    chained from `chain_seed(namespace, cache_salt)`.
+    chained from `chain_seed(namespace, cache_salt)`; with `previous` (the key of the
+    chunk before token_ids[0]), chained on from there: the keys of a prompt's later chunks.
 
     Token ids must fit in int32 (they are hashed as little-endian int32).
     """
@@ -114,7 +119,7 @@ def chunk_keys(
         raise ValueError(
             f"token_ids must be a 1-D integer array, got {token_ids.dtype} {token_ids.shape}"
         )
-    seed = chain_seed(namespace, cache_salt)
+    seed = chain_seed(namespace, cache_salt) if previous is None else previous
     chunk = namespace.chunk_tokens
     full_chunks = len(token_ids) // chunk
     if full_chunks == 0:

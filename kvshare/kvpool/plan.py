@@ -97,6 +97,15 @@ def plan_load(
     )
 
 
+def prefetch_copies(pages: Sequence[PageRef], layout: PageLayout) -> list[PageCopy]:
+    """The copies a load of `pages` starts with, as far as a prefetch reads them (arena
+    offset and bytes; the blocks are not known yet): each page's global layers. A
+    sliding-window model's load copies whole pages in its window: there the load's
+    copies differ, and it copies them itself."""
+    nbytes = layout.global_bytes
+    return [PageCopy(page.offset + HEADER_BYTES, nbytes, (), page.key) for page in pages]
+
+
 def storable_chunks(
     first: int,
     end: int,

@@ -501,7 +501,8 @@ class RemoteCache:
         after the lookup that asked for it was answered, counts in the next that gets it)."""
         if not response.get("ok") or not isinstance(request, dict):
             return
-        if request.get("op") == "lookup" and "pages" in response:
+        # A head lookup's pages are reported to the full lookup that follows it.
+        if request.get("op") == "lookup" and "pages" in response and not request.get("head"):
             reported = [page[0] for page in response["pages"] if page[0] in self._unreported]
             for key in reported:
                 del self._unreported[key]

@@ -179,6 +179,11 @@ class TransferJob(ABC):
         ]
 
 
+class Prefetch:
+    """The first copies of a load, issued ahead of it by `Transfer.prefetch` while the
+    caller still asks the pool for the rest. Opaque outside the transfer that made it."""
+
+
 class Transfer(ABC):
     def __init__(
         self,
@@ -212,7 +217,23 @@ class Transfer(ABC):
         self.region_bytes = region_bytes or arena.numel()
 
     @abstractmethod
-    def load(self, copies: Sequence[PageCopy]) -> TransferJob: ...
+    def load(self, copies: Sequence[PageCopy], prefetch: Prefetch | None = None) -> TransferJob:
+        """Copy pages into their blocks. `prefetch` (from `prefetch`) may have brought the
+        first of them already: the load uses its copies only where they are the load's
+        own (the same pages, from the same arena bytes) and nothing of this transfer's
+        staging was used since; it copies again whatever it does not use."""
+
+    def prefetch_pages(self) -> int:
+        """How many of a load's first pages a prefetch can use (0: none; this transfer
+        copies straight into the blocks)."""
+        return 0
+
+    def prefetch(self, copies: Sequence[PageCopy]) -> Prefetch | None:
+        """Start copying the first pages of a load of `copies` (each copy's offset and
+        nbytes only: the blocks are not known yet) before the load itself, to be passed
+        to that load; None when nothing was started. The pages must stay pinned until
+        the load that uses the prefetch, or until the prefetch's copies completed."""
+        return None
 
     @abstractmethod
     def store(

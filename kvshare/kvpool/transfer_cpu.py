@@ -19,6 +19,7 @@ from kvshare.kvpool.layout import PageLayout, checksum_constants, payload_checks
 from kvshare.kvpool.transfer import (
     LayerGroups,
     PageCopy,
+    Prefetch,
     Transfer,
     TransferJob,
     copied_segments,
@@ -127,7 +128,7 @@ class ThreadTransfer(Transfer):
 
         self.jobs.put(run)
 
-    def load(self, copies: Sequence[PageCopy]) -> TransferJob:
+    def load(self, copies: Sequence[PageCopy], prefetch: Prefetch | None = None) -> TransferJob:
         """Whole pages, or (LayerGroups) every page's part of one group of global slots
         after the other, each group's event set once its copies are in the cache."""
         job = _ThreadJob(

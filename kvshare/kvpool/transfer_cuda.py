@@ -31,6 +31,7 @@ from kvshare.kvpool.strided_copy import MAX_PITCH, StridedCopy, StridedCopyError
 from kvshare.kvpool.transfer import (
     LayerGroups,
     PageCopy,
+    Prefetch,
     SpanGroup,
     Transfer,
     TransferJob,
@@ -59,9 +60,15 @@ _log = logging.getLogger(__name__)
 # and launched the next layers (every group by the host: 96.9 ms against 93.2).
 HOST_WAITED_GROUPS = 1
 
+# Staging fills a prefetch issues (at most the two load buffers): a load's first copies,
+# started while the connector asks the pool for the rest of the restore and plans it.
+PREFETCH_FILLS = 2
+
 # A load's pages in adjacent arena slots share one host->device copy when at most a page
-# header and its padding lie between them (copied for nothing: 8 KiB per 16 MiB page).
+# header and its padding lie between them (copied for nothing: 8 KiB per 16 MiB page),
+# at most _SPAN_PAGES pages a copy.
 MAX_SPAN_GAP = HEADER_BYTES + PAGE_ALIGN
+_SPAN_PAGES = 8
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,16 @@ class _LoadTables:
     sliding_pairs: Callable[[range], torch.Tensor] | None
     constants: torch.Tensor
     sums: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _StagedFills(Prefetch):
+    """A prefetch: the first fills of a load's first slot range (None: whole pages), each
+    group with the rows its fill left in staging buffer k (its k-th), from `arena`."""
+
+    arena: torch.Tensor
+    slots: range | None
+    fills: tuple[tuple[SpanGroup, torch.Tensor], ...]
 
 
 class _CudaJob(TransferJob):
@@ -141,6 +158,10 @@ class CudaTransfer(Transfer):
         if self.strided_copy is None and self.layer_groups is not None:
             self.layer_groups = self.layer_groups.for_row_copies()
         self.host_waited_groups = HOST_WAITED_GROUPS
+        # The latest prefetch while the load staging holds its fills (None once a load ran).
+        self._prefetch: _StagedFills | None = None
+        self.prefetch_fills = PREFETCH_FILLS
+        self.prefetched_fills_used = 0  # fills loads took from prefetches, for profiles
 
     def warm_up(self, raw_bytes: Sequence[int] = ()) -> None:
         """Compile the scatter, gather and checksum kernels for this layout now: Triton
@@ -178,6 +199,7 @@ class CudaTransfer(Transfer):
         second: torch.cuda.Stream,
         drain: Callable[[torch.Tensor, range], None],
         before_first_drain: Callable[[], None] | None = None,
+        staged: Sequence[tuple[SpanGroup, torch.Tensor]] = (),
     ) -> None:
         """Each page group through the direction's two staging buffers: rows = fill(buffer,
         group) on `first` once `second` is done with the buffer, then drain(rows,
@@ -187,8 +209,17 @@ class CudaTransfer(Transfer):
         first copies) runs once both buffers' fills are issued: its host time then hides
         behind two copies, not one (with one, the copy engine sat idle ~2.8 ms of a 131k
         fp8 hit on an H100 while the host built the tables). Fill k + 2 is issued after
-        drain k, so its wait sees drain k's record of the buffer's `free` event."""
+        drain k, so its wait sees drain k's record of the buffer's `free` event.
+
+        `staged`: fills a prefetch issued into the buffers, in order; each leading one that
+        is this pipeline's group k is taken as group k's fill (its `filled` record is the
+        prefetch's). A fill not taken is overwritten by the group's own, later on the same
+        stream."""
         filled, free = self.filled[direction], self.free[direction]
+        taken = 0
+        while taken < min(len(staged), len(groups)) and staged[taken][0] == groups[taken]:
+            taken += 1
+        self.prefetched_fills_used += taken
         issued: list[tuple[torch.Tensor, range, int]] = []  # filled, drain not yet issued
         before = [before_first_drain] if before_first_drain is not None else []
 
@@ -203,10 +234,13 @@ class CudaTransfer(Transfer):
 
         for k, group in enumerate(groups):
             b = k % 2
-            first.wait_event(free[b])
-            with torch.cuda.stream(first):
-                issued.append((fill(self.staging[direction][b], group), group.pages, b))
-                filled[b].record(first)
+            if k < taken:
+                issued.append((staged[k][1], group.pages, b))
+            else:
+                first.wait_event(free[b])
+                with torch.cuda.stream(first):
+                    issued.append((fill(self.staging[direction][b], group), group.pages, b))
+                    filled[b].record(first)
             if k >= 1:
                 drain_oldest()
         while issued:
@@ -284,87 +318,90 @@ class CudaTransfer(Transfer):
         a fault asks)."""
         copy_s, scatter_s = self.streams["load_copy"], self.streams["load_scatter"]
         self._after_compute(scatter_s)
-        if self.delay_cycles:
-            with torch.cuda.stream(copy_s):
-                torch.cuda._sleep(self.delay_cycles)
+        self._injected_delay(copy_s)
         return copy_s, scatter_s
 
-    def _load_tables(self, copies: Sequence[PageCopy], stream: torch.cuda.Stream) -> _LoadTables:
-        pairs = self._pairs(copies, stream)
-        sliding_pairs = self._sliding_pairs(copies, stream)
-        constants = self._constants([c.key for c in copies], stream)
-        with torch.cuda.stream(stream):
-            sums = torch.zeros((len(copies), 2, 2), dtype=torch.int64, device=self.device)
-        return _LoadTables(pairs, sliding_pairs, constants, sums)
+    def _injected_delay(self, stream: torch.cuda.Stream) -> None:
+        if self.delay_cycles:
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(self.delay_cycles)
 
-    def load(self, copies: Sequence[PageCopy]) -> TransferJob:
-        """Pages of adjacent arena slots come in one copy per group (span_groups), and the
-        first two copies are issued before the tables the scatter needs are built: until
-        the first copy starts, the host's time is the hit's time to first token."""
+    def _staged(
+        self, prefetch: Prefetch | None, slots: range | None
+    ) -> Sequence[tuple[SpanGroup, torch.Tensor]]:
+        """The fills of `prefetch` a load whose first slot range is `slots` may take: only
+        those of the latest prefetch, still in the staging buffers (no load ran since),
+        copied from the arena mapped now (a daemon restart maps a new one)."""
+        latest, self._prefetch = self._prefetch, None
+        if prefetch is None or prefetch is not latest:
+            return ()
+        if latest.arena is not self.arena or latest.slots != slots:
+            return ()
+        return latest.fills
+
+    def prefetch_pages(self) -> int:
+        """The pages of `prefetch_fills` staging fills of a load of global layers, plus
+        one: a group that reaches a prefetch's last page may go on in the load, so the
+        prefetch leaves it to the load."""
+        if not self.prefetch_fills:
+            return 0
+        probe = [PageCopy(0, self.layout.global_bytes, (), b"")]
+        slots, _ = self._first_fills(probe)
+        if slots is None:
+            rows = min(_SPAN_PAGES, self.staging_bytes // probe[0].nbytes)
+        else:
+            rows = self.staging_bytes // (len(slots) * self.layout.slot_bytes)
+        return self.prefetch_fills * max(1, rows) + 1
+
+    def prefetch(self, copies: Sequence[PageCopy]) -> Prefetch | None:
+        """Up to both load staging buffers filled with the first groups of a load of
+        `copies`, on the load's copy stream (each fill after its buffer's last drain)."""
+        self._prefetch = None
+        if self.arena is None:
+            return None
+        slots, groups = self._first_fills(copies)
+        # Such a group may hold more pages in the load (the prefetch saw only these).
+        most = min(self.prefetch_fills, len(self.staging["load"]))
+        groups = [g for g in groups[:most] if g.pages.stop < len(copies)]
+        if not groups:
+            return None
+        copy_s = self.streams["load_copy"]
+        self._injected_delay(copy_s)
+        fill = self._fill(copies, slots)
+        fills = []
+        for b, group in enumerate(groups):
+            copy_s.wait_event(self.free["load"][b])
+            with torch.cuda.stream(copy_s):
+                fills.append((group, fill(self.staging["load"][b], group)))
+                self.filled["load"][b].record(copy_s)
+        self._prefetch = _StagedFills(self.arena, slots, tuple(fills))
+        return self._prefetch
+
+    def _first_fills(self, copies: Sequence[PageCopy]) -> tuple[range | None, list[SpanGroup]]:
+        """The first slot range of a load of `copies` (None: whole pages, one range) and the
+        groups of its fills."""
         ranges = self.slot_ranges(copies)
-        if len(ranges) > 1:
-            return self._load_by_layers(copies, ranges)
+        if len(ranges) == 1:
+            return None, span_groups(copies, self.staging_bytes, MAX_SPAN_GAP, _SPAN_PAGES)
+        return ranges[0], self._slot_groups(copies, ranges[0])
+
+    def _slot_groups(self, copies: Sequence[PageCopy], slots: range) -> list[SpanGroup]:
+        width = len(slots) * self.layout.slot_bytes
+        first_byte = slots.start * self.layout.slot_bytes
+        return strided_groups(
+            copies, first_byte, width, self.staging_bytes // width, MAX_PITCH, self.region_bytes
+        )
+
+    def _fill(
+        self, copies: Sequence[PageCopy], slots: range | None
+    ) -> Callable[[torch.Tensor, SpanGroup], torch.Tensor]:
+        """What fills a staging buffer with a group of `copies`: their whole span (slots
+        None), or each page's part of `slots`, one strided copy (else one per page)."""
         assert self.arena is not None
         arena = self.arena
-        copy_s, scatter_s = self._start_load()
-        tables: list[_LoadTables] = []
-
-        def upload_tables() -> None:
-            tables.append(self._load_tables(copies, scatter_s))
-
-        def fill(buffer: torch.Tensor, group: SpanGroup) -> torch.Tensor:
-            return fill_span(buffer, arena, group)
-
-        def drain(rows: torch.Tensor, group: range) -> None:
-            t = tables[0]
-            self._checksum_group(
-                rows, t.constants[group.start : group.stop], t.sums[group.start : group.stop]
-            )
-            self._copy_blocks(rows, group, t.pairs, t.sliding_pairs, to_cache=True)
-
-        groups = span_groups(copies, self.staging_bytes, MAX_SPAN_GAP)
-        self._pipeline("load", groups, copy_s, fill, scatter_s, drain, upload_tables)
-        if not tables:  # no copies
-            upload_tables()
-        return self._finish(
-            copies, tables[0].sums, scatter_s, always_done=breaks(self.faults, "load")
-        )
-
-    def _load_by_layers(self, copies: Sequence[PageCopy], ranges: Sequence[range]) -> TransferJob:
-        """A load of global layers only, one group of slots after the other: every page's
-        part of a group is copied (a host copy per page: the parts are not adjacent in the
-        arena), checksummed at its place in the page and scattered before the next group
-        starts, and an event after each group's last scatter is that group's wait: by the
-        host for the first `host_waited_groups` groups, by the compute stream after them."""
-        assert self.arena is not None
-        _, scatter_s = self._start_load()
-        tables: list[_LoadTables] = []
-
-        def upload_tables() -> None:
-            tables.append(self._load_tables(copies, scatter_s))
-
-        waits: list[tuple[range, Callable[[], None]]] = []
-        for k, slots in enumerate(ranges):
-            self._load_slots(copies, slots, tables, upload_tables)
-            done = torch.cuda.Event()
-            done.record(scatter_s)
-            host = k < self.host_waited_groups
-            waits.append((slots, done.synchronize if host else self._waiter(done)))
-        job = self._finish(
-            copies, tables[0].sums, scatter_s, always_done=breaks(self.faults, "load")
-        )
-        job.slot_waits = waits
-        return job
-
-    def _load_slots(
-        self,
-        copies: Sequence[PageCopy],
-        slots: range,
-        tables: list[_LoadTables],
-        upload_tables: Callable[[], None],
-    ) -> None:
-        assert self.arena is not None
-        arena, width = self.arena, len(slots) * self.layout.slot_bytes
+        if slots is None:
+            return lambda buffer, group: fill_span(buffer, arena, group)
+        width = len(slots) * self.layout.slot_bytes
         first_byte = slots.start * self.layout.slot_bytes
 
         def fill(buffer: torch.Tensor, group: SpanGroup) -> torch.Tensor:
@@ -381,6 +418,89 @@ class CudaTransfer(Transfer):
                 )
             return buffer[: len(group.pages) * width].view(-1, width)
 
+        return fill
+
+    def _load_tables(self, copies: Sequence[PageCopy], stream: torch.cuda.Stream) -> _LoadTables:
+        pairs = self._pairs(copies, stream)
+        sliding_pairs = self._sliding_pairs(copies, stream)
+        constants = self._constants([c.key for c in copies], stream)
+        with torch.cuda.stream(stream):
+            sums = torch.zeros((len(copies), 2, 2), dtype=torch.int64, device=self.device)
+        return _LoadTables(pairs, sliding_pairs, constants, sums)
+
+    def load(self, copies: Sequence[PageCopy], prefetch: Prefetch | None = None) -> TransferJob:
+        """Pages of adjacent arena slots come in one copy per group (span_groups), and the
+        first two copies are issued before the tables the scatter needs are built: until
+        the first copy starts, the host's time is the hit's time to first token (which is
+        why a prefetch may have issued them before the load was planned)."""
+        ranges = self.slot_ranges(copies)
+        staged = self._staged(prefetch, ranges[0] if len(ranges) > 1 else None)
+        if len(ranges) > 1:
+            return self._load_by_layers(copies, ranges, staged)
+        assert self.arena is not None
+        copy_s, scatter_s = self._start_load()
+        tables: list[_LoadTables] = []
+
+        def upload_tables() -> None:
+            tables.append(self._load_tables(copies, scatter_s))
+
+        def drain(rows: torch.Tensor, group: range) -> None:
+            t = tables[0]
+            self._checksum_group(
+                rows, t.constants[group.start : group.stop], t.sums[group.start : group.stop]
+            )
+            self._copy_blocks(rows, group, t.pairs, t.sliding_pairs, to_cache=True)
+
+        groups = span_groups(copies, self.staging_bytes, MAX_SPAN_GAP, _SPAN_PAGES)
+        fill = self._fill(copies, None)
+        self._pipeline("load", groups, copy_s, fill, scatter_s, drain, upload_tables, staged)
+        if not tables:  # no copies
+            upload_tables()
+        return self._finish(
+            copies, tables[0].sums, scatter_s, always_done=breaks(self.faults, "load")
+        )
+
+    def _load_by_layers(
+        self,
+        copies: Sequence[PageCopy],
+        ranges: Sequence[range],
+        staged: Sequence[tuple[SpanGroup, torch.Tensor]],
+    ) -> TransferJob:
+        """A load of global layers only, one group of slots after the other: every page's
+        part of a group is copied (a host copy per page: the parts are not adjacent in the
+        arena), checksummed at its place in the page and scattered before the next group
+        starts, and an event after each group's last scatter is that group's wait: by the
+        host for the first `host_waited_groups` groups, by the compute stream after them."""
+        assert self.arena is not None
+        _, scatter_s = self._start_load()
+        tables: list[_LoadTables] = []
+
+        def upload_tables() -> None:
+            tables.append(self._load_tables(copies, scatter_s))
+
+        waits: list[tuple[range, Callable[[], None]]] = []
+        for k, slots in enumerate(ranges):
+            self._load_slots(copies, slots, tables, upload_tables, staged if k == 0 else ())
+            done = torch.cuda.Event()
+            done.record(scatter_s)
+            host = k < self.host_waited_groups
+            waits.append((slots, done.synchronize if host else self._waiter(done)))
+        job = self._finish(
+            copies, tables[0].sums, scatter_s, always_done=breaks(self.faults, "load")
+        )
+        job.slot_waits = waits
+        return job
+
+    def _load_slots(
+        self,
+        copies: Sequence[PageCopy],
+        slots: range,
+        tables: list[_LoadTables],
+        upload_tables: Callable[[], None],
+        staged: Sequence[tuple[SpanGroup, torch.Tensor]],
+    ) -> None:
+        first_byte = slots.start * self.layout.slot_bytes
+
         def drain(rows: torch.Tensor, group: range) -> None:
             t = tables[0]
             part = slice(group.start, group.stop)
@@ -389,18 +509,16 @@ class CudaTransfer(Transfer):
             )
             self.blocks(rows, t.pairs(group), group.start, True, slots.start)
 
-        groups = strided_groups(
-            copies, first_byte, width, self.staging_bytes // width, MAX_PITCH, self.region_bytes
-        )
         before_first_drain = None if tables else upload_tables
         self._pipeline(
             "load",
-            groups,
+            self._slot_groups(copies, slots),
             self.streams["load_copy"],
-            fill,
+            self._fill(copies, slots),
             self.streams["load_scatter"],
             drain,
             before_first_drain,
+            staged,
         )
 
     def _waiter(self, event: torch.cuda.Event) -> Callable[[], None]:

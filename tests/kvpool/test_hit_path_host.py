@@ -14,7 +14,7 @@ from kvshare import LLM, SamplingParams
 from kvshare.engine.sequence import Sequence
 from kvshare.kvpool.connector import PoolConnector
 from kvshare.kvpool.launch import PoolProcess
-from kvshare.kvpool.transfer import PageCopy, TransferJob
+from kvshare.kvpool.transfer import PageCopy, Prefetch, TransferJob
 from tests.kvpool.pool_fixture import PoolFactory
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -49,9 +49,9 @@ def test_a_pool_hit_builds_its_prompt_list_after_its_load_is_issued(
         events.append("token_ids")
         return token_ids.fget(seq)
 
-    def loading(copies: list[PageCopy]) -> TransferJob:
+    def loading(copies: list[PageCopy], prefetch: Prefetch | None = None) -> TransferJob:
         events.append("load")
-        return load(copies)
+        return load(copies, prefetch)
 
     monkeypatch.setattr(Sequence, "token_ids", property(reading_token_ids))
     monkeypatch.setattr(connector.transfer, "load", loading)

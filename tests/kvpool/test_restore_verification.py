@@ -200,8 +200,8 @@ def test_a_load_that_fails_after_issuing_copies_ends_them_before_recomputing(
     transfer = connector.transfer
     issue = transfer.load
 
-    def issue_then_fail(copies: list) -> object:
-        issue(copies)
+    def issue_then_fail(copies: list, prefetch: object = None) -> object:
+        issue(copies, prefetch)
         raise RuntimeError("injected: a copy failed to start")
 
     monkeypatch.setattr(transfer, "load", issue_then_fail)

@@ -1,0 +1,341 @@
+"""A long restore's first copies start before its full lookup: the connector looks up the
+first chunks past the local prefix alone (a head lookup), hands their pages to the
+transfer, and the full lookup releases the head's lease in the same step as it pins its
+own. The load takes the prefetched staging fills only where they are its own."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvshare import LLM, SamplingParams
+from kvshare.engine.connector import KVCacheLayout
+from kvshare.kvpool.client import LookupResult, PoolClient, PoolError
+from kvshare.kvpool.connector import PoolConnector
+from kvshare.kvpool.faults import FaultInjection
+from kvshare.kvpool.launch import PoolProcess
+from kvshare.kvpool.layout import PageLayout
+from kvshare.kvpool.transfer import LayerGroups, PageCopy, Prefetch, TransferJob
+from kvshare.kvpool.transfer_cpu import ThreadTransfer
+from kvshare.models.presets import shape_preset
+from tests.kvpool.pool_fixture import MIB, PoolFactory
+
+PAYLOAD = 8192
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+PROMPT = [random.Random(9).randrange(3, 512) for _ in range(1100)]  # 4 full chunks + a tail
+
+
+@pytest.fixture
+def pools() -> Iterator[PoolFactory]:
+    factory = PoolFactory()
+    yield factory
+    factory.close()
+
+
+@pytest.fixture
+def client(pools: PoolFactory) -> Iterator[PoolClient]:
+    pool = pools.start(pools.config(max_client_fraction=0.5))
+    connected = PoolClient(pool.address)
+    connected.connect()
+    yield connected
+    connected.close()
+
+
+def keys(start: int, count: int) -> list[bytes]:
+    return [n.to_bytes(16, "big") for n in range(start, start + count)]
+
+
+def stored(client: PoolClient, chain: list[bytes]) -> None:
+    reservation = client.reserve(chain, PAYLOAD)
+    client.commit([p.key for p in reservation.pages], [b"c" * 16] * len(reservation.pages))
+
+
+# -- the daemon's side ------------------------------------------------------------------
+
+
+def test_a_head_lookup_pins_its_run_and_counts_in_no_statistic(client: PoolClient) -> None:
+    stored(client, keys(0, 6))
+    before = client.stats()
+    head = client.lookup(keys(0, 3) + keys(100, 1), head=True)
+    assert [p.key for p in head.pages] == keys(0, 3) and head.lease
+    after = client.stats()
+    assert after["leases"] == before["leases"] + 1 and after["pinned"] == 3
+    counted = ("lookups", "hit_keys", "miss_keys", "claimed_keys", "in_progress_answers")
+    assert {k: after[k] for k in counted} == {k: before[k] for k in counted}
+    full = client.lookup(keys(0, 6), claim=True, release=head.lease)
+    assert len(full.pages) == 6
+    stats = client.stats()
+    assert (stats["leases"], stats["pinned"], stats["lookups"]) == (1, 6, before["lookups"] + 1)
+    assert client.release(head.lease) is False  # the full lookup released it
+    assert client.release(full.lease) is True
+
+
+def test_the_head_lease_goes_before_the_full_lookup_pins_so_a_client_at_its_share_gets_the_run(
+    client: PoolClient,
+) -> None:
+    """A client's pinned bytes are capped at its share (half the pool here). With the
+    share's worth of pages stored, a full lookup that released its head's lease after
+    pinning would count the head's pages twice and come back cut."""
+    stored(client, keys(0, 1))
+    slot_bytes = client.stats()["classes"][0]["slot_bytes"]
+    share = (2 * MIB) // slot_bytes
+    stored(client, keys(1, share - 1))
+    head = client.lookup(keys(0, 20), head=True)
+    assert len(head.pages) == 20
+    full = client.lookup(keys(0, share), release=head.lease)
+    assert len(full.pages) == share
+    assert client.stats()["quota_cut_keys"] == 0
+
+
+def test_a_head_lookup_takes_keys_only_and_an_unknown_release_pins_nothing(
+    client: PoolClient,
+) -> None:
+    stored(client, keys(0, 2))
+    for extra in ({"states": [[0, keys(50, 1)[0]]]}, {"claim": True}, {"page": {}}):
+        with pytest.raises(PoolError, match="head lookup takes keys only"):
+            client._request({"op": "lookup", "keys": keys(0, 2), "head": True, **extra})
+    with pytest.raises(PoolError, match="unknown lease 999"):
+        client._request({"op": "lookup", "keys": keys(0, 2), "release": 999})
+    assert client.stats()["leases"] == 0
+    # A lease the client no longer holds (lost with a dropped link) is not sent.
+    assert len(client.lookup(keys(0, 2), release=999).pages) == 2
+
+
+# -- the connector's side (a CPU engine; its transfer stands in for a prefetching one) -----
+
+
+def _replica(pool: PoolProcess, model: str) -> LLM:
+    return LLM(model, dtype="float32", kv_pool=pool.address, weights_seed=7)
+
+
+def _record_prefetches(
+    connector: PoolConnector, monkeypatch: pytest.MonkeyPatch, ahead: int
+) -> list[tuple[str, object]]:
+    """The transfer prefetches `ahead` pages (a marker object: the CPU transfer copies
+    straight into the blocks); returns the events: each lookup, prefetch and load."""
+    transfer, client = connector.transfer, connector.client
+    assert isinstance(transfer, ThreadTransfer)
+    events: list[tuple[str, object]] = []
+    lookup, load = client.lookup, transfer.load
+
+    def recording_lookup(*args: Any, **kwargs: Any) -> LookupResult:
+        if not kwargs.get("head"):
+            events.append(("lookup", kwargs.get("release")))
+            return lookup(*args, **kwargs)
+        result = lookup(*args, **kwargs)
+        events.append(("head lookup", result.lease))
+        return result
+
+    def recording_prefetch(copies: list[PageCopy]) -> Prefetch:
+        events.append(("prefetch", list(copies)))
+        return Prefetch()
+
+    def recording_load(copies: list[PageCopy], prefetch: Prefetch | None = None) -> TransferJob:
+        events.append(("load", (list(copies), prefetch)))
+        return load(copies, prefetch)
+
+    monkeypatch.setattr(client, "lookup", recording_lookup)
+    monkeypatch.setattr(transfer, "prefetch_pages", lambda: ahead)
+    monkeypatch.setattr(transfer, "prefetch", recording_prefetch)
+    monkeypatch.setattr(transfer, "load", recording_load)
+    return events
+
+
+def _stored_then_reset(llm: LLM, connector: PoolConnector) -> object:
+    """The answer without the pool, then the prompt stored and the GPU cache emptied."""
+    connector.set_enabled(False)
+    reference = llm.generate([PROMPT], GREEDY)[0]
+    connector.set_enabled(True)
+    llm.engine.reset_prefix_cache()
+    llm.generate([PROMPT], GREEDY)
+    connector.wait_idle()
+    llm.engine.reset_prefix_cache()
+    return reference
+
+
+@pytest.mark.parametrize("model", ["shape:tiny-qwen3", "shape:tiny-qwen3.5"])
+def test_a_long_restore_hands_its_first_pages_to_the_transfer_before_the_full_lookup(
+    pools: PoolFactory, model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = pools.start(pools.config(size_bytes=256 * MIB, slab_bytes=64 * MIB))
+    llm = _replica(pool, model)
+    connector = llm.engine.connector
+    assert isinstance(connector, PoolConnector)
+    reference = _stored_then_reset(llm, connector)
+    lookups_before = connector.client.stats()["lookups"]
+    events = _record_prefetches(connector, monkeypatch, ahead=2)
+    hit = llm.generate([PROMPT], GREEDY)[0]
+
+    assert hit.token_ids == reference.token_ids
+    assert hit.pool_hit_tokens == 4 * connector.chunk_tokens
+    names = [name for name, _ in events]
+    assert names == ["head lookup", "prefetch", "lookup", "load"]
+    head_copies = events[1][1]
+    load_copies, prefetch = events[3][1]
+    assert isinstance(prefetch, Prefetch)  # the load got the match's prefetch
+    assert [(c.offset, c.nbytes, c.key) for c in head_copies] == [
+        (c.offset, c.nbytes, c.key) for c in load_copies[:2]
+    ]
+    assert events[2][1] == events[0][1] != 0  # the full lookup released the head's lease
+    assert connector.counters["prefetches"] == 1
+    stats = connector.client.stats()
+    assert stats["leases"] == 0 and stats["pinned"] == 0
+    assert stats["lookups"] == lookups_before + 1  # the head lookup counts in no statistic
+
+
+def test_a_restore_no_longer_than_the_prefetch_makes_no_head_lookup(
+    pools: PoolFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = pools.start(pools.config(size_bytes=256 * MIB, slab_bytes=64 * MIB))
+    llm = _replica(pool, "shape:tiny-qwen3")
+    connector = llm.engine.connector
+    assert isinstance(connector, PoolConnector)
+    _stored_then_reset(llm, connector)
+    events = _record_prefetches(connector, monkeypatch, ahead=4)
+    assert llm.generate([PROMPT], GREEDY)[0].pool_hit_tokens == 4 * connector.chunk_tokens
+    assert [name for name, _ in events] == ["lookup", "load"]
+    assert events[1][1][1] is None
+
+
+def test_a_full_lookup_that_fails_releases_the_head_lease_and_the_prompt_is_computed(
+    pools: PoolFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = pools.start(pools.config(size_bytes=256 * MIB, slab_bytes=64 * MIB))
+    llm = _replica(pool, "shape:tiny-qwen3")
+    connector = llm.engine.connector
+    assert isinstance(connector, PoolConnector)
+    reference = _stored_then_reset(llm, connector)
+    events = _record_prefetches(connector, monkeypatch, ahead=2)
+    lookup = connector.client.lookup
+
+    def failing_full_lookup(*args: Any, **kwargs: Any) -> LookupResult:
+        if not kwargs.get("head"):
+            raise PoolError("lookup: injected")
+        return lookup(*args, **kwargs)
+
+    monkeypatch.setattr(connector.client, "lookup", failing_full_lookup)
+    hit = llm.generate([PROMPT], GREEDY)[0]
+    assert hit.token_ids == reference.token_ids and hit.pool_hit_tokens == 0
+    assert [name for name, _ in events] == ["head lookup", "prefetch"]
+    assert connector.client.stats()["leases"] == 0
+
+
+# -- the CUDA transfer ----------------------------------------------------------------------
+
+
+def _cuda_transfer(
+    pages: int, layer_groups: LayerGroups | None, faults: FaultInjection | None = None
+) -> tuple[KVCacheLayout, Any, ThreadTransfer, KVCacheLayout, list[PageCopy]]:
+    """A CUDA transfer (one page a staging buffer) and a CPU one over caches of one shape,
+    their arenas the same random bytes, and a copy of each page into two blocks."""
+    from kvshare.kvpool import transfer_cuda
+
+    gpu_cache, cpu_cache = (
+        KVCacheLayout.allocate(shape_preset("qwen3-8b"), 2 * pages + 1, 16, torch.bfloat16, d)
+        for d in (torch.device("cuda"), torch.device("cpu"))
+    )
+    layout = PageLayout.of(gpu_cache, 32)
+    gpu = transfer_cuda.CudaTransfer(gpu_cache.kv, layout, faults, layer_groups=layer_groups)
+    if layer_groups is not None and gpu.strided_copy is None:
+        pytest.skip("no strided host copy in this CUDA runtime: groups of 4 MiB parts")
+    cpu = ThreadTransfer(cpu_cache.kv, layout)
+    arena = torch.randint(0, 256, (pages * layout.payload_bytes,), dtype=torch.uint8)
+    gpu.set_arena(arena.pin_memory())
+    cpu.set_arena(arena)
+    copies = [
+        PageCopy(
+            i * layout.payload_bytes,
+            layout.payload_bytes,
+            (2 * i, 2 * i + 1),
+            i.to_bytes(16, "little"),
+        )
+        for i in range(pages)
+    ]
+    return gpu_cache, gpu, cpu, cpu_cache, copies
+
+
+def _same_bytes(gpu_cache: KVCacheLayout, cpu_cache: KVCacheLayout, pages: int) -> bool:
+    gpu_bytes, cpu_bytes = (
+        c.kv[:, :, : 2 * pages].view(torch.int16) for c in (gpu_cache, cpu_cache)
+    )
+    return torch.equal(gpu_bytes.cpu(), cpu_bytes)  # bytes: random bits hold NaNs
+
+
+def _one_page_staging(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvshare.kvpool import transfer_cuda
+
+    monkeypatch.setattr(transfer_cuda, "staging_buffer_bytes", lambda page_bytes: page_bytes)
+
+
+def _head(copies: list[PageCopy], count: int) -> list[PageCopy]:
+    return [c._replace(blocks=()) for c in copies[:count]]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("grouped", [False, True])
+def test_cuda_load_takes_its_prefetched_fills_and_brings_every_byte(
+    grouped: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every copy held back 20 ms on the GPU: the load's drains of the prefetched fills
+    must wait for them as for its own. The cache and the checksums are the CPU load's."""
+    _one_page_staging(monkeypatch)
+    pages = 7
+    groups = LayerGroups(min_bytes=1, max_groups=3) if grouped else None
+    gpu_cache, gpu, cpu, cpu_cache, copies = _cuda_transfer(
+        pages, groups, FaultInjection(load_delay=0.02)
+    )
+    ahead = gpu.prefetch_pages()
+    assert 3 <= ahead < pages
+    prefetch = gpu.prefetch(_head(copies, ahead))
+    assert prefetch is not None
+    loaded, expected = gpu.load(copies, prefetch), cpu.load(copies)
+    loaded.wait()
+    expected.wait()
+    assert gpu.prefetched_fills_used == 2
+    assert _same_bytes(gpu_cache, cpu_cache, pages)
+    assert loaded.checksums() == expected.checksums()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("grouped", [False, True])
+def test_cuda_load_after_another_load_copies_its_pages_again(
+    grouped: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefetch whose staging buffers another load used since is stale: its load copies
+    every page itself (taking the buffers as they are would scatter the other load's
+    pages into its blocks)."""
+    _one_page_staging(monkeypatch)
+    pages = 7
+    groups = LayerGroups(min_bytes=1, max_groups=3) if grouped else None
+    gpu_cache, gpu, cpu, cpu_cache, copies = _cuda_transfer(pages, groups)
+    prefetch = gpu.prefetch(_head(copies, 3))
+    assert prefetch is not None
+    later = [c._replace(blocks=(2 * pages - 2, 2 * pages - 1)) for c in reversed(copies[3:5])]
+    gpu.load(later).wait()
+    loaded, expected = gpu.load(copies, prefetch), cpu.load(copies)
+    loaded.wait()
+    expected.wait()
+    assert gpu.prefetched_fills_used == 0
+    assert _same_bytes(gpu_cache, cpu_cache, pages)
+    assert loaded.checksums() == expected.checksums()
+
+
+@pytest.mark.cuda
+def test_cuda_load_of_other_pages_than_prefetched_copies_them_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pool's run turned out other than the head's (a page gone between the lookups):
+    a prefetched group that is not the load's is filled again."""
+    _one_page_staging(monkeypatch)
+    pages = 7
+    gpu_cache, gpu, cpu, cpu_cache, copies = _cuda_transfer(pages, None)
+    prefetch = gpu.prefetch(_head(copies[1:], 3))
+    loaded, expected = gpu.load(copies, prefetch), cpu.load(copies)
+    loaded.wait()
+    expected.wait()
+    assert gpu.prefetched_fills_used == 0
+    assert _same_bytes(gpu_cache, cpu_cache, pages)
