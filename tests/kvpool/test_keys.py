@@ -86,6 +86,24 @@ def test_changing_a_token_changes_its_chunk_key_and_all_later_ones(
     assert all(a != b for a, b in zip(after[chunk:], before[chunk:], strict=True))
 
 
+@settings(max_examples=50, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**31 - 1), min_size=32, max_size=96),
+    data=st.data(),
+    salt=st.sampled_from([None, "tenant-a"]),
+)
+def test_keys_chained_on_from_a_chunk_are_the_keys_of_the_whole_prompt(
+    tokens: list[int], data: st.DataObject, salt: str | None
+) -> None:
+    """A restore keys its first chunks, then the rest from the last key it has: the same
+    keys as the whole prompt keyed at once."""
+    chunk = NAMESPACE.chunk_tokens
+    split = data.draw(st.integers(1, len(tokens) // chunk - 1)) * chunk
+    first = chunk_keys(NAMESPACE, tokens[:split], salt)
+    rest = chunk_keys(NAMESPACE, np.array(tokens[split:]), salt, previous=first[-1])
+    assert first + rest == chunk_keys(NAMESPACE, tokens, salt)
+
+
 def test_every_namespace_field_separates_keys() -> None:
     tokens = list(range(64))
     variants = [
