@@ -420,8 +420,10 @@ class PoolConnector(KVConnector):
         assert self.transfer is not None and self.layout is not None
         ahead = self.transfer.prefetch_pages()
         first = num_local_tokens // self.chunk_tokens
-        # A restore within the prefetch gains nothing from it and would pay its round trip.
-        if not ahead or usable_chunks - first <= ahead:
+        # A restore within the prefetch gains nothing from it and would pay its round trip;
+        # a request asking again while it waits for chunks produced elsewhere likely waits
+        # on, and its prefetch would take the PCIe link from the copies of others.
+        if not ahead or usable_chunks - first <= ahead or req.wait is not None:
             return 0, None
         keys = self._keys(req, token_ids, first + ahead, cache_salt)[first:]
         try:

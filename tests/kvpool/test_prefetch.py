@@ -6,6 +6,7 @@ own. The load takes the prefetched staging fills only where they are its own."""
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 
 from kvshare import LLM, SamplingParams
 from kvshare.engine.connector import KVCacheLayout
+from kvshare.engine.llm_engine import RequestOutput
 from kvshare.kvpool.client import LookupResult, PoolClient, PoolError
 from kvshare.kvpool.connector import PoolConnector
 from kvshare.kvpool.faults import FaultInjection
@@ -21,8 +23,13 @@ from kvshare.kvpool.launch import PoolProcess
 from kvshare.kvpool.layout import PageLayout
 from kvshare.kvpool.transfer import LayerGroups, PageCopy, Prefetch, TransferJob
 from kvshare.kvpool.transfer_cpu import ThreadTransfer
+from kvshare.kvpool.waiting import WaitOptions
 from kvshare.models.presets import shape_preset
 from tests.kvpool.pool_fixture import MIB, PoolFactory
+from tests.kvpool.test_waiting import CHUNK, DOCUMENT, connector_of
+from tests.kvpool.test_waiting import GREEDY as WAIT_GREEDY
+from tests.kvpool.test_waiting import PROMPT as WAITED_PROMPT
+from tests.kvpool.test_waiting import replica as waiting_replica
 
 PAYLOAD = 8192
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -339,3 +346,27 @@ def test_cuda_load_of_other_pages_than_prefetched_copies_them_itself(
     expected.wait()
     assert gpu.prefetched_fills_used == 0
     assert _same_bytes(gpu_cache, cpu_cache, pages)
+
+
+def test_a_request_waiting_for_chunks_computed_elsewhere_prefetches_once(
+    pools: PoolFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replica R waits for replica W's chunks and asks the pool again step after step:
+    only its first ask makes a head lookup (a waiter likely waits on, and its prefetch
+    would take the PCIe link from the restores of others); it still restores them."""
+    pool = pools.start(pools.config(size_bytes=32 * MIB, slab_bytes=4 * MIB))
+    wait = WaitOptions(max_wait_s=30.0, stall_s=30.0)
+    writer = waiting_replica(pool, wait, batch_tokens=CHUNK)
+    reader = waiting_replica(pool, wait)
+    events = _record_prefetches(connector_of(reader), monkeypatch, ahead=2)
+    writer.add_request("w", WAITED_PROMPT, WAIT_GREEDY)
+    writer.step()  # admitted: its lookup claimed every chunk, and it computed the first
+    reader.add_request("r", [*DOCUMENT, 7, 8, 9], WAIT_GREEDY)
+    done: dict[str, RequestOutput] = {}
+    deadline = time.monotonic() + 60
+    while len(done) < 2 and time.monotonic() < deadline:
+        for engine in (writer, reader):
+            done |= {o.request_id: o for o in engine.step() if o.finished}
+    assert done["r"].pool_hit_tokens == len(DOCUMENT)
+    names = [name for name, _ in events]
+    assert names.count("head lookup") == 1 and names.count("lookup") > 2, names
