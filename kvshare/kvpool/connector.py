@@ -153,6 +153,9 @@ class _Request:
     wait: _Wait | None = None
     waited: bool = False  # a wait ended: the request does not wait again
     remote_keys: set[bytes] = field(default_factory=set)  # fetched from another host for it
+    # A match of it was cancelled (no room for its blocks): its later asks prefetch nothing,
+    # since each would fill the staging for nothing while it stays unadmitted.
+    cancelled: bool = False
 
 
 class PoolConnector(KVConnector):
@@ -423,7 +426,7 @@ class PoolConnector(KVConnector):
         # A restore within the prefetch gains nothing from it and would pay its round trip;
         # a request asking again while it waits for chunks produced elsewhere likely waits
         # on, and its prefetch would take the PCIe link from the copies of others.
-        if not ahead or usable_chunks - first <= ahead or req.wait is not None:
+        if not ahead or usable_chunks - first <= ahead or req.wait is not None or req.cancelled:
             return 0, None
         keys = self._keys(req, token_ids, first + ahead, cache_salt)[first:]
         try:
@@ -494,6 +497,7 @@ class PoolConnector(KVConnector):
         if req is not None and req.match is not None:
             self._release(req.match.lease)
             req.match = None
+            req.cancelled = True
 
     def load(
         self,

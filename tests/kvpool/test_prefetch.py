@@ -370,3 +370,24 @@ def test_a_request_waiting_for_chunks_computed_elsewhere_prefetches_once(
     assert done["r"].pool_hit_tokens == len(DOCUMENT)
     names = [name for name, _ in events]
     assert names.count("head lookup") == 1 and names.count("lookup") > 2, names
+
+
+def test_a_request_whose_match_was_cancelled_asks_again_without_a_prefetch(
+    pools: PoolFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler cancels a match when the request's blocks do not fit, and asks again
+    at later steps: those asks prefetch nothing (each would copy for nothing)."""
+    pool = pools.start(pools.config(size_bytes=256 * MIB, slab_bytes=64 * MIB))
+    llm = _replica(pool, "shape:tiny-qwen3")
+    connector = llm.engine.connector
+    assert isinstance(connector, PoolConnector)
+    _stored_then_reset(llm, connector)
+    events = _record_prefetches(connector, monkeypatch, ahead=2)
+    hit_tokens = 4 * connector.chunk_tokens
+    assert connector.match("r", PROMPT, 0).num_tokens == hit_tokens
+    connector.cancel("r")
+    assert connector.match("r", PROMPT, 0).num_tokens == hit_tokens
+    connector.cancel("r")
+    connector.forget("r")
+    assert [name for name, _ in events] == ["head lookup", "prefetch", "lookup", "lookup"]
+    assert connector.client.stats()["leases"] == 0
