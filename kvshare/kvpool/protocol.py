@@ -13,7 +13,9 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+# 2: lookups take `head` and `release` (a daemon of 1 would ignore `release`, and the head
+# lookup's pages would stay pinned until the connection closed).
+PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 LENGTH = struct.Struct(">I")
 
