@@ -436,8 +436,13 @@ class PoolConnector(KVConnector):
             return 0, None  # the full lookup meets the same trouble, and counts it
         if not result.pages:
             return result.lease, None
-        self.counters["prefetches"] += 1
-        return result.lease, self.transfer.prefetch(prefetch_copies(result.pages, self.layout))
+        try:
+            prefetch = self.transfer.prefetch(prefetch_copies(result.pages, self.layout))
+        except Exception:  # a broken copy costs the prefetch, never the engine
+            _log.exception("pool prefetch failed to start")
+            return result.lease, None
+        self.counters["prefetches"] += prefetch is not None
+        return result.lease, prefetch
 
     def _page_shape(self) -> dict[str, object] | None:
         """What a daemon with a remote tier needs to fetch this model's pages."""

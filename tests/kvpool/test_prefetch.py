@@ -391,3 +391,25 @@ def test_a_request_whose_match_was_cancelled_asks_again_without_a_prefetch(
     connector.forget("r")
     assert [name for name, _ in events] == ["head lookup", "prefetch", "lookup", "lookup"]
     assert connector.client.stats()["leases"] == 0
+
+
+def test_a_prefetch_that_raises_costs_the_prefetch_only(
+    pools: PoolFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = pools.start(pools.config(size_bytes=256 * MIB, slab_bytes=64 * MIB))
+    llm = _replica(pool, "shape:tiny-qwen3")
+    connector = llm.engine.connector
+    assert isinstance(connector, PoolConnector)
+    reference = _stored_then_reset(llm, connector)
+    events = _record_prefetches(connector, monkeypatch, ahead=2)
+
+    def failing_prefetch(copies: list[PageCopy]) -> Prefetch:
+        raise RuntimeError("injected: a copy failed to start")
+
+    monkeypatch.setattr(connector.transfer, "prefetch", failing_prefetch)
+    hit = llm.generate([PROMPT], GREEDY)[0]
+    assert hit.token_ids == reference.token_ids
+    assert hit.pool_hit_tokens == 4 * connector.chunk_tokens
+    assert [name for name, _ in events] == ["head lookup", "lookup", "load"]
+    assert events[2][1][1] is None and connector.counters["prefetches"] == 0
+    assert connector.client.stats()["leases"] == 0
