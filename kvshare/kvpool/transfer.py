@@ -231,8 +231,9 @@ class Transfer(ABC):
     def prefetch(self, copies: Sequence[PageCopy]) -> Prefetch | None:
         """Start copying the first pages of a load of `copies` (each copy's offset and
         nbytes only: the blocks are not known yet) before the load itself, to be passed
-        to that load; None when nothing was started. The pages must stay pinned until
-        the load that uses the prefetch, or until the prefetch's copies completed."""
+        to that load; None when nothing was started. A page must stay pinned from here
+        until the load that takes its copy completed; a page the load does not copy may
+        be released at once (a copy the load does not take is never read)."""
         return None
 
     @abstractmethod
