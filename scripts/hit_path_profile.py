@@ -302,39 +302,29 @@ def compare_layer_groups(
     return results
 
 
-def compare_host_waited_groups(
-    engine: LLMEngine, served: PromptIds, args: argparse.Namespace, pauses: CollectorPauses
+def compare_cuda_transfer_counts(
+    engine: LLMEngine,
+    served: PromptIds,
+    args: argparse.Namespace,
+    pauses: CollectorPauses,
+    attribute: str,
 ) -> dict[str, list[dict]]:
-    """Hits with each --compare-host-waited-groups count (how many of a restore's first
-    layer groups the host waits for; the rest the compute stream); the engine's is put back."""
+    """Hits with each count of --compare-ATTRIBUTE set on the CUDA transfer (alternated);
+    the engine's own count is put back. host_waited_groups: how many of a restore's first
+    layer groups the host waits for (the rest, the compute stream); prefetch_fills: how
+    many staging fills a restore's prefetch issues before its full lookup (0: none)."""
     transfer = engine.connector.transfer if isinstance(engine.connector, PoolConnector) else None
+    flag = "--compare-" + attribute.replace("_", "-")
     if not isinstance(transfer, CudaTransfer):
-        raise SystemExit("--compare-host-waited-groups needs a CUDA engine with the pool")
-    engines_own = transfer.host_waited_groups
+        raise SystemExit(f"{flag} needs a CUDA engine with the pool")
+    engines_own = getattr(transfer, attribute)
+    name = attribute.replace("_", " ")
     settings = {
-        f"host-waited groups {n}": (lambda n=n: setattr(transfer, "host_waited_groups", n))
-        for n in args.compare_host_waited_groups
+        f"{name} {n}": (lambda n=n: setattr(transfer, attribute, n))
+        for n in getattr(args, "compare_" + attribute)
     }
     results = alternate(engine, served, args, settings, pauses)
-    transfer.host_waited_groups = engines_own
-    return results
-
-
-def compare_prefetch_fills(
-    engine: LLMEngine, served: PromptIds, args: argparse.Namespace, pauses: CollectorPauses
-) -> dict[str, list[dict]]:
-    """Hits with each --compare-prefetch-fills count (staging fills a restore's prefetch
-    issues before the full lookup; 0: none); the engine's is put back."""
-    transfer = engine.connector.transfer if isinstance(engine.connector, PoolConnector) else None
-    if not isinstance(transfer, CudaTransfer):
-        raise SystemExit("--compare-prefetch-fills needs a CUDA engine with the pool")
-    engines_own = transfer.prefetch_fills
-    settings = {
-        f"prefetch fills {n}": (lambda n=n: setattr(transfer, "prefetch_fills", n))
-        for n in args.compare_prefetch_fills
-    }
-    results = alternate(engine, served, args, settings, pauses)
-    transfer.prefetch_fills = engines_own
+    setattr(transfer, attribute, engines_own)
     return results
 
 
@@ -837,10 +827,9 @@ def main() -> int:
         compared = {}
         if args.compare_layer_groups:
             compared |= compare_layer_groups(engine, served, args, pauses)
-        if args.compare_host_waited_groups:
-            compared |= compare_host_waited_groups(engine, served, args, pauses)
-        if args.compare_prefetch_fills:
-            compared |= compare_prefetch_fills(engine, served, args, pauses)
+        for attribute in ("host_waited_groups", "prefetch_fills"):
+            if getattr(args, "compare_" + attribute):
+                compared |= compare_cuda_transfer_counts(engine, served, args, pauses, attribute)
         if args.compare_graphs:
             compared |= compare_graphs(engine, served, args, pauses)
         if args.compare_collector:

@@ -8,6 +8,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tests.kvpool.pool_fixture import PoolFactory
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
@@ -27,3 +29,11 @@ def collect_engines_after_each_module() -> Iterator[None]:
     GiB)."""
     yield
     gc.collect()
+
+
+@pytest.fixture
+def pools() -> Iterator[PoolFactory]:
+    """Real pool daemons on short private paths, stopped and removed after the test."""
+    factory = PoolFactory()
+    yield factory
+    factory.close()

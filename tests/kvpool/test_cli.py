@@ -10,7 +10,6 @@ import signal
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 
@@ -18,13 +17,6 @@ from kvshare.kvpool.cli import READY_PREFIX, main, register, run_pool
 from kvshare.kvpool.client import PoolClient
 from kvshare.kvpool.paths import default_pool_paths, ensure_private_dir
 from tests.kvpool.pool_fixture import MIB, PoolFactory, child_env
-
-
-@pytest.fixture
-def pools() -> Iterator[PoolFactory]:
-    factory = PoolFactory()
-    yield factory
-    factory.close()
 
 
 def test_register_adds_both_subcommands() -> None:

@@ -29,13 +29,6 @@ PARENT = bytes(16)
 
 
 @pytest.fixture
-def pools() -> Iterator[PoolFactory]:
-    factory = PoolFactory()
-    yield factory
-    factory.close()
-
-
-@pytest.fixture
 def connect() -> Iterator[Callable[..., PoolClient]]:
     clients: list[PoolClient] = []
 

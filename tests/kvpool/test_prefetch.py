@@ -6,12 +6,10 @@ own. The load takes the prefetched staging fills only where they are its own."""
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
 
 from kvshare import LLM, SamplingParams
 from kvshare.engine.connector import KVCacheLayout
@@ -19,28 +17,22 @@ from kvshare.engine.llm_engine import RequestOutput
 from kvshare.kvpool.client import LookupResult, PoolClient, PoolError
 from kvshare.kvpool.connector import PoolConnector
 from kvshare.kvpool.faults import FaultInjection
-from kvshare.kvpool.launch import PoolProcess
-from kvshare.kvpool.layout import PageLayout
 from kvshare.kvpool.transfer import LayerGroups, PageCopy, Prefetch, TransferJob
 from kvshare.kvpool.transfer_cpu import ThreadTransfer
 from kvshare.kvpool.waiting import WaitOptions
-from kvshare.models.presets import shape_preset
+from tests.kvpool.page_copies import cuda_and_cpu_transfers, same_cache_bytes
 from tests.kvpool.pool_fixture import MIB, PoolFactory
-from tests.kvpool.test_waiting import CHUNK, DOCUMENT, connector_of
+from tests.kvpool.test_daemon import keys, store
+from tests.kvpool.test_waiting import CHUNK, DOCUMENT, connector_of, step_until_finished
 from tests.kvpool.test_waiting import GREEDY as WAIT_GREEDY
 from tests.kvpool.test_waiting import PROMPT as WAITED_PROMPT
 from tests.kvpool.test_waiting import replica as waiting_replica
 
-PAYLOAD = 8192
+if TYPE_CHECKING:
+    from kvshare.kvpool.transfer_cuda import CudaTransfer
+
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PROMPT = [random.Random(9).randrange(3, 512) for _ in range(1100)]  # 4 full chunks + a tail
-
-
-@pytest.fixture
-def pools() -> Iterator[PoolFactory]:
-    factory = PoolFactory()
-    yield factory
-    factory.close()
 
 
 @pytest.fixture
@@ -52,20 +44,11 @@ def client(pools: PoolFactory) -> Iterator[PoolClient]:
     connected.close()
 
 
-def keys(start: int, count: int) -> list[bytes]:
-    return [n.to_bytes(16, "big") for n in range(start, start + count)]
-
-
-def stored(client: PoolClient, chain: list[bytes]) -> None:
-    reservation = client.reserve(chain, PAYLOAD)
-    client.commit([p.key for p in reservation.pages], [b"c" * 16] * len(reservation.pages))
-
-
 # -- the daemon's side ------------------------------------------------------------------
 
 
 def test_a_head_lookup_pins_its_run_and_counts_in_no_statistic(client: PoolClient) -> None:
-    stored(client, keys(0, 6))
+    store(client, keys(0, 6))
     before = client.stats()
     head = client.lookup(keys(0, 3) + keys(100, 1), head=True)
     assert [p.key for p in head.pages] == keys(0, 3) and head.lease
@@ -87,10 +70,10 @@ def test_the_head_lease_goes_before_the_full_lookup_pins_so_a_client_at_its_shar
     """A client's pinned bytes are capped at its share (half the pool here). With the
     share's worth of pages stored, a full lookup that released its head's lease after
     pinning would count the head's pages twice and come back cut."""
-    stored(client, keys(0, 1))
+    store(client, keys(0, 1))
     slot_bytes = client.stats()["classes"][0]["slot_bytes"]
     share = (2 * MIB) // slot_bytes
-    stored(client, keys(1, share - 1))
+    store(client, keys(1, share - 1))
     head = client.lookup(keys(0, 20), head=True)
     assert len(head.pages) == 20
     full = client.lookup(keys(0, share), release=head.lease)
@@ -101,7 +84,7 @@ def test_the_head_lease_goes_before_the_full_lookup_pins_so_a_client_at_its_shar
 def test_a_head_lookup_takes_keys_only_and_an_unknown_release_pins_nothing(
     client: PoolClient,
 ) -> None:
-    stored(client, keys(0, 2))
+    store(client, keys(0, 2))
     for extra in ({"states": [[0, keys(50, 1)[0]]]}, {"claim": True}, {"page": {}}):
         with pytest.raises(PoolError, match="head lookup takes keys only"):
             client._request({"op": "lookup", "keys": keys(0, 2), "head": True, **extra})
@@ -113,10 +96,6 @@ def test_a_head_lookup_takes_keys_only_and_an_unknown_release_pins_nothing(
 
 
 # -- the connector's side (a CPU engine; its transfer stands in for a prefetching one) -----
-
-
-def _replica(pool: PoolProcess, model: str) -> LLM:
-    return LLM(model, dtype="float32", kv_pool=pool.address, weights_seed=7)
 
 
 def _record_prefetches(
@@ -152,8 +131,15 @@ def _record_prefetches(
     return events
 
 
-def _stored_then_reset(llm: LLM, connector: PoolConnector) -> object:
-    """The answer without the pool, then the prompt stored and the GPU cache emptied."""
+def _stored_replica(
+    pools: PoolFactory, model: str = "shape:tiny-qwen3"
+) -> tuple[LLM, PoolConnector, RequestOutput]:
+    """A replica on a fresh pool, its answer without the pool, then the prompt stored and
+    the GPU cache emptied: the next request for it is a pool hit."""
+    pool = pools.start(pools.config(size_bytes=256 * MIB, slab_bytes=64 * MIB))
+    llm = LLM(model, dtype="float32", kv_pool=pool.address, weights_seed=7)
+    connector = llm.engine.connector
+    assert isinstance(connector, PoolConnector)
     connector.set_enabled(False)
     reference = llm.generate([PROMPT], GREEDY)[0]
     connector.set_enabled(True)
@@ -161,18 +147,14 @@ def _stored_then_reset(llm: LLM, connector: PoolConnector) -> object:
     llm.generate([PROMPT], GREEDY)
     connector.wait_idle()
     llm.engine.reset_prefix_cache()
-    return reference
+    return llm, connector, reference
 
 
 @pytest.mark.parametrize("model", ["shape:tiny-qwen3", "shape:tiny-qwen3.5"])
 def test_a_long_restore_hands_its_first_pages_to_the_transfer_before_the_full_lookup(
     pools: PoolFactory, model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pool = pools.start(pools.config(size_bytes=256 * MIB, slab_bytes=64 * MIB))
-    llm = _replica(pool, model)
-    connector = llm.engine.connector
-    assert isinstance(connector, PoolConnector)
-    reference = _stored_then_reset(llm, connector)
+    llm, connector, reference = _stored_replica(pools, model)
     lookups_before = connector.client.stats()["lookups"]
     events = _record_prefetches(connector, monkeypatch, ahead=2)
     hit = llm.generate([PROMPT], GREEDY)[0]
@@ -197,11 +179,7 @@ def test_a_long_restore_hands_its_first_pages_to_the_transfer_before_the_full_lo
 def test_a_restore_no_longer_than_the_prefetch_makes_no_head_lookup(
     pools: PoolFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pool = pools.start(pools.config(size_bytes=256 * MIB, slab_bytes=64 * MIB))
-    llm = _replica(pool, "shape:tiny-qwen3")
-    connector = llm.engine.connector
-    assert isinstance(connector, PoolConnector)
-    _stored_then_reset(llm, connector)
+    llm, connector, _ = _stored_replica(pools)
     events = _record_prefetches(connector, monkeypatch, ahead=4)
     assert llm.generate([PROMPT], GREEDY)[0].pool_hit_tokens == 4 * connector.chunk_tokens
     assert [name for name, _ in events] == ["lookup", "load"]
@@ -211,11 +189,7 @@ def test_a_restore_no_longer_than_the_prefetch_makes_no_head_lookup(
 def test_a_full_lookup_that_fails_releases_the_head_lease_and_the_prompt_is_computed(
     pools: PoolFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pool = pools.start(pools.config(size_bytes=256 * MIB, slab_bytes=64 * MIB))
-    llm = _replica(pool, "shape:tiny-qwen3")
-    connector = llm.engine.connector
-    assert isinstance(connector, PoolConnector)
-    reference = _stored_then_reset(llm, connector)
+    llm, connector, reference = _stored_replica(pools)
     events = _record_prefetches(connector, monkeypatch, ahead=2)
     lookup = connector.client.lookup
 
@@ -234,48 +208,25 @@ def test_a_full_lookup_that_fails_releases_the_head_lease_and_the_prompt_is_comp
 # -- the CUDA transfer ----------------------------------------------------------------------
 
 
-def _cuda_transfer(
-    pages: int, layer_groups: LayerGroups | None, faults: FaultInjection | None = None
-) -> tuple[KVCacheLayout, Any, ThreadTransfer, KVCacheLayout, list[PageCopy]]:
-    """A CUDA transfer (one page a staging buffer) and a CPU one over caches of one shape,
-    their arenas the same random bytes, and a copy of each page into two blocks."""
-    from kvshare.kvpool import transfer_cuda
-
-    gpu_cache, cpu_cache = (
-        KVCacheLayout.allocate(shape_preset("qwen3-8b"), 2 * pages + 1, 16, torch.bfloat16, d)
-        for d in (torch.device("cuda"), torch.device("cpu"))
-    )
-    layout = PageLayout.of(gpu_cache, 32)
-    gpu = transfer_cuda.CudaTransfer(gpu_cache.kv, layout, faults, layer_groups=layer_groups)
-    if layer_groups is not None and gpu.strided_copy is None:
-        pytest.skip("no strided host copy in this CUDA runtime: groups of 4 MiB parts")
-    cpu = ThreadTransfer(cpu_cache.kv, layout)
-    arena = torch.randint(0, 256, (pages * layout.payload_bytes,), dtype=torch.uint8)
-    gpu.set_arena(arena.pin_memory())
-    cpu.set_arena(arena)
-    copies = [
-        PageCopy(
-            i * layout.payload_bytes,
-            layout.payload_bytes,
-            (2 * i, 2 * i + 1),
-            i.to_bytes(16, "little"),
-        )
-        for i in range(pages)
-    ]
-    return gpu_cache, gpu, cpu, cpu_cache, copies
-
-
-def _same_bytes(gpu_cache: KVCacheLayout, cpu_cache: KVCacheLayout, pages: int) -> bool:
-    gpu_bytes, cpu_bytes = (
-        c.kv[:, :, : 2 * pages].view(torch.int16) for c in (gpu_cache, cpu_cache)
-    )
-    return torch.equal(gpu_bytes.cpu(), cpu_bytes)  # bytes: random bits hold NaNs
-
-
 def _one_page_staging(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvshare.kvpool import transfer_cuda
 
     monkeypatch.setattr(transfer_cuda, "staging_buffer_bytes", lambda page_bytes: page_bytes)
+
+
+def _assert_loads_as_on_the_cpu(
+    caches: list[KVCacheLayout],
+    gpu: CudaTransfer,
+    cpu: ThreadTransfer,
+    copies: list[PageCopy],
+    prefetch: Prefetch | None,
+) -> None:
+    """The CUDA load of `copies` given `prefetch` brings the CPU load's bytes and sums."""
+    loaded, expected = gpu.load(copies, prefetch), cpu.load(copies)
+    loaded.wait()
+    expected.wait()
+    assert same_cache_bytes(caches, len(copies))
+    assert loaded.checksums() == expected.checksums()
 
 
 def _head(copies: list[PageCopy], count: int) -> list[PageCopy]:
@@ -292,19 +243,15 @@ def test_cuda_load_takes_its_prefetched_fills_and_brings_every_byte(
     _one_page_staging(monkeypatch)
     pages = 7
     groups = LayerGroups(min_bytes=1, max_groups=3) if grouped else None
-    gpu_cache, gpu, cpu, cpu_cache, copies = _cuda_transfer(
+    caches, gpu, cpu, copies = cuda_and_cpu_transfers(
         pages, groups, FaultInjection(load_delay=0.02)
     )
     ahead = gpu.prefetch_pages()
     assert 3 <= ahead < pages
     prefetch = gpu.prefetch(_head(copies, ahead))
     assert prefetch is not None
-    loaded, expected = gpu.load(copies, prefetch), cpu.load(copies)
-    loaded.wait()
-    expected.wait()
+    _assert_loads_as_on_the_cpu(caches, gpu, cpu, copies, prefetch)
     assert gpu.prefetched_fills_used == 2
-    assert _same_bytes(gpu_cache, cpu_cache, pages)
-    assert loaded.checksums() == expected.checksums()
 
 
 @pytest.mark.cuda
@@ -318,17 +265,13 @@ def test_cuda_load_after_another_load_copies_its_pages_again(
     _one_page_staging(monkeypatch)
     pages = 7
     groups = LayerGroups(min_bytes=1, max_groups=3) if grouped else None
-    gpu_cache, gpu, cpu, cpu_cache, copies = _cuda_transfer(pages, groups)
+    caches, gpu, cpu, copies = cuda_and_cpu_transfers(pages, groups)
     prefetch = gpu.prefetch(_head(copies, 3))
     assert prefetch is not None
     later = [c._replace(blocks=(2 * pages - 2, 2 * pages - 1)) for c in reversed(copies[3:5])]
     gpu.load(later).wait()
-    loaded, expected = gpu.load(copies, prefetch), cpu.load(copies)
-    loaded.wait()
-    expected.wait()
+    _assert_loads_as_on_the_cpu(caches, gpu, cpu, copies, prefetch)
     assert gpu.prefetched_fills_used == 0
-    assert _same_bytes(gpu_cache, cpu_cache, pages)
-    assert loaded.checksums() == expected.checksums()
 
 
 @pytest.mark.cuda
@@ -339,13 +282,10 @@ def test_cuda_load_of_other_pages_than_prefetched_copies_them_itself(
     a prefetched group that is not the load's is filled again."""
     _one_page_staging(monkeypatch)
     pages = 7
-    gpu_cache, gpu, cpu, cpu_cache, copies = _cuda_transfer(pages, None)
+    caches, gpu, cpu, copies = cuda_and_cpu_transfers(pages, None)
     prefetch = gpu.prefetch(_head(copies[1:], 3))
-    loaded, expected = gpu.load(copies, prefetch), cpu.load(copies)
-    loaded.wait()
-    expected.wait()
+    _assert_loads_as_on_the_cpu(caches, gpu, cpu, copies, prefetch)
     assert gpu.prefetched_fills_used == 0
-    assert _same_bytes(gpu_cache, cpu_cache, pages)
 
 
 def test_a_request_waiting_for_chunks_computed_elsewhere_prefetches_once(
@@ -362,11 +302,7 @@ def test_a_request_waiting_for_chunks_computed_elsewhere_prefetches_once(
     writer.add_request("w", WAITED_PROMPT, WAIT_GREEDY)
     writer.step()  # admitted: its lookup claimed every chunk, and it computed the first
     reader.add_request("r", [*DOCUMENT, 7, 8, 9], WAIT_GREEDY)
-    done: dict[str, RequestOutput] = {}
-    deadline = time.monotonic() + 60
-    while len(done) < 2 and time.monotonic() < deadline:
-        for engine in (writer, reader):
-            done |= {o.request_id: o for o in engine.step() if o.finished}
+    done = step_until_finished((writer, reader), 2)
     assert done["r"].pool_hit_tokens == len(DOCUMENT)
     names = [name for name, _ in events]
     assert names.count("head lookup") == 1 and names.count("lookup") > 2, names
@@ -377,11 +313,7 @@ def test_a_request_whose_match_was_cancelled_asks_again_without_a_prefetch(
 ) -> None:
     """The scheduler cancels a match when the request's blocks do not fit, and asks again
     at later steps: those asks prefetch nothing (each would copy for nothing)."""
-    pool = pools.start(pools.config(size_bytes=256 * MIB, slab_bytes=64 * MIB))
-    llm = _replica(pool, "shape:tiny-qwen3")
-    connector = llm.engine.connector
-    assert isinstance(connector, PoolConnector)
-    _stored_then_reset(llm, connector)
+    _, connector, _ = _stored_replica(pools)
     events = _record_prefetches(connector, monkeypatch, ahead=2)
     hit_tokens = 4 * connector.chunk_tokens
     assert connector.match("r", PROMPT, 0).num_tokens == hit_tokens
@@ -396,11 +328,7 @@ def test_a_request_whose_match_was_cancelled_asks_again_without_a_prefetch(
 def test_a_prefetch_that_raises_costs_the_prefetch_only(
     pools: PoolFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pool = pools.start(pools.config(size_bytes=256 * MIB, slab_bytes=64 * MIB))
-    llm = _replica(pool, "shape:tiny-qwen3")
-    connector = llm.engine.connector
-    assert isinstance(connector, PoolConnector)
-    reference = _stored_then_reset(llm, connector)
+    llm, connector, reference = _stored_replica(pools)
     events = _record_prefetches(connector, monkeypatch, ahead=2)
 
     def failing_prefetch(copies: list[PageCopy]) -> Prefetch:

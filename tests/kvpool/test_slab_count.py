@@ -5,7 +5,6 @@ size, so nothing is ever restored; the replica says so when it connects."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import pytest
 
@@ -13,13 +12,6 @@ from kvshare.llm import LLM
 from tests.kvpool.pool_fixture import MIB, PoolFactory
 
 WARNING = "stores pages of two sizes (KV chunks and recurrent states) that then evict each other"
-
-
-@pytest.fixture
-def pools() -> Iterator[PoolFactory]:
-    factory = PoolFactory()
-    yield factory
-    factory.close()
 
 
 def warnings_at_start(

@@ -9,7 +9,6 @@ import gc
 import time
 import weakref
 from itertools import pairwise
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -25,9 +24,7 @@ from kvshare.kvpool.layout import PageLayout, checksum_constants, payload_checks
 from kvshare.kvpool.transfer import LayerGroups, PageCopy, page_groups, strided_groups
 from kvshare.kvpool.transfer_cpu import ThreadTransfer
 from kvshare.models.presets import shape_preset
-
-if TYPE_CHECKING:
-    from kvshare.kvpool.transfer_cuda import CudaTransfer
+from tests.kvpool.page_copies import cuda_and_cpu_transfers, same_cache_bytes
 
 
 @given(
@@ -288,38 +285,6 @@ def test_a_prefix_stored_beside_states_is_read_in_groups_inside_one_slab_each() 
     assert any(first != last for first, last in spanned_slabs(8 * slab))
 
 
-def _cuda_and_cpu_transfers(
-    pages: int, layer_groups: LayerGroups | None
-) -> tuple[list[KVCacheLayout], CudaTransfer, ThreadTransfer, list[PageCopy]]:
-    """A CUDA transfer and a CPU one over caches of one shape (CUDA first), their arenas
-    the same random bytes, and a copy of each of the arena's `pages` pages into two
-    blocks; skips where grouped loads would not copy strided."""
-    from kvshare.kvpool import transfer_cuda
-
-    caches = [
-        KVCacheLayout.allocate(shape_preset("qwen3-8b"), 2 * pages + 1, 16, torch.bfloat16, d)
-        for d in (torch.device("cuda"), torch.device("cpu"))
-    ]
-    layout = PageLayout.of(caches[0], 32)
-    gpu = transfer_cuda.CudaTransfer(caches[0].kv, layout, layer_groups=layer_groups)
-    if layer_groups is not None and gpu.strided_copy is None:
-        pytest.skip("no strided host copy in this CUDA runtime: groups of 4 MiB parts")
-    cpu = ThreadTransfer(caches[1].kv, layout)
-    arena = torch.randint(0, 256, (pages * layout.payload_bytes,), dtype=torch.uint8)
-    gpu.set_arena(arena.pin_memory())
-    cpu.set_arena(arena)
-    copies = [
-        PageCopy(
-            i * layout.payload_bytes,
-            layout.payload_bytes,
-            (2 * i, 2 * i + 1),
-            i.to_bytes(16, "little"),
-        )
-        for i in range(pages)
-    ]
-    return caches, gpu, cpu, copies
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("grouped", [False, True])
 def test_cuda_load_through_one_page_staging_buffers_with_slow_drains_brings_every_byte(
@@ -335,7 +300,7 @@ def test_cuda_load_through_one_page_staging_buffers_with_slow_drains_brings_ever
     monkeypatch.setattr(transfer_cuda, "staging_buffer_bytes", lambda page_bytes: page_bytes)
     pages = 9
     groups = LayerGroups(min_bytes=1, max_groups=3) if grouped else None
-    caches, gpu, cpu, copies = _cuda_and_cpu_transfers(pages, groups)
+    caches, gpu, cpu, copies = cuda_and_cpu_transfers(pages, groups)
     checksum_rows = gpu.checksum_rows
 
     def slow_checksum_rows(*args: object) -> None:
@@ -347,8 +312,7 @@ def test_cuda_load_through_one_page_staging_buffers_with_slow_drains_brings_ever
     loaded, expected = gpu.load(copies), cpu.load(copies)
     loaded.wait()
     expected.wait()
-    gpu_bytes, cpu_bytes = (c.kv[:, :, : 2 * pages].view(torch.int16) for c in caches)
-    assert torch.equal(gpu_bytes.cpu(), cpu_bytes)  # bytes: random bits hold NaNs
+    assert same_cache_bytes(caches, pages)
     assert loaded.checksums() == expected.checksums()
 
 
@@ -361,9 +325,7 @@ def test_a_grouped_cuda_load_holds_the_host_for_its_first_group_only(
     while a later group's wait returns at once and orders the stream. Each group's drains
     are held back 50 ms on the GPU; the bytes still match the CPU load."""
     pages, held_s = 4, 0.05
-    caches, gpu, cpu, copies = _cuda_and_cpu_transfers(
-        pages, LayerGroups(min_bytes=1, max_groups=3)
-    )
+    caches, gpu, cpu, copies = cuda_and_cpu_transfers(pages, LayerGroups(min_bytes=1, max_groups=3))
     gpu.warm_up()
     scatter = type(gpu.blocks).__call__
 

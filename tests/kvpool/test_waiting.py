@@ -112,6 +112,18 @@ def test_the_daemon_answers_what_others_produce_after_the_committed_run(
         asker.close()
 
 
+def step_until_finished(
+    engines: tuple[LLMEngine, ...], count: int, seconds: float = 60
+) -> dict[str, RequestOutput]:
+    """Step each engine in turn until `count` requests finished; their outputs by id."""
+    done: dict[str, RequestOutput] = {}
+    deadline = time.monotonic() + seconds
+    while len(done) < count and time.monotonic() < deadline:
+        for engine in engines:
+            done |= {o.request_id: o for o in engine.step() if o.finished}
+    return done
+
+
 def drive(engine: LLMEngine, request_id: str, seconds: float) -> RequestOutput:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -135,11 +147,7 @@ def test_a_waiter_loads_the_chunks_another_replica_was_computing(
     writer.add_request("w", PROMPT, GREEDY)
     writer.step()  # admitted: its lookup claimed every chunk, and it computed the first
     reader.add_request("r", [*DOCUMENT, 7, 8, 9], GREEDY)
-    done: dict[str, RequestOutput] = {}
-    deadline = time.monotonic() + 60
-    while len(done) < 2 and time.monotonic() < deadline:
-        for engine in (writer, reader):
-            done |= {o.request_id: o for o in engine.step() if o.finished}
+    done = step_until_finished((writer, reader), 2)
     assert done["w"].computed_tokens == len(PROMPT)
     assert (done["r"].pool_hit_tokens, done["r"].computed_tokens) == (len(DOCUMENT), 3)
     assert reader.scheduler.counters["pool_waits"] == 1

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
 
 import pytest
 
@@ -16,13 +15,6 @@ from kvshare.validate.corruption import run_corruption_check
 from kvshare.validate.faults import run_killed_writer_check, run_lease_loss_check, run_restart_check
 from kvshare.validate.pool_fill import run_pool_fill_check
 from tests.kvpool.pool_fixture import MIB, PoolFactory
-
-
-@pytest.fixture
-def pools() -> Iterator[PoolFactory]:
-    factory = PoolFactory()
-    yield factory
-    factory.close()
 
 
 def small_pool(pools: PoolFactory) -> PoolProcess:

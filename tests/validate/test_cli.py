@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
 from types import TracebackType
 
 import pytest
@@ -19,13 +18,6 @@ from kvshare.validate.corruption import run_corruption_check
 from tests.kvpool.pool_fixture import MIB, PoolFactory
 
 GIB = 1 << 30
-
-
-@pytest.fixture
-def pools() -> Iterator[PoolFactory]:
-    factory = PoolFactory()
-    yield factory
-    factory.close()
 
 
 class _FakeCluster:
