@@ -302,6 +302,14 @@ def compare_layer_groups(
     return results
 
 
+# CudaTransfer counts --compare-COUNT (dashes for underscores) times hits with: what each is.
+CUDA_TRANSFER_COUNTS = {
+    "host_waited_groups": "a restore's first layer groups waited for by the host (the rest "
+    "by the compute stream)",
+    "prefetch_fills": "staging fills a restore's prefetch issues before its full lookup (0: none)",
+}
+
+
 def compare_cuda_transfer_counts(
     engine: LLMEngine,
     served: PromptIds,
@@ -309,10 +317,8 @@ def compare_cuda_transfer_counts(
     pauses: CollectorPauses,
     attribute: str,
 ) -> dict[str, list[dict]]:
-    """Hits with each count of --compare-ATTRIBUTE set on the CUDA transfer (alternated);
-    the engine's own count is put back. host_waited_groups: how many of a restore's first
-    layer groups the host waits for (the rest, the compute stream); prefetch_fills: how
-    many staging fills a restore's prefetch issues before its full lookup (0: none)."""
+    """Hits with each count of --compare-ATTRIBUTE set on the CUDA transfer (alternated;
+    CUDA_TRANSFER_COUNTS); the engine's own count is put back."""
     transfer = engine.connector.transfer if isinstance(engine.connector, PoolConnector) else None
     flag = "--compare-" + attribute.replace("_", "-")
     if not isinstance(transfer, CudaTransfer):
@@ -724,22 +730,15 @@ def main() -> int:
         "shrinking toward the end (default) or even, each part of a page at least MIB "
         "(default --layer-group-min-mib)",
     )
-    parser.add_argument(
-        "--compare-host-waited-groups",
-        type=comma_list(int),
-        default=[],
-        metavar="N,...",
-        help="after the profile, time --repeats hits with each count of a restore's first "
-        "layer groups waited for by the host (CUDA; kvshare.kvpool.transfer_cuda)",
-    )
-    parser.add_argument(
-        "--compare-prefetch-fills",
-        type=comma_list(int),
-        default=[],
-        metavar="N,...",
-        help="after the profile, time --repeats hits with each count of staging fills a "
-        "restore's prefetch issues before its full lookup (CUDA; 0: none)",
-    )
+    for attribute, counted in CUDA_TRANSFER_COUNTS.items():
+        parser.add_argument(
+            "--compare-" + attribute.replace("_", "-"),
+            type=comma_list(int),
+            default=[],
+            metavar="N,...",
+            help=f"after the profile, time --repeats hits with each count of {counted} "
+            "(CUDA; kvshare.kvpool.transfer_cuda)",
+        )
     parser.add_argument(
         "--compare-graphs",
         action="store_true",
@@ -827,7 +826,7 @@ def main() -> int:
         compared = {}
         if args.compare_layer_groups:
             compared |= compare_layer_groups(engine, served, args, pauses)
-        for attribute in ("host_waited_groups", "prefetch_fills"):
+        for attribute in CUDA_TRANSFER_COUNTS:
             if getattr(args, "compare_" + attribute):
                 compared |= compare_cuda_transfer_counts(engine, served, args, pauses, attribute)
         if args.compare_graphs:

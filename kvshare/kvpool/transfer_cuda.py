@@ -84,9 +84,8 @@ class _LoadTables:
 @dataclass(frozen=True)
 class _StagedFills(Prefetch):
     """A prefetch: the first fills of a load's first slot range (None: whole pages), each
-    group with the rows its fill left in staging buffer k (its k-th), from `arena`."""
+    group with the rows its fill left in staging buffer k (its k-th)."""
 
-    arena: torch.Tensor
     slots: range | None
     fills: tuple[tuple[SpanGroup, torch.Tensor], ...]
 
@@ -158,10 +157,11 @@ class CudaTransfer(Transfer):
         if self.strided_copy is None and self.layer_groups is not None:
             self.layer_groups = self.layer_groups.for_row_copies()
         self.host_waited_groups = HOST_WAITED_GROUPS
-        # The latest prefetch while the load staging holds its fills (None once a load ran).
+        # The latest prefetch while the load staging holds its fills and the arena it read
+        # is mapped (None once a load ran or the arena changed).
         self._prefetch: _StagedFills | None = None
         self.prefetch_fills = PREFETCH_FILLS
-        self.prefetched_fills_used = 0  # fills loads took from prefetches, for profiles
+        self.prefetched_fills_used = 0  # fills loads took from prefetches (tests read it)
 
     def warm_up(self, raw_bytes: Sequence[int] = ()) -> None:
         """Compile the scatter, gather and checksum kernels for this layout now: Triton
@@ -330,14 +330,16 @@ class CudaTransfer(Transfer):
         self, prefetch: Prefetch | None, slots: range | None
     ) -> Sequence[tuple[SpanGroup, torch.Tensor]]:
         """The fills of `prefetch` a load whose first slot range is `slots` may take: only
-        those of the latest prefetch, still in the staging buffers (no load ran since),
-        copied from the arena mapped now (a daemon restart maps a new one)."""
+        those of the latest prefetch, still in the staging buffers (no load ran since)."""
         latest, self._prefetch = self._prefetch, None
-        if prefetch is None or prefetch is not latest:
-            return ()
-        if latest.arena is not self.arena or latest.slots != slots:
+        if prefetch is None or prefetch is not latest or latest.slots != slots:
             return ()
         return latest.fills
+
+    def set_arena(self, arena: torch.Tensor, region_bytes: int | None = None) -> None:
+        """A new arena (a daemon restart maps a new one): a prefetch read the old one."""
+        self._prefetch = None
+        super().set_arena(arena, region_bytes)
 
     def prefetch_pages(self) -> int:
         """The pages of `prefetch_fills` staging fills of a load of global layers, plus
@@ -345,12 +347,12 @@ class CudaTransfer(Transfer):
         prefetch leaves it to the load."""
         if not self.prefetch_fills:
             return 0
-        probe = [PageCopy(0, self.layout.global_bytes, (), b"")]
-        slots, _ = self._first_fills(probe)
-        if slots is None:
-            rows = min(_SPAN_PAGES, self.staging_bytes // probe[0].nbytes)
+        nbytes = self.layout.global_bytes
+        ranges = self.slot_ranges([PageCopy(0, nbytes, (), b"")])
+        if len(ranges) == 1:
+            rows = min(_SPAN_PAGES, self.staging_bytes // nbytes)
         else:
-            rows = self.staging_bytes // (len(slots) * self.layout.slot_bytes)
+            rows = self.staging_bytes // (len(ranges[0]) * self.layout.slot_bytes)
         return self.prefetch_fills * max(1, rows) + 1
 
     def prefetch(self, copies: Sequence[PageCopy]) -> Prefetch | None:
@@ -374,7 +376,7 @@ class CudaTransfer(Transfer):
             with torch.cuda.stream(copy_s):
                 fills.append((group, fill(self.staging["load"][b], group)))
                 self.filled["load"][b].record(copy_s)
-        self._prefetch = _StagedFills(self.arena, slots, tuple(fills))
+        self._prefetch = _StagedFills(slots, tuple(fills))
         return self._prefetch
 
     def _first_fills(self, copies: Sequence[PageCopy]) -> tuple[range | None, list[SpanGroup]]:
