@@ -596,7 +596,8 @@ def http_phases(engine: LLMEngine, prompt: list[int], name: str, repeats: int) -
 class ServedEngine:
     """`engine` behind the replica's HTTP app (kvshare serve's own) on a thread's event
     loop, and `kvshare router` in a subprocess in front of it: the serving path of
-    `kvshare up` around this engine. The router's port is picked free."""
+    `kvshare up` around this engine (its routing keys in the engine's blocks, as `kvshare
+    up` sets them). The router's port is picked free."""
 
     def __init__(self, engine: LLMEngine, name: str) -> None:
         self._app = build_app(engine, ServeConfig(name))
@@ -611,7 +612,8 @@ class ServedEngine:
         self.router_url = f"http://127.0.0.1:{free_port()}"
         self._router = subprocess.Popen(
             [sys.executable, "-m", "kvshare", "router", "--replica", self.replica_url,
-             "--port", self.router_url.rsplit(":", 1)[1], "--health-interval", "0.5"]
+             "--port", self.router_url.rsplit(":", 1)[1], "--health-interval", "0.5",
+             "--block-tokens", str(engine.config.block_size)]
         )  # fmt: skip
 
     async def _serve(self) -> None:
