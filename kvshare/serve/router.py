@@ -440,7 +440,7 @@ class Router:
         clock.lap("router-read")
         # Parsing, hashing and packing 131,072 token ids take ~4.5 ms on a 2-core machine
         # (16-token blocks ~6 ms): a request is routed once they are done.
-        hashing = asyncio.ensure_future(self._parsed(request, body, pack=pinned is None))
+        hashing = asyncio.ensure_future(self._parsed(request, body, waited=pinned is None))
         try:
             if pinned is None:
                 await hashing
@@ -463,7 +463,7 @@ class Router:
             hashing.cancel()
 
     async def _parsed_when_in(self, request: web.Request, body: StreamedBody) -> Parsed:
-        return await self._parsed(request, await body.received, pack=False)
+        return await self._parsed(request, await body.received, waited=False)
 
     async def _forward(
         self,
@@ -538,18 +538,21 @@ class Router:
             )
         return int(value)
 
-    async def _parsed(self, request: web.Request, body: bytes, pack: bool) -> Parsed:
-        """The body's prefix, and, when `pack` (a request not yet forwarded) and a replica
-        takes it, the body packed."""
+    async def _parsed(self, request: web.Request, body: bytes, waited: bool) -> Parsed:
+        """The body's prefix, and, when `waited` (the request is forwarded once this is
+        done) and a replica takes it, the body packed."""
         if not self.policy.uses_prefix or request.method != "POST" or not body:
             return Parsed()
-        pack = pack and any(r.takes_packed for r in self.replicas)
+        pack = waited and any(r.takes_packed for r in self.replicas)
         # Parsing and tokenizing a long prompt take milliseconds: off the event loop.
-        return await asyncio.to_thread(self._parse, request.path, body, pack)
+        return await asyncio.to_thread(self._parse, request.path, body, pack, waited)
 
-    def _parse(self, path: str, body: bytes, pack: bool) -> Parsed:
+    def _parse(self, path: str, body: bytes, pack: bool, waited: bool) -> Parsed:
+        """A long token array is read on the reader's threads when the request waits for
+        this parse; else (forwarded already, its prefix needed only when the answer comes)
+        on this one thread, leaving the cores to the replica's read of the same body."""
         try:
-            parsed = parse_json_object(body, self.arrays)
+            parsed = parse_json_object(body, self.arrays if waited else None)
         except APIError:
             return Parsed()  # the replica answers the 400
         return Parsed(self.keys.prefix_of(path, parsed), pack_request(parsed) if pack else None)
