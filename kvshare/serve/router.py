@@ -540,19 +540,20 @@ class Router:
 
     async def _parsed(self, request: web.Request, body: bytes, waited: bool) -> Parsed:
         """The body's prefix, and, when `waited` (the request is forwarded once this is
-        done) and a replica takes it, the body packed."""
+        done) and a replica takes it, the body packed. A long token array is read on the
+        reader's threads only when waited for; else (forwarded already, its prefix needed
+        only when the answer comes) on one thread, leaving the cores to the replica's read
+        of the same body."""
         if not self.policy.uses_prefix or request.method != "POST" or not body:
             return Parsed()
         pack = waited and any(r.takes_packed for r in self.replicas)
+        reader = self.arrays if waited else None
         # Parsing and tokenizing a long prompt take milliseconds: off the event loop.
-        return await asyncio.to_thread(self._parse, request.path, body, pack, waited)
+        return await asyncio.to_thread(self._parse, request.path, body, pack, reader)
 
-    def _parse(self, path: str, body: bytes, pack: bool, waited: bool) -> Parsed:
-        """A long token array is read on the reader's threads when the request waits for
-        this parse; else (forwarded already, its prefix needed only when the answer comes)
-        on this one thread, leaving the cores to the replica's read of the same body."""
+    def _parse(self, path: str, body: bytes, pack: bool, reader: ArrayReader | None) -> Parsed:
         try:
-            parsed = parse_json_object(body, self.arrays if waited else None)
+            parsed = parse_json_object(body, reader)
         except APIError:
             return Parsed()  # the replica answers the 400
         return Parsed(self.keys.prefix_of(path, parsed), pack_request(parsed) if pack else None)
