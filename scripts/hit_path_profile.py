@@ -83,7 +83,7 @@ from kvshare.serve import collector
 from kvshare.serve.http import parse_json_object
 from kvshare.serve.protocol import ModelInfo, parse_generate
 from kvshare.serve.routing_keys import RoutingKeys
-from kvshare.serve.server import ServeConfig, build_app
+from kvshare.serve.server import SERVER_KEY, ServeConfig, build_app
 from kvshare.serve.server_timing import median_phases
 
 
@@ -601,6 +601,7 @@ class ServedEngine:
 
     def __init__(self, engine: LLMEngine, name: str) -> None:
         self._app = build_app(engine, ServeConfig(name))
+        self.server = self._app[SERVER_KEY]
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
@@ -636,12 +637,19 @@ class ServedEngine:
 
 
 async def http_hits(
-    served: ServedEngine, prompt: list[int], name: str, repeats: int, max_tokens: int
-) -> dict[str, list[dict]]:
+    served: ServedEngine,
+    prompt: list[int],
+    name: str,
+    repeats: int,
+    max_tokens: int,
+    without_hints: bool = False,
+) -> dict[str, Any]:
     """`repeats` hits sent to the router as the bench sends them (streamed, timed to the
-    first token), routed by the policy and pinned to the replica alternately, each after a
-    reset of the replica's GPU-local prefix cache: time to first token at the client and
-    the Server-Timing phases of router and replica."""
+    first token), routed by the policy and pinned to the replica alternately (with
+    `without_hints`, a third kind: pinned, the replica sending no prompt head to its
+    engine), each after a reset of the replica's GPU-local prefix cache: time to first
+    token at the client and the Server-Timing phases of router and replica; and the
+    replica's pool counters after them ("pool_counters")."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         client = BenchClient(session, served.router_url, name, text_content=False)
         deadline = time.monotonic() + 60
@@ -652,13 +660,18 @@ async def http_hits(
             if time.monotonic() > deadline:
                 raise SystemExit("the router never answered")
             await asyncio.sleep(0.5)
-        hits: dict[str, list[dict]] = {"routed": [], "pinned": []}
+        kinds = [
+            ("routed", RequestOptions(max_tokens)),
+            ("pinned", RequestOptions(max_tokens, replica=0)),
+        ]
+        if without_hints:
+            kinds.append(("pinned, no hint", RequestOptions(max_tokens, replica=0)))
+        hits: dict[str, Any] = {kind: [] for kind, _ in kinds}
+        head = served.server.head
         for r in range(repeats):
-            for kind, options in (
-                ("routed", RequestOptions(max_tokens)),
-                ("pinned", RequestOptions(max_tokens, replica=0)),
-            ):
+            for kind, options in kinds:
                 await client.admin_all("reset_prefix_cache")
+                served.server.head = None if kind == "pinned, no hint" else head
                 result = await client.complete(prompt, options)
                 timing = dict(result.server_timing)
                 kv = (result.usage or {}).get("kv") or {}
@@ -669,13 +682,19 @@ async def http_hits(
                 }
                 print(f"http hit {r}, {kind}: {hit}", flush=True)
                 hits[kind].append(hit)
+        served.server.head = head
+        stats = await client.stats()
+        hits["pool_counters"] = [replica.get("kv_pool") for replica in stats]
+        print(f"replica pool counters: {hits['pool_counters']}", flush=True)
         return hits
 
 
-def print_http_hits(hits: dict[str, list[dict]], engine_ttft_s: float) -> None:
+def print_http_hits(hits: dict[str, Any], engine_ttft_s: float) -> None:
     """Per kind of hit, medians: the client's time to first token, each phase, and the
     serving path's time (the client's TTFT less the replica's engine phase, hit by hit)."""
     for kind, runs in hits.items():
+        if kind == "pool_counters":
+            continue
         ttft = statistics.median(h["ttft_s"] for h in runs)
         serving = statistics.median(
             1e3 * h["ttft_s"] - h["server_timing_ms"]["engine"] for h in runs
@@ -772,6 +791,12 @@ def main() -> int:
         metavar="N",
         help="at the end, N hits through the replica's HTTP app and `kvshare router` (the "
         "serving path of `kvshare up`), timed at the client, with their Server-Timing phases",
+    )
+    parser.add_argument(
+        "--http-without-hints",
+        action="store_true",
+        help="with --http: a third kind of hit, pinned with the replica's prompt-head hints "
+        "off, alternated with the others",
     )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -877,7 +902,14 @@ def main() -> int:
             serving = ServedEngine(engine, args.model)
             try:
                 result["http_hits"] = asyncio.run(
-                    http_hits(serving, follow_up, args.model, args.http, args.output_tokens)
+                    http_hits(
+                        serving,
+                        follow_up,
+                        args.model,
+                        args.http,
+                        args.output_tokens,
+                        args.http_without_hints,
+                    )
                 )
             finally:
                 serving.close()

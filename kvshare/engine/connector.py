@@ -191,9 +191,10 @@ class KVStoreUnavailable(Exception):
 
 class KVConnector(ABC):
     """The methods above `set_enabled` are the engine's; `device_bytes` is the engine's at
-    start; `wait_idle`, `close` and the pool admin calls are the serving layer's, with
-    defaults for a connector that has no separate store (no device buffers, nothing in
-    flight, nothing to clear, no store statistics)."""
+    start; the hint methods, `wait_idle`, `close` and the pool admin calls are the serving
+    layer's (the hints through the engine), with defaults for a connector that has no
+    separate store (nothing to start ahead, no device buffers, nothing in flight, nothing to
+    clear, no store statistics)."""
 
     chunk_tokens: int
 
@@ -297,6 +298,22 @@ class KVConnector(ABC):
         """The engine computed num_tokens prompt tokens in one step of `seconds`: the
         connector's measure of this engine's prefill speed (it decides waits with it)."""
         return None  # no waits to decide by default
+
+    def hint_tokens(self) -> int:
+        """How many of a prompt's first tokens `hint` needs (0: hints do nothing)."""
+        return 0
+
+    def hint(self, token_ids: np.ndarray, cache_salt: str | None = None) -> bool:
+        """A prompt's first tokens (hint_tokens of them or more), known before the rest of
+        its request has been read: start what the request's match would start first (its
+        restore's first copies), so that it runs while the request is read. The next match
+        takes it when its restore begins with these tokens' chunks; that match, any other,
+        the next hint or drop_hint lets go of it. True: copies were started."""
+        return False  # nothing to start ahead by default
+
+    def drop_hint(self) -> None:
+        """Let go of the hint no match took (its request never came)."""
+        return None
 
     def wait_idle(self) -> None:
         """Block until every store in flight has completed and been committed (an idle

@@ -21,7 +21,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvshare.engine.block_manager import BlockManager, check_cache_salt
+from kvshare.engine.block_manager import (
+    ROOT_HASH,
+    BlockManager,
+    block_hashes,
+    check_cache_salt,
+    salted_root,
+)
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.connector import KVConnector, PagedKVCache
 from kvshare.engine.model_runner import ModelRunner
@@ -206,6 +212,40 @@ class LLMEngine:
             frozenset() if params.ignore_eos else self._eos
         )
         self.requests[request_id] = _Request(seq, detok, generator, stop_ids)
+
+    @property
+    def hint_tokens(self) -> int:
+        """How many of a prompt's first tokens `hint_prompt_head` needs (0: hints do
+        nothing here: no pool, or a transfer that starts no copies ahead)."""
+        return self.connector.hint_tokens() if self.connector is not None else 0
+
+    def hint_prompt_head(self, token_ids: PromptIds, cache_salt: str | None = None) -> bool:
+        """The first tokens of a prompt whose request is still being read (a server parsing
+        a long body): start its restore's first copies now (KVConnector.hint). Only on an
+        idle engine (a busy one's copies and staging are its running requests') whose GPU
+        cache lacks the prompt's first chunk (else the restore starts past the head). The
+        ids and salt are unchecked: wrong ones make no hint, and their request fails when
+        it is added. True: copies were started."""
+        if self.connector is None or self.has_unfinished() or not len(token_ids):
+            return False
+        try:
+            salt = check_cache_salt(cache_salt)
+        except ValueError:
+            return False
+        ids = prompt_array(token_ids, self.loaded.config.vocab_size)
+        if ids is None:
+            return False
+        chunk, bs = self.connector.chunk_tokens, self.config.block_size
+        root = salted_root(ROOT_HASH, salt)
+        local = self.blocks.match_prefix(block_hashes(ids[: max(chunk, bs)], bs, parent=root))
+        if len(local) * bs >= chunk:
+            return False
+        return self.connector.hint(ids, salt)
+
+    def drop_hint(self) -> None:
+        """Let go of a hint no request took (KVConnector.drop_hint)."""
+        if self.connector is not None:
+            self.connector.drop_hint()
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False when it is unknown or already done."""

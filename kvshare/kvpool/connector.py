@@ -158,6 +158,15 @@ class _Request:
     cancelled: bool = False
 
 
+@dataclass(frozen=True)
+class _Hint:
+    """A prompt head's prefetch, started before its request reached the engine."""
+
+    keys: list[bytes]  # of the head's chunks, from chunk 0
+    lease: int  # pins the pages the prefetch reads (0: none)
+    prefetch: Prefetch | None
+
+
 class PoolConnector(KVConnector):
     """`faults` (checks and tests only; None in production) breaks a guarantee on purpose."""
 
@@ -182,6 +191,7 @@ class PoolConnector(KVConnector):
         self._loads: dict[str, _Load] = {}  # started, not yet finished, by request id
         self._stores: list[_Store] = []
         self._generation = b""
+        self._hint: _Hint | None = None  # at most one: the latest prompt head's
         self._lock = threading.Lock()  # guards arena adoption against the remap callback
         self.cache: PagedKVCache | None = None
         self.layout: PageLayout | None = None
@@ -406,6 +416,27 @@ class PoolConnector(KVConnector):
         self.counters["miss_tokens"] += wanted - pool_tokens
         return PoolMatch(pool_tokens, remote_tokens=remote_tokens)
 
+    def hint_tokens(self) -> int:
+        ahead = self.transfer.prefetch_pages() if self.transfer is not None else 0
+        return ahead * self.chunk_tokens
+
+    def hint(self, token_ids: np.ndarray, cache_salt: str | None = None) -> bool:
+        self.drop_hint()
+        wanted = self.hint_tokens()
+        if not self._usable() or not wanted or len(token_ids) < wanted:
+            return False
+        keys = chunk_keys(self.namespace, token_ids[:wanted], cache_salt)
+        lease, prefetch = self._start_prefetch(keys)
+        if lease:
+            self._hint = _Hint(keys, lease, prefetch)
+            self.counters["hints"] += 1
+        return prefetch is not None
+
+    def drop_hint(self) -> None:
+        hint, self._hint = self._hint, None
+        if hint is not None:
+            self._release(hint.lease)
+
     def _prefetch_head(
         self,
         req: _Request,
@@ -419,16 +450,32 @@ class PoolConnector(KVConnector):
         prefetch can use, looked up alone (a short round trip, pinning what it finds), and
         their pages handed to the transfer. The host's work before the rest of the copies
         (the other keys, the full lookup, the plan) then runs beside these. Returns the
-        head lookup's lease (0: none), which the full lookup releases, and the prefetch."""
+        head lookup's lease (0: none), which the full lookup releases, and the prefetch.
+
+        A hint whose keys are exactly those (its prompt head is this request's, nothing of
+        it local) already did all that: it is taken as this request's. Any other hint is
+        dropped, so that none outlives the next match."""
         assert self.transfer is not None and self.layout is not None
+        hint, self._hint = self._hint, None
         ahead = self.transfer.prefetch_pages()
         first = num_local_tokens // self.chunk_tokens
         # A restore within the prefetch gains nothing from it and would pay its round trip;
         # a request asking again while it waits for chunks produced elsewhere likely waits
         # on, and its prefetch would take the PCIe link from the copies of others.
-        if not ahead or usable_chunks - first <= ahead or req.wait is not None or req.cancelled:
-            return 0, None
-        keys = self._keys(req, token_ids, first + ahead, cache_salt)[first:]
+        keys: list[bytes] = []
+        if ahead and usable_chunks - first > ahead and req.wait is None and not req.cancelled:
+            keys = self._keys(req, token_ids, first + ahead, cache_salt)[first:]
+        if hint is not None:
+            if keys and hint.keys == keys:
+                self.counters["hints_taken"] += 1
+                return hint.lease, hint.prefetch
+            self._release(hint.lease)
+        return self._start_prefetch(keys) if keys else (0, None)
+
+    def _start_prefetch(self, keys: list[bytes]) -> tuple[int, Prefetch | None]:
+        """Look up `keys` alone (a head lookup: pins, counts in no statistic) and hand the
+        pages found to the transfer's prefetch; the lease (0: none) and the prefetch."""
+        assert self.transfer is not None and self.layout is not None
         try:
             result = self.client.lookup(keys, head=True)
             self._adopt_arena()

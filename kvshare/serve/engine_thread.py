@@ -3,7 +3,9 @@
 Thread confinement is the whole synchronization story:
 - Only the engine thread touches the engine (and its connector and pool client). The HTTP
   side sends commands: add a request, abort one, or call a function on the engine (admin
-  calls, stats snapshots), whose result resolves an asyncio future.
+  calls, stats snapshots), whose result resolves an asyncio future; and, from the thread
+  that parsed them, a long prompt's first ids (a hint: its restore's first copies start
+  while the rest of its body is parsed).
 - Only the event loop touches the per-request queues: the engine thread hands each step's
   outputs over with one `loop.call_soon_threadsafe`, and the loop fans them out.
 - The loop steps while any request is unfinished and blocks on the queue otherwise, so an
@@ -45,6 +47,10 @@ T = TypeVar("T")
 # long for commands before stepping again: a busy spin would take the GIL from the copy
 # thread and the event loop.
 _IDLE_STEP_WAIT_S = 0.001
+# A prompt head's hint pins pool pages until a request's match takes or drops it; one whose
+# request never came (refused after its body was read) is dropped after the engine has
+# been idle this long.
+_HINT_LIFE_S = 1.0
 
 
 class EngineFailure(Exception):
@@ -88,6 +94,12 @@ class _Add:
 
 
 @dataclass(frozen=True)
+class _Hint:
+    prompt_head: PromptIds
+    cache_salt: str | None
+
+
+@dataclass(frozen=True)
 class _Abort:
     request_id: str
 
@@ -108,7 +120,7 @@ class _IdleWork:
     pass
 
 
-_Command = _Add | _Abort | _Call | _Stop | _IdleWork
+_Command = _Add | _Hint | _Abort | _Call | _Stop | _IdleWork
 _Item = RequestOutput | EngineFailure
 
 
@@ -176,6 +188,11 @@ class EngineThread:
             self._commands.put(_Add(request_id, prompt_token_ids, params, cache_salt))
         return stream
 
+    def hint(self, prompt_head: PromptIds, cache_salt: str | None = None) -> None:
+        """The first ids of a prompt still being read (LLMEngine.hint_prompt_head); callable
+        from any thread, so that the thread that parsed them sends them at once."""
+        self._commands.put(_Hint(prompt_head, cache_salt))
+
     def abort(self, request_id: str) -> None:
         """Stop a request (client gone) and free its blocks; later outputs are dropped."""
         if self._streams.pop(request_id, None) is not None:
@@ -229,17 +246,22 @@ class EngineThread:
         if device.type == "cuda":  # a new thread starts on GPU 0, whatever the engine's GPU
             torch.cuda.set_device(device)
         wait: float | None = None  # None: block until a command comes
+        hinted = False  # a hint was applied since the engine last went idle long enough
         while True:
             try:
                 commands = [self._commands.get(timeout=wait)]
             except queue.Empty:
                 commands = []
+                if hinted and not self.engine.has_unfinished():
+                    self.engine.drop_hint()
+                    hinted = False
             with contextlib.suppress(queue.Empty):
                 while True:
                     commands.append(self._commands.get_nowait())
             for command in commands:
                 if isinstance(command, _Stop):
                     return
+                hinted |= isinstance(command, _Hint)
                 self._apply(command)
             produced = False
             if self.engine.has_unfinished():
@@ -248,7 +270,7 @@ class EngineThread:
                     self._post(self._queue_idle_work)
             self.snapshot = snapshot_of(self.engine)
             if not self.engine.has_unfinished():
-                wait = None
+                wait = _HINT_LIFE_S if hinted else None
             else:
                 wait = 0.0 if produced else _IDLE_STEP_WAIT_S
 
@@ -258,8 +280,13 @@ class EngineThread:
         assert self._loop is not None
         self._loop.call_soon(self._commands.put, _IdleWork())
 
-    def _apply(self, command: _Add | _Abort | _Call | _IdleWork) -> None:
-        if isinstance(command, _Add):
+    def _apply(self, command: _Add | _Hint | _Abort | _Call | _IdleWork) -> None:
+        if isinstance(command, _Hint):
+            try:
+                self.engine.hint_prompt_head(command.prompt_head, command.cache_salt)
+            except Exception:  # a hint is an optimization: it never stops the engine
+                _log.exception("a prompt head's hint failed")
+        elif isinstance(command, _Add):
             try:
                 self.engine.add_request(
                     command.request_id, command.prompt_token_ids, command.params, command.cache_salt

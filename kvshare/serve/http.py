@@ -10,6 +10,7 @@ import os
 import re
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -109,22 +110,47 @@ class ArrayReader:
     def pieces(self, nbytes: int) -> int:
         return max(1, min(self.threads, nbytes // self.piece_bytes))
 
-    def read(self, data: bytes, spans: list[tuple[int, int]]) -> list[np.ndarray | None]:
-        """_read_ids of each data[a:b], each on a thread: a piece's copy out of `data` (with
-        the GIL held) overlaps the pieces before it being parsed."""
-        return list(self._pool.map(_read_span, [data] * len(spans), *zip(*spans)))
+    def read(
+        self, data: bytes, spans: list[tuple[int, int]]
+    ) -> Callable[[], list[np.ndarray | None]]:
+        """Starts _read_ids of each data[a:b], each on a thread (a piece's copy out of
+        `data`, with the GIL held, overlaps the pieces before it being parsed); the
+        returned function waits for them and gives their results in order."""
+        futures = [self._pool.submit(_read_span, data, a, b) for a, b in spans]
+        return lambda: [future.result() for future in futures]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+@dataclass(frozen=True)
+class PromptHead:
+    """Who wants a long token array's first `ids` ids before the rest is read: `send(ids,
+    body)` is called once with them (and the whole body, for the caller to find other
+    fields in), on the thread that reads the array, while the rest is read on the reader's
+    threads. The ids are unchecked: the array may still be refused, and send must not
+    raise (a failure is logged, never the request's)."""
+
+    ids: int
+    send: Callable[[np.ndarray, bytes], None]
+
+
+# Bytes of text the head piece holds per id it is meant to hold: an id below 10**6 (every
+# vocabulary's), its comma and one space (json.dumps' default separator) take at most 8.
+_HEAD_BYTES_PER_ID = 8
+
+
 def token_array(
-    data: bytes, start: int, reader: ArrayReader | None = None
+    data: bytes,
+    start: int,
+    reader: ArrayReader | None = None,
+    head: PromptHead | None = None,
 ) -> tuple[np.ndarray, int] | None:
     """The JSON array at data[start] ("[") as int32 and the index after its "]", when it
     is a non-empty flat list of integers in [0, 10**9) written as JSON writes them; None
     for anything else, which the general parser then reads (with its errors). A long array
-    is read in pieces cut at commas on `reader`'s threads.
+    is read in pieces cut at commas on `reader`'s threads; with `head`, an array of more
+    than twice its ids' text has its first ids read first, by this thread, and sent.
 
     Exact, not a guess: the array holds only digits, commas and JSON whitespace (so its
     first "]" ends it) and every piece passes _read_ids, so the whole does: each piece has
@@ -137,15 +163,30 @@ def token_array(
     stop = data.find(b"]", start)
     if stop < 0:
         return None
-    spans = _cut_at_commas(data, start + 1, stop, reader.pieces(stop - start - 1) if reader else 1)
-    if reader is not None and len(spans) > 1:
-        read = reader.read(data, spans)
-    else:
-        read = [_read_span(data, *spans[0])]
+    first, head_span = start + 1, None
+    if head is not None and stop - first > 2 * head.ids * _HEAD_BYTES_PER_ID:
+        cut = data.find(b",", first + head.ids * _HEAD_BYTES_PER_ID, stop)
+        if cut > 0:
+            first, head_span = cut + 1, (first, cut)
+    spans = _cut_at_commas(data, first, stop, reader.pieces(stop - first) if reader else 1)
+    rest = reader.read(data, spans) if reader is not None and len(spans) > 1 else None
+    read: list[np.ndarray | None] = []
+    if head is not None and head_span is not None:
+        read.append(_read_span(data, *head_span))
+        if read[0] is not None:
+            _send_head(head, read[0], data)
+    read += rest() if rest is not None else [_read_span(data, *spans[0])]
     arrays = [ids for ids in read if ids is not None]
     if len(arrays) != len(read):
         return None
     return (arrays[0] if len(arrays) == 1 else np.concatenate(arrays)), stop + 1
+
+
+def _send_head(head: PromptHead, ids: np.ndarray, data: bytes) -> None:
+    try:
+        head.send(ids, data)
+    except Exception:  # a head's receiver only speeds a request up: it never fails one
+        _log.exception("sending a prompt's first ids failed")
 
 
 def _cut_at_commas(data: bytes, start: int, stop: int, pieces: int) -> list[tuple[int, int]]:
@@ -220,7 +261,7 @@ _ARRAY_STAND_IN = "0"
 
 
 def _object_around_token_array(
-    raw: bytes, reader: ArrayReader | None
+    raw: bytes, reader: ArrayReader | None, head: PromptHead | None
 ) -> tuple[dict[str, Any], str] | None:
     """json.loads(raw) for a JSON object whose top-level `prompt` is the first array
     _PROMPT_ARRAY finds and token_array reads (as an int32 array instead of a list), and
@@ -236,7 +277,7 @@ def _object_around_token_array(
     match = _PROMPT_ARRAY.search(raw)
     if match is None:
         return None
-    read = token_array(raw, match.end() - 1, reader)
+    read = token_array(raw, match.end() - 1, reader, head)
     if read is None:
         return None
     ids, end = read
@@ -281,15 +322,17 @@ def _object_with_value_at(text: str, at: int, value: object) -> dict[str, Any] |
         i = _skip_space(text, i + 1)
 
 
-def parse_json_object(raw: bytes, reader: ArrayReader | None = None) -> dict[str, Any]:
+def parse_json_object(
+    raw: bytes, reader: ArrayReader | None = None, head: PromptHead | None = None
+) -> dict[str, Any]:
     """A request body as a JSON object; APIError 400 for invalid UTF-8, malformed JSON (NaN
     included), nesting too deep for the parser, a lone UTF-16 surrogate in a string, or a
     non-object. In a body of TOKEN_ARRAY_BYTES or more, a top-level `prompt` that is a list
     of token ids comes back as an int32 numpy array (see token_array; `reader`: read in
-    pieces on its threads)."""
+    pieces on its threads; `head`: gets the first ids first)."""
     if len(raw) >= TOKEN_ARRAY_BYTES:
         try:
-            fast = _object_around_token_array(raw, reader)
+            fast = _object_around_token_array(raw, reader, head)
         except (ValueError, RecursionError, StopIteration):
             fast = None
         if fast is not None:
@@ -326,8 +369,10 @@ async def read_json_object(
     allow_empty: bool = False,
     clock: PhaseClock | None = None,
     reader: ArrayReader | None = None,
+    head: PromptHead | None = None,
 ) -> dict[str, Any]:
-    """The body as a JSON object (see parse_json_object; its token array on `reader`), or a
+    """The body as a JSON object (see parse_json_object; its token array on `reader`, its
+    first ids to `head`), or a
     request the router packed (kvshare.serve.packed_request); 415 for another content type,
     413 over the app's size limit. A large JSON body is parsed off the event loop. `clock`
     gets the phases `read` and `parse`."""
@@ -341,7 +386,7 @@ async def read_json_object(
     elif request.content_type != "application/json":
         raise APIError(415, f"Content-Type must be application/json, got {request.content_type!r}")
     elif len(raw) > PARSE_ON_LOOP_BYTES:
-        body = await asyncio.to_thread(parse_json_object, raw, reader)
+        body = await asyncio.to_thread(parse_json_object, raw, reader, head)
     else:
         body = parse_json_object(raw)
     if clock is not None:

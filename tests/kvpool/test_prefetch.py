@@ -9,6 +9,7 @@ import random
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pytest
 
 from kvshare import LLM, SamplingParams
@@ -203,6 +204,88 @@ def test_a_full_lookup_that_fails_releases_the_head_lease_and_the_prompt_is_comp
     assert hit.token_ids == reference.token_ids and hit.pool_hit_tokens == 0
     assert [name for name, _ in events] == ["head lookup", "prefetch"]
     assert connector.client.stats()["leases"] == 0
+
+
+# -- hints: a prompt's head before its request reached the engine --------------------------
+
+
+def test_a_hinted_head_is_the_restores_prefetch_and_its_match_makes_no_head_lookup(
+    pools: PoolFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm, connector, reference = _stored_replica(pools)
+    events = _record_prefetches(connector, monkeypatch, ahead=2)
+    engine = llm.engine
+    assert engine.hint_tokens == 2 * connector.chunk_tokens
+    assert engine.hint_prompt_head(np.array(PROMPT[: engine.hint_tokens], dtype=np.int32))
+    assert [name for name, _ in events] == ["head lookup", "prefetch"]
+    assert connector.client.stats()["leases"] == 1  # the hint pins what it prefetches
+
+    hit = llm.generate([PROMPT], GREEDY)[0]
+    assert hit.token_ids == reference.token_ids
+    assert hit.pool_hit_tokens == 4 * connector.chunk_tokens
+    assert [name for name, _ in events] == ["head lookup", "prefetch", "lookup", "load"]
+    assert events[2][1] == events[0][1] != 0  # the full lookup released the hint's lease
+    assert events[3][1][1] is not None  # the load got the hint's prefetch
+    assert (connector.counters["hints"], connector.counters["hints_taken"]) == (1, 1)
+    stats = connector.client.stats()
+    assert stats["leases"] == 0 and stats["pinned"] == 0
+
+
+def test_a_hint_for_another_prompt_or_salt_is_dropped_by_the_next_match(
+    pools: PoolFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm, connector, reference = _stored_replica(pools)
+    events = _record_prefetches(connector, monkeypatch, ahead=2)
+    head = np.array(PROMPT, dtype=np.int32)
+    assert llm.engine.hint_prompt_head(head)
+    salted = llm.generate([PROMPT], GREEDY, cache_salt="tenant-b")[0]
+    assert salted.token_ids == reference.token_ids and salted.pool_hit_tokens == 0
+    hint_lease = events[0][1]
+    # Its match dropped the hint, looked its own head up (nothing stored under that salt).
+    assert [name for name, _ in events[2:4]] == ["head lookup", "lookup"]
+    assert connector.counters["hints_taken"] == 0
+    assert connector.client.release(hint_lease) is False  # released by that match
+    assert connector.client.stats()["leases"] == 0
+
+    other = [t + 1 for t in PROMPT]
+    assert not llm.engine.hint_prompt_head(np.array(other, dtype=np.int32))  # nothing stored
+    assert connector.client.stats()["leases"] == 0
+
+
+def test_no_hint_where_the_gpu_holds_the_head_or_the_engine_is_busy(
+    pools: PoolFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm, connector, _ = _stored_replica(pools)
+    events = _record_prefetches(connector, monkeypatch, ahead=2)
+    engine = llm.engine
+    head = np.array(PROMPT, dtype=np.int32)
+    engine.add_request("busy", [5, 6, 7], GREEDY)
+    assert not engine.hint_prompt_head(head)
+    engine.abort("busy")
+    engine.step()
+    llm.generate([PROMPT], GREEDY)  # a pool hit: now the GPU cache holds the prompt
+    events.clear()
+    assert not engine.hint_prompt_head(head)
+    assert events == [] and connector.counters["hints"] == 0
+    for wrong in (np.array([-1, 2], dtype=np.int32), np.array([], dtype=np.int32)):
+        assert not engine.hint_prompt_head(wrong)
+    assert not engine.hint_prompt_head(head, cache_salt="")  # a salt the engine refuses
+    connector.set_enabled(False)
+    engine.reset_prefix_cache()
+    assert not engine.hint_prompt_head(head)
+    assert events == [] and connector.client.stats()["leases"] == 0
+
+
+def test_drop_hint_releases_a_hint_no_request_took(
+    pools: PoolFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm, connector, _ = _stored_replica(pools)
+    _record_prefetches(connector, monkeypatch, ahead=2)
+    assert llm.engine.hint_prompt_head(np.array(PROMPT, dtype=np.int32))
+    assert connector.client.stats()["leases"] == 1
+    llm.engine.drop_hint()
+    assert connector.client.stats()["leases"] == 0
+    llm.engine.drop_hint()  # nothing held: nothing to do
 
 
 # -- the CUDA transfer ----------------------------------------------------------------------

@@ -17,6 +17,7 @@ from kvshare.serve.errors import APIError
 from kvshare.serve.http import (
     TOKEN_ARRAY_BYTES,
     ArrayReader,
+    PromptHead,
     _cut_at_commas,
     parse_json_object,
     token_array,
@@ -69,6 +70,56 @@ def test_a_list_of_ids_reads_as_json_loads_reads_it(
     in_pieces = token_array(array.encode(), 0, pieces)
     assert in_pieces is not None and in_pieces[0].tolist() == ids
     assert plain(parse_json_object(text.encode(), pieces)) == json.loads(text)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 10**9 - 1), min_size=1, max_size=120),
+    wide=st.booleans(),
+    space=SPACE,
+    head_ids=st.integers(1, 6),
+    threaded=st.booleans(),
+)
+def test_a_head_gets_the_arrays_first_ids_once_and_the_array_reads_whole(
+    ids: list[int],
+    wide: bool,
+    space: str,
+    head_ids: int,
+    threaded: bool,
+    pieces: ArrayReader,
+) -> None:
+    """The head is the array's first ids, sent once, only for an array of more than twice
+    its text with a comma past it; at least `ids` of them for ids below 10**6 written with
+    at most one space; and the array still reads as the list (the pieces after the head
+    join exactly)."""
+    values = ids if wide else [i % 10**6 for i in ids]
+    array = "[" + ("," + space).join(map(str, values)) + "]"
+    sent: list[tuple[list[int], bytes]] = []
+    head = PromptHead(head_ids, lambda got, body: sent.append((got.tolist(), body)))
+    data = array.encode()
+    found = token_array(data, 0, pieces if threaded else None, head)
+    assert found is not None and found[0].tolist() == values and found[1] == len(array)
+    if len(array) - 2 <= 2 * head_ids * 8 or array.find(",", 1 + head_ids * 8) < 0:
+        assert sent == []
+        return
+    assert len(sent) == 1
+    first, body = sent[0]
+    assert body is data and first == values[: len(first)] and len(first) < len(values)
+    if not wide and len(space) <= 1:
+        assert len(first) >= head_ids
+
+
+def test_a_head_that_raises_costs_the_head_only(
+    pieces: ArrayReader, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(ids: np.ndarray, body: bytes) -> None:
+        raise RuntimeError("injected")
+
+    ids = list(range(5000))
+    text = json.dumps({"model": "m", "prompt": ids, "pad": PAD})
+    parsed = parse_json_object(text.encode(), pieces, PromptHead(100, broken))
+    assert parsed["prompt"].tolist() == ids
+    assert "sending a prompt's first ids failed" in caplog.text
 
 
 @given(
