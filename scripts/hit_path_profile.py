@@ -643,13 +643,13 @@ async def http_hits(
     repeats: int,
     max_tokens: int,
     without_hints: bool = False,
-) -> dict[str, Any]:
+) -> tuple[dict[str, list[dict]], list[Any]]:
     """`repeats` hits sent to the router as the bench sends them (streamed, timed to the
     first token), routed by the policy and pinned to the replica alternately (with
     `without_hints`, a third kind: pinned, the replica sending no prompt head to its
     engine), each after a reset of the replica's GPU-local prefix cache: time to first
     token at the client and the Server-Timing phases of router and replica; and the
-    replica's pool counters after them ("pool_counters")."""
+    replica's pool counters after them."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         client = BenchClient(session, served.router_url, name, text_content=False)
         deadline = time.monotonic() + 60
@@ -666,7 +666,7 @@ async def http_hits(
         ]
         if without_hints:
             kinds.append(("pinned, no hint", RequestOptions(max_tokens, replica=0)))
-        hits: dict[str, Any] = {kind: [] for kind, _ in kinds}
+        hits: dict[str, list[dict]] = {kind: [] for kind, _ in kinds}
         head = served.server.head
         for r in range(repeats):
             for kind, options in kinds:
@@ -683,18 +683,15 @@ async def http_hits(
                 print(f"http hit {r}, {kind}: {hit}", flush=True)
                 hits[kind].append(hit)
         served.server.head = head
-        stats = await client.stats()
-        hits["pool_counters"] = [replica.get("kv_pool") for replica in stats]
-        print(f"replica pool counters: {hits['pool_counters']}", flush=True)
-        return hits
+        counters = [replica.get("kv_pool") for replica in await client.stats()]
+        print(f"replica pool counters: {counters}", flush=True)
+        return hits, counters
 
 
-def print_http_hits(hits: dict[str, Any], engine_ttft_s: float) -> None:
+def print_http_hits(hits: dict[str, list[dict]], engine_ttft_s: float) -> None:
     """Per kind of hit, medians: the client's time to first token, each phase, and the
     serving path's time (the client's TTFT less the replica's engine phase, hit by hit)."""
     for kind, runs in hits.items():
-        if kind == "pool_counters":
-            continue
         ttft = statistics.median(h["ttft_s"] for h in runs)
         serving = statistics.median(
             1e3 * h["ttft_s"] - h["server_timing_ms"]["engine"] for h in runs
@@ -901,7 +898,7 @@ def main() -> int:
             timer.active = False
             serving = ServedEngine(engine, args.model)
             try:
-                result["http_hits"] = asyncio.run(
+                result["http_hits"], result["http_pool_counters"] = asyncio.run(
                     http_hits(
                         serving,
                         follow_up,

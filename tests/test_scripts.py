@@ -59,17 +59,23 @@ def test_the_hit_profile_compares_settings_and_goes_through_http_on_the_cpu(
         str(64 << 20),
         "--http",
         "1",
+        "--http-without-hints",
         "--json",
         str(out),
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    # Through the router and the replica's app, routed and pinned: pool hits, timed in both.
-    http = json.loads(out.read_text())["http_hits"]
-    assert sorted(http) == ["pinned", "routed"]
+    # Through the router and the replica's app, routed and pinned (with the replica's
+    # prompt-head hints and without: the CPU transfer prefetches nothing, so none is made):
+    # pool hits, timed in each; the replica's pool counters after them.
+    result = json.loads(out.read_text())
+    http = result["http_hits"]
+    assert sorted(http) == ["pinned", "pinned, no hint", "routed"]
     for (hit,) in http.values():
         assert hit["pool_hit_tokens"] == 2048
         assert {"router-upstream", "engine", "total"} <= set(hit["server_timing_ms"])
+    (counters,) = result["http_pool_counters"]
+    assert counters["lookups"] >= 3 and counters.get("hints", 0) == 0
     firsts = re.findall(
         r"^layer groups (\d+): time to first token .*first tokens (\[.*\])$", done.stdout, re.M
     )
