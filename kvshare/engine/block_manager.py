@@ -87,6 +87,14 @@ def block_hashes(
     return out
 
 
+def prompt_block_hashes(
+    token_ids: Sequence[int] | np.ndarray, block_size: int, cache_salt: str | None
+) -> list[bytes]:
+    """The hashes the prefix cache knows a prompt's full blocks by: chained from the root
+    of its salt (a sequence computes the same ones as its tokens come)."""
+    return block_hashes(token_ids, block_size, parent=salted_root(ROOT_HASH, cache_salt))
+
+
 class BlockManager:
     """Owns block ids 0..num_blocks-1. Not thread-safe: the engine loop is its only user."""
 

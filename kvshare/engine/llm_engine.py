@@ -21,13 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvshare.engine.block_manager import (
-    ROOT_HASH,
-    BlockManager,
-    block_hashes,
-    check_cache_salt,
-    salted_root,
-)
+from kvshare.engine.block_manager import BlockManager, check_cache_salt, prompt_block_hashes
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.connector import KVConnector, PagedKVCache
 from kvshare.engine.model_runner import ModelRunner
@@ -236,8 +230,7 @@ class LLMEngine:
         if ids is None:
             return False
         chunk, bs = self.connector.chunk_tokens, self.config.block_size
-        root = salted_root(ROOT_HASH, salt)
-        local = self.blocks.match_prefix(block_hashes(ids[: max(chunk, bs)], bs, parent=root))
+        local = self.blocks.match_prefix(prompt_block_hashes(ids[: max(chunk, bs)], bs, salt))
         if len(local) * bs >= chunk:
             return False
         return self.connector.hint(ids, salt)

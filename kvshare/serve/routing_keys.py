@@ -2,7 +2,7 @@
 
 Token ids come from `kvshare.serve.prompts`, the code the replicas run, with the model's
 own tokenizer and chat template (docs/architecture.md F12), and the hashes are the engine's GPU
-prefix-cache hashes (`block_hashes`), so a router block and an engine block name the same
+prefix-cache hashes (`prompt_block_hashes`), so a router block and an engine block name the same
 prefix. A model without a tokenizer (`shape:NAME`) has exact keys for token-id prompts;
 for text (which such a replica refuses anyway) and for chat messages the router falls back
 to hashing the raw UTF-8 text, or the messages as one JSON line each, in blocks of
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvshare.engine.block_manager import ROOT_HASH, block_hashes, check_cache_salt, salted_root
+from kvshare.engine.block_manager import check_cache_salt, prompt_block_hashes, salted_root
 from kvshare.models.tokenizer import Tokenizer
 from kvshare.serve.prompts import PromptError, request_prompt_ids
 
@@ -63,8 +63,7 @@ class RoutingKeys:
             ids = request_prompt_ids(self.tokenizer, path, body)
         except PromptError:
             return self._fallback(path, body, cache_salt) if self.tokenizer is None else Prefix()
-        root = salted_root(ROOT_HASH, cache_salt)
-        return Prefix(tuple(block_hashes(ids, self.block_tokens, parent=root)), len(ids))
+        return Prefix(tuple(prompt_block_hashes(ids, self.block_tokens, cache_salt)), len(ids))
 
     def _fallback(self, path: str, body: dict[str, object], cache_salt: str | None) -> Prefix:
         if path.endswith("/chat/completions"):
