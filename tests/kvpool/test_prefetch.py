@@ -151,13 +151,30 @@ def _stored_replica(
     return llm, connector, reference
 
 
+def _prefetching_replica(
+    pools: PoolFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    ahead: int,
+    model: str = "shape:tiny-qwen3",
+    salts: tuple[str, ...] = (),
+) -> tuple[LLM, PoolConnector, RequestOutput, list[tuple[str, object]]]:
+    """_stored_replica (the prompt stored under each of `salts` too), then its transfer
+    prefetching `ahead` pages: the replica, its connector, its answer without the pool and
+    the recorded events (_record_prefetches)."""
+    llm, connector, reference = _stored_replica(pools, model)
+    for salt in salts:
+        llm.generate([PROMPT], GREEDY, cache_salt=salt)
+        connector.wait_idle()
+        llm.engine.reset_prefix_cache()
+    return llm, connector, reference, _record_prefetches(connector, monkeypatch, ahead)
+
+
 @pytest.mark.parametrize("model", ["shape:tiny-qwen3", "shape:tiny-qwen3.5"])
 def test_a_long_restore_hands_its_first_pages_to_the_transfer_before_the_full_lookup(
     pools: PoolFactory, model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    llm, connector, reference = _stored_replica(pools, model)
+    llm, connector, reference, events = _prefetching_replica(pools, monkeypatch, 2, model)
     lookups_before = connector.client.stats()["lookups"]
-    events = _record_prefetches(connector, monkeypatch, ahead=2)
     hit = llm.generate([PROMPT], GREEDY)[0]
 
     assert hit.token_ids == reference.token_ids
@@ -180,8 +197,7 @@ def test_a_long_restore_hands_its_first_pages_to_the_transfer_before_the_full_lo
 def test_a_restore_no_longer_than_the_prefetch_makes_no_head_lookup(
     pools: PoolFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    llm, connector, _ = _stored_replica(pools)
-    events = _record_prefetches(connector, monkeypatch, ahead=4)
+    llm, connector, _, events = _prefetching_replica(pools, monkeypatch, 4)
     assert llm.generate([PROMPT], GREEDY)[0].pool_hit_tokens == 4 * connector.chunk_tokens
     assert [name for name, _ in events] == ["lookup", "load"]
     assert events[1][1][1] is None
@@ -190,8 +206,7 @@ def test_a_restore_no_longer_than_the_prefetch_makes_no_head_lookup(
 def test_a_full_lookup_that_fails_releases_the_head_lease_and_the_prompt_is_computed(
     pools: PoolFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    llm, connector, reference = _stored_replica(pools)
-    events = _record_prefetches(connector, monkeypatch, ahead=2)
+    llm, connector, reference, events = _prefetching_replica(pools, monkeypatch, 2)
     lookup = connector.client.lookup
 
     def failing_full_lookup(*args: Any, **kwargs: Any) -> LookupResult:
@@ -212,8 +227,7 @@ def test_a_full_lookup_that_fails_releases_the_head_lease_and_the_prompt_is_comp
 def test_a_hinted_head_is_the_restores_prefetch_and_its_match_makes_no_head_lookup(
     pools: PoolFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    llm, connector, reference = _stored_replica(pools)
-    events = _record_prefetches(connector, monkeypatch, ahead=2)
+    llm, connector, reference, events = _prefetching_replica(pools, monkeypatch, 2)
     engine = llm.engine
     assert engine.hint_tokens == 2 * connector.chunk_tokens
     assert engine.hint_prompt_head(np.array(PROMPT[: engine.hint_tokens], dtype=np.int32))
@@ -234,8 +248,7 @@ def test_a_hinted_head_is_the_restores_prefetch_and_its_match_makes_no_head_look
 def test_a_hint_for_another_prompt_or_salt_is_dropped_by_the_next_match(
     pools: PoolFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    llm, connector, reference = _stored_replica(pools)
-    events = _record_prefetches(connector, monkeypatch, ahead=2)
+    llm, connector, reference, events = _prefetching_replica(pools, monkeypatch, 2)
     head = np.array(PROMPT, dtype=np.int32)
     assert llm.engine.hint_prompt_head(head)
     salted = llm.generate([PROMPT], GREEDY, cache_salt="tenant-b")[0]
@@ -255,8 +268,7 @@ def test_a_hint_for_another_prompt_or_salt_is_dropped_by_the_next_match(
 def test_no_hint_where_the_gpu_holds_the_head_or_the_engine_is_busy(
     pools: PoolFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    llm, connector, _ = _stored_replica(pools)
-    events = _record_prefetches(connector, monkeypatch, ahead=2)
+    llm, connector, _, events = _prefetching_replica(pools, monkeypatch, 2)
     engine = llm.engine
     head = np.array(PROMPT, dtype=np.int32)
     engine.add_request("busy", [5, 6, 7], GREEDY)
@@ -279,8 +291,7 @@ def test_no_hint_where_the_gpu_holds_the_head_or_the_engine_is_busy(
 def test_drop_hint_releases_a_hint_no_request_took(
     pools: PoolFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    llm, connector, _ = _stored_replica(pools)
-    _record_prefetches(connector, monkeypatch, ahead=2)
+    llm, connector, _, _ = _prefetching_replica(pools, monkeypatch, 2)
     assert llm.engine.hint_prompt_head(np.array(PROMPT, dtype=np.int32))
     assert connector.client.stats()["leases"] == 1
     llm.engine.drop_hint()
@@ -396,8 +407,7 @@ def test_a_request_whose_match_was_cancelled_asks_again_without_a_prefetch(
 ) -> None:
     """The scheduler cancels a match when the request's blocks do not fit, and asks again
     at later steps: those asks prefetch nothing (each would copy for nothing)."""
-    _, connector, _ = _stored_replica(pools)
-    events = _record_prefetches(connector, monkeypatch, ahead=2)
+    _, connector, _, events = _prefetching_replica(pools, monkeypatch, 2)
     hit_tokens = 4 * connector.chunk_tokens
     assert connector.match("r", PROMPT, 0).num_tokens == hit_tokens
     connector.cancel("r")
@@ -411,8 +421,7 @@ def test_a_request_whose_match_was_cancelled_asks_again_without_a_prefetch(
 def test_a_prefetch_that_raises_costs_the_prefetch_only(
     pools: PoolFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    llm, connector, reference = _stored_replica(pools)
-    events = _record_prefetches(connector, monkeypatch, ahead=2)
+    llm, connector, reference, events = _prefetching_replica(pools, monkeypatch, 2)
 
     def failing_prefetch(copies: list[PageCopy]) -> Prefetch:
         raise RuntimeError("injected: a copy failed to start")

@@ -18,7 +18,7 @@ from kvshare.kvpool.client import PoolClient
 from kvshare.kvpool.connector import PoolConnector
 from kvshare.serve.server import ServeConfig, build_app
 from tests.kvpool.pool_fixture import PoolFactory
-from tests.kvpool.test_prefetch import GREEDY, PROMPT, _record_prefetches, _stored_replica
+from tests.kvpool.test_prefetch import GREEDY, PROMPT, _prefetching_replica
 from tests.serve.inprocess import BackgroundServer
 
 # Pads a body past the size from which its token array is read in pieces.
@@ -58,11 +58,7 @@ class Replica:
 def replica(pools: PoolFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[Replica]:
     """A replica whose pool holds PROMPT (unsalted and under the salt "t1"), its GPU cache
     empty, its transfer prefetching one page (recorded)."""
-    llm, connector, reference = _stored_replica(pools)
-    llm.generate([PROMPT], GREEDY, cache_salt="t1")
-    connector.wait_idle()
-    llm.engine.reset_prefix_cache()
-    events = _record_prefetches(connector, monkeypatch, ahead=1)
+    llm, connector, reference, events = _prefetching_replica(pools, monkeypatch, 1, salts=("t1",))
     served = Replica(llm, connector, reference, events)
     yield served
     served.close()
