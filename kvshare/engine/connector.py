@@ -315,6 +315,11 @@ class KVConnector(ABC):
         """Let go of the hint no match took (its request never came)."""
         return None
 
+    @property
+    def holds_hint(self) -> bool:
+        """A hint is held: no match took or dropped it yet."""
+        return False
+
     def wait_idle(self) -> None:
         """Block until every store in flight has completed and been committed (an idle
         engine, tests, shutdown); loads are finished by their requests."""

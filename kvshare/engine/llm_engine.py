@@ -240,6 +240,10 @@ class LLMEngine:
         if self.connector is not None:
             self.connector.drop_hint()
 
+    @property
+    def holds_hint(self) -> bool:
+        return self.connector is not None and self.connector.holds_hint
+
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False when it is unknown or already done."""
         req = self.requests.get(request_id)

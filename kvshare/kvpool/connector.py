@@ -437,6 +437,10 @@ class PoolConnector(KVConnector):
         if hint is not None:
             self._release(hint.lease)
 
+    @property
+    def holds_hint(self) -> bool:
+        return self._hint is not None
+
     def _prefetch_head(
         self,
         req: _Request,

@@ -246,22 +246,19 @@ class EngineThread:
         if device.type == "cuda":  # a new thread starts on GPU 0, whatever the engine's GPU
             torch.cuda.set_device(device)
         wait: float | None = None  # None: block until a command comes
-        hinted = False  # a hint was applied since the engine last went idle long enough
         while True:
             try:
                 commands = [self._commands.get(timeout=wait)]
             except queue.Empty:
                 commands = []
-                if hinted and not self.engine.has_unfinished():
+                if not self.engine.has_unfinished():  # a hint held that long: no request came
                     self.engine.drop_hint()
-                    hinted = False
             with contextlib.suppress(queue.Empty):
                 while True:
                     commands.append(self._commands.get_nowait())
             for command in commands:
                 if isinstance(command, _Stop):
                     return
-                hinted |= isinstance(command, _Hint)
                 self._apply(command)
             produced = False
             if self.engine.has_unfinished():
@@ -270,7 +267,7 @@ class EngineThread:
                     self._post(self._queue_idle_work)
             self.snapshot = snapshot_of(self.engine)
             if not self.engine.has_unfinished():
-                wait = _HINT_LIFE_S if hinted else None
+                wait = _HINT_LIFE_S if self.engine.holds_hint else None
             else:
                 wait = 0.0 if produced else _IDLE_STEP_WAIT_S
 

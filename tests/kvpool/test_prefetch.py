@@ -293,9 +293,9 @@ def test_drop_hint_releases_a_hint_no_request_took(
 ) -> None:
     llm, connector, _, _ = _prefetching_replica(pools, monkeypatch, 2)
     assert llm.engine.hint_prompt_head(np.array(PROMPT, dtype=np.int32))
-    assert connector.client.stats()["leases"] == 1
+    assert connector.client.stats()["leases"] == 1 and llm.engine.holds_hint
     llm.engine.drop_hint()
-    assert connector.client.stats()["leases"] == 0
+    assert connector.client.stats()["leases"] == 0 and not llm.engine.holds_hint
     llm.engine.drop_hint()  # nothing held: nothing to do
 
 
