@@ -182,3 +182,19 @@ def test_the_copy_rates_part_copies_alone_from_copies_beside_the_step(tmp_path: 
     assert shares == [0.0, 0.0, 0.7, 0.3]
     assert rates["alone_gbps"] == pytest.approx(54.5)
     assert rates["beside_step_gbps"] == pytest.approx(51.0)
+
+
+def test_the_tokenize_ab_checks_the_pieces_ids_and_times_both(tmp_path: Path) -> None:
+    out = tmp_path / "tokenize.json"
+    done = run_script(
+        "tokenize_pieces_ab.py", "--tokens", "40000", "--repeats", "2", "--json", str(out)
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["tokens"] > 30_000 and result["pieces"] >= 1
+    assert {name: len(ms) for name, ms in result["ms"].items()} == {
+        "template": 2,
+        "whole": 2,
+        "pieces": 2,
+    }
+    assert result["pieces_over_whole"] > 0

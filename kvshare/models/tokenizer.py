@@ -19,6 +19,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
+from kvshare.models.text_pieces import encode_in_pieces, piece_count, splits_safely
+
 # llama.cpp's `enum llama_token_type` values that matter here.
 TOKEN_TYPE_CONTROL = 3  # special tokens: <|im_start|>, <|endoftext|>, ...
 TOKEN_TYPE_USER_DEFINED = 4  # added but not special: matched whole in text, kept by decode
@@ -72,6 +74,7 @@ class Tokenizer:
         extra_eos_token_ids: Iterable[int] = (),
     ) -> None:
         self._backend = backend
+        self._cuts_safely = splits_safely(backend)  # long texts are encoded in pieces at once
         self._chat_template = chat_template
         self._bos_token_id = self._token_id(bos_token) if bos_token is not None else None
         eos_ids = [*extra_eos_token_ids, *self._turn_end_ids(chat_template)]
@@ -161,6 +164,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         # Special tokens written in `text` always become their ids; `add_special_tokens` only adds
         # the BOS/EOS the model's tokenizer puts around a sequence.
+        pieces = piece_count(len(text)) if self._cuts_safely else 1
+        if pieces > 1:
+            return encode_in_pieces(self._backend, text, pieces, add_special_tokens)
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

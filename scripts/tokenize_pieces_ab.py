@@ -1,0 +1,89 @@
+"""A long chat prompt's tokenization, whole and in pieces at once (kvshare.models.text_pieces).
+
+python3 scripts/tokenize_pieces_ab.py [--tokens 131072] [--repeats 5] [--json FILE]
+
+Builds a user message of about --tokens tokens of English (words of this repository's README
+in a seeded random order), renders it with SmolLM2's chat template and times, alternated,
+the template and the two encodes of the rendered text: `tokenizers`' own on the whole text
+(what a replica and the router each did per chat request before), and kvshare's
+`Tokenizer.encode` (pieces at once, one per core). Checks that both give the same ids first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from kvshare.models.loader import load_tokenizer
+from kvshare.models.text_pieces import piece_count
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def message_of(tokens: int, seed: int) -> str:
+    words = README.read_text().split()
+    rng = random.Random(seed)
+    return " ".join(rng.choice(words) for _ in range(tokens // 2))  # ~2 tokens a word here
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=131072)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    tokenizer = load_tokenizer("smollm2-135m")
+    assert tokenizer is not None
+    messages = [{"role": "user", "content": message_of(args.tokens, args.seed)}]
+    text = tokenizer.apply_chat_template(messages)
+    whole_ids = tokenizer.backend.encode(text, add_special_tokens=False).ids
+    if tokenizer.encode(text) != whole_ids:
+        raise SystemExit("the pieces' ids differ from the whole's")
+    timings: dict[str, list[float]] = {"template": [], "whole": [], "pieces": []}
+    runs = {
+        "template": lambda: tokenizer.apply_chat_template(messages),
+        "whole": lambda: tokenizer.backend.encode(text, add_special_tokens=False),
+        "pieces": lambda: tokenizer.encode(text),
+    }
+    for _ in range(args.repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            timings[name].append((time.perf_counter() - start) * 1e3)
+    medians = {name: statistics.median(ms) for name, ms in timings.items()}
+    result = {
+        "tokens": len(whole_ids),
+        "chars": len(text),
+        "cores": len(os.sched_getaffinity(0)),
+        "pieces": piece_count(len(text)),
+        "ms": timings,
+        "median_ms": medians,
+        "pieces_over_whole": medians["pieces"] / medians["whole"],
+    }
+    table = Table(title=f"{len(whole_ids):,} tokens, {result['cores']} cores")
+    for column in ("step", "median ms", "runs ms", "/ whole"):
+        table.add_column(column)
+    for name, ms in timings.items():
+        table.add_row(
+            name,
+            f"{medians[name]:.1f}",
+            ", ".join(f"{m:.1f}" for m in ms),
+            f"{medians[name] / medians['whole']:.2f}",
+        )
+    Console().print(table)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
