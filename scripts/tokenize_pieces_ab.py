@@ -1,12 +1,16 @@
-"""A long chat prompt's tokenization, whole and in pieces at once (kvshare.models.text_pieces).
+"""A long chat prompt's handling: its tokenization whole and in pieces at once
+(kvshare.models.text_pieces), and a replica's reading of it as JSON and as the router packs it.
 
 python3 scripts/tokenize_pieces_ab.py [--tokens 131072] [--repeats 5] [--json FILE]
 
 Builds a user message of about --tokens tokens of English (words of this repository's README
-in a seeded random order), renders it with SmolLM2's chat template and times, alternated,
-the template and the two encodes of the rendered text: `tokenizers`' own on the whole text
-(what a replica and the router each did per chat request before), and kvshare's
-`Tokenizer.encode` (pieces at once, one per core). Checks that both give the same ids first.
+in a seeded random order), renders it with SmolLM2's chat template and times, alternated:
+the template; the two encodes of the rendered text, `tokenizers`' own on the whole text
+(what a replica and the router each did per chat request before) and kvshare's
+`Tokenizer.encode` (pieces at once, one per core); and a replica's handling of the request
+body up to its checked prompt ids (`parse_generate`), from the JSON a client sends and from
+the packed body the router sends with the ids it made (kvshare.serve.packed_request). Checks
+first that every way gives the same ids.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from rich.table import Table
 
 from kvshare.models.loader import load_tokenizer
 from kvshare.models.text_pieces import piece_count
+from kvshare.serve.http import parse_json_object
+from kvshare.serve.packed_request import pack_request, unpack_request
+from kvshare.serve.protocol import ModelInfo, parse_generate
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -48,11 +55,23 @@ def main() -> int:
     whole_ids = tokenizer.backend.encode(text, add_special_tokens=False).ids
     if tokenizer.encode(text) != whole_ids:
         raise SystemExit("the pieces' ids differ from the whole's")
-    timings: dict[str, list[float]] = {"template": [], "whole": [], "pieces": []}
+    model = ModelInfo("m", tokenizer, 2 * len(whole_ids), tokenizer.vocab_size, "float32")
+    body = {"model": "m", "messages": messages, "max_tokens": 1}
+    raw = json.dumps(body).encode()
+    packed = pack_request(body, whole_ids, tokenizer.digest)
+    assert packed is not None
+    for read in (parse_json_object(raw), unpack_request(packed)):
+        if parse_generate(read, True, model).prompt_token_ids.tolist() != whole_ids:
+            raise SystemExit("the replica's ids differ from the whole's")
+    timings: dict[str, list[float]] = {
+        name: [] for name in ("template", "whole", "pieces", "replica json", "replica packed")
+    }
     runs = {
         "template": lambda: tokenizer.apply_chat_template(messages),
         "whole": lambda: tokenizer.backend.encode(text, add_special_tokens=False),
         "pieces": lambda: tokenizer.encode(text),
+        "replica json": lambda: parse_generate(parse_json_object(raw), True, model),
+        "replica packed": lambda: parse_generate(unpack_request(packed), True, model),
     }
     for _ in range(args.repeats):
         for name, run in runs.items():

@@ -196,5 +196,7 @@ def test_the_tokenize_ab_checks_the_pieces_ids_and_times_both(tmp_path: Path) ->
         "template": 2,
         "whole": 2,
         "pieces": 2,
+        "replica json": 2,
+        "replica packed": 2,
     }
     assert result["pieces_over_whole"] > 0

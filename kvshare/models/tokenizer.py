@@ -7,9 +7,11 @@ to serve a model. Both produce the ids the Hugging Face tokenizer of the model p
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +162,17 @@ class Tokenizer:
     @property
     def chat_template(self) -> str | None:
         return self._chat_template
+
+    @cached_property
+    def digest(self) -> str:
+        """Names what this tokenizer makes of a prompt: its tokenizer.json, chat template and
+        template tokens. Two tokenizers of one digest give any text or messages the same ids."""
+        parts = (
+            self._backend.to_str(),
+            self._chat_template or "",
+            json.dumps(self._template_tokens),
+        )
+        return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         # Special tokens written in `text` always become their ids; `add_special_tokens` only adds

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvshare.models.tokenizer import Tokenizer
+from kvshare.serve.packed_request import TOKENIZED_KEY, TOKENIZER_KEY
 
 # Token ids as a request carries them: a list, or the int32 array kvshare.serve.http reads
 # a long list of ids into.
@@ -60,7 +61,11 @@ def completion_prompt(prompt: object) -> str | TokenIds:
     )
 
 
-def completion_prompt_ids(tokenizer: Tokenizer | None, prompt: object) -> TokenIds:
+def completion_prompt_ids(
+    tokenizer: Tokenizer | None, prompt: object, tokenized: np.ndarray | None = None
+) -> TokenIds:
+    """The ids of a /v1/completions `prompt`; a text prompt's are `tokenized` when given
+    (the ids this tokenizer made of it elsewhere: `tokenized_by_router`)."""
     text_or_ids = completion_prompt(prompt)
     if not isinstance(text_or_ids, str):
         return text_or_ids
@@ -68,8 +73,8 @@ def completion_prompt_ids(tokenizer: Tokenizer | None, prompt: object) -> TokenI
         raise PromptError(
             "this model has no tokenizer: send the prompt as a list of token ids", "prompt"
         )
-    ids = tokenizer.encode(text_or_ids)
-    if not ids:
+    ids = tokenizer.encode(text_or_ids) if tokenized is None else tokenized
+    if not len(ids):
         raise PromptError("the prompt is empty", "prompt")
     return ids
 
@@ -102,18 +107,44 @@ def chat_messages(messages: object) -> list[dict[str, str]]:
     return out
 
 
-def chat_prompt_ids(tokenizer: Tokenizer | None, messages: object) -> list[int]:
+def chat_prompt_ids(
+    tokenizer: Tokenizer | None, messages: object, tokenized: np.ndarray | None = None
+) -> TokenIds:
+    """The ids of chat `messages` rendered by the chat template; `tokenized` when given
+    (the ids this tokenizer made of them elsewhere: `tokenized_by_router`)."""
     checked = chat_messages(messages)
     if tokenizer is None or tokenizer.chat_template is None:
         raise PromptError("this model has no chat template: use /v1/completions", "messages")
+    if tokenized is not None:
+        return tokenized
     try:
         return tokenizer.encode_chat(checked)
     except ValueError as exc:
         raise PromptError(str(exc), "messages") from None
 
 
+def tokenizes_text(path: str, body: dict[str, Any]) -> bool:
+    """Whether a body's prompt ids come from the tokenizer: chat messages, or a text prompt."""
+    if path.endswith("/chat/completions"):
+        return True
+    prompt = body.get("prompt")
+    return isinstance(prompt, str) or (
+        isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str)
+    )
+
+
+def tokenized_by_router(tokenizer: Tokenizer | None, body: dict[str, Any]) -> np.ndarray | None:
+    """The ids a packed body carries for its text prompt or messages, when the tokenizer
+    that made them is this one (kvshare.serve.packed_request); None: tokenize here."""
+    ids = body.get(TOKENIZED_KEY)
+    if tokenizer is None or not isinstance(ids, np.ndarray):
+        return None
+    return ids if body.get(TOKENIZER_KEY) == tokenizer.digest else None
+
+
 def request_prompt_ids(tokenizer: Tokenizer | None, path: str, body: dict[str, Any]) -> TokenIds:
     """Prompt ids of a parsed /v1/completions or /v1/chat/completions body."""
+    tokenized = tokenized_by_router(tokenizer, body)
     if path.endswith("/chat/completions"):
-        return chat_prompt_ids(tokenizer, body.get("messages"))
-    return completion_prompt_ids(tokenizer, body.get("prompt"))
+        return chat_prompt_ids(tokenizer, body.get("messages"), tokenized)
+    return completion_prompt_ids(tokenizer, body.get("prompt"), tokenized)

@@ -45,7 +45,13 @@ from aiohttp import web
 
 from kvshare.serve.auth import AccessKeys, access_middleware
 from kvshare.serve.errors import APIError, bad_request
-from kvshare.serve.http import ArrayReader, error_middleware, parse_json_object, sse_event
+from kvshare.serve.http import (
+    TOKEN_ARRAY_BYTES,
+    ArrayReader,
+    error_middleware,
+    parse_json_object,
+    sse_event,
+)
 from kvshare.serve.metrics import CONTENT_TYPE, RouterMetrics
 from kvshare.serve.packed_request import CONTENT_TYPE as PACKED_TYPE
 from kvshare.serve.packed_request import pack_request
@@ -147,6 +153,14 @@ class Parsed:
 
     prefix: Prefix = field(default_factory=Prefix)
     packed: bytes | None = None
+    # The digest of the tokenizer whose ids `packed` carries: only a replica of that
+    # tokenizer gets it ("": it carries none).
+    tokenizer: str = ""
+
+    def packed_for(self, replica: Replica) -> bytes | None:
+        if not replica.takes_packed or self.tokenizer not in ("", replica.tokenizer):
+            return None
+        return self.packed
 
 
 class StreamedBody:
@@ -223,8 +237,10 @@ class Replica:
     # One read of the event log at a time: an answer applied after a later one would roll
     # the position back, and the next read would wipe what the policy learned since.
     cache_read: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # Its /health lists the packed request type (kvshare.serve.packed_request).
+    # Its /health lists the packed request type (kvshare.serve.packed_request) and names
+    # its tokenizer's digest ("": none).
     takes_packed: bool = False
+    tokenizer: str = ""
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -303,6 +319,8 @@ class Router:
         if healthy:
             types = info.get("request_types")
             replica.takes_packed = isinstance(types, list) and PACKED_TYPE in types
+            tokenizer = info.get("tokenizer")
+            replica.tokenizer = tokenizer if isinstance(tokenizer, str) else ""
         if healthy and self.policy.uses_prefix and self.admin.cache_events:
             await self._read_cache_events(replica)
         replica.failed_checks = 0 if healthy else replica.failed_checks + 1
@@ -489,7 +507,7 @@ class Router:
                 clock.lap("router-route")
             try:
                 try:
-                    packed = parsed.packed if replica.takes_packed else None
+                    packed = parsed.packed_for(replica)
                     upstream = await self._send(replica, request, body, packed)
                 except _UPSTREAM_ERRORS as exc:
                     if isinstance(body, StreamedBody) and body.broken is not None:
@@ -556,7 +574,13 @@ class Router:
             parsed = parse_json_object(body, reader)
         except APIError:
             return Parsed()  # the replica answers the 400
-        return Parsed(self.keys.prefix_of(path, parsed), pack_request(parsed) if pack else None)
+        prefix, tokenized = self.keys.prompt_of(path, parsed)
+        if not pack:
+            return Parsed(prefix)
+        if tokenized is not None and len(body) >= TOKEN_ARRAY_BYTES:
+            digest = self.keys.tokenizer_digest
+            return Parsed(prefix, pack_request(parsed, tokenized, digest), digest)
+        return Parsed(prefix, pack_request(parsed))
 
     @staticmethod
     async def _finished(

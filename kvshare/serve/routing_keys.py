@@ -23,7 +23,7 @@ import xxhash
 
 from kvshare.engine.block_manager import check_cache_salt, prompt_block_hashes, salted_root
 from kvshare.models.tokenizer import Tokenizer
-from kvshare.serve.prompts import PromptError, request_prompt_ids
+from kvshare.serve.prompts import PromptError, TokenIds, request_prompt_ids, tokenizes_text
 
 BYTES_PER_TOKEN = 4  # the fallback's estimate
 _BYTE_ROOT = b"kvshare-router-bytes"
@@ -49,21 +49,32 @@ class RoutingKeys:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         self.tokenizer = tokenizer
         self.block_tokens = block_tokens
+        # Names the tokenizer to replicas that are sent its ids (kvshare.serve.packed_request).
+        self.tokenizer_digest = tokenizer.digest if tokenizer is not None else ""
 
     def prefix_of(self, path: str, body: object) -> Prefix:
         """The prefix of a parsed request body; empty when it has no usable prompt (the
         replica will answer its 4xx)."""
+        return self.prompt_of(path, body)[0]
+
+    def prompt_of(self, path: str, body: object) -> tuple[Prefix, TokenIds | None]:
+        """The prefix of a parsed request body, and the ids the tokenizer made of its text
+        prompt or chat messages (None: it made none, the prompt was ids or unusable)."""
         if not isinstance(body, dict):
-            return Prefix()
+            return Prefix(), None
         try:
             cache_salt = check_cache_salt(body.get("cache_salt"))
         except ValueError:
-            return Prefix()
+            return Prefix(), None
         try:
             ids = request_prompt_ids(self.tokenizer, path, body)
         except PromptError:
-            return self._fallback(path, body, cache_salt) if self.tokenizer is None else Prefix()
-        return Prefix(tuple(prompt_block_hashes(ids, self.block_tokens, cache_salt)), len(ids))
+            fallback = (
+                self._fallback(path, body, cache_salt) if self.tokenizer is None else Prefix()
+            )
+            return fallback, None
+        prefix = Prefix(tuple(prompt_block_hashes(ids, self.block_tokens, cache_salt)), len(ids))
+        return prefix, ids if tokenizes_text(path, body) else None
 
     def _fallback(self, path: str, body: dict[str, object], cache_salt: str | None) -> Prefix:
         if path.endswith("/chat/completions"):

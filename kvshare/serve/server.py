@@ -187,6 +187,9 @@ class ReplicaServer:
         self.head = PromptHead(hint_tokens, self._send_head) if hint_tokens else None
         self.metrics = ServerMetrics(lambda: self.thread.snapshot, config.served_model_name)
         self.instance = uuid.uuid4().hex  # changes on restart: the router drops its cache index
+        # Names the tokenizer to the router, which then sends the ids it made of a long text
+        # prompt (kvshare.serve.packed_request).
+        self.tokenizer_digest = engine.tokenizer.digest if engine.tokenizer is not None else ""
         self.created = int(time.time())
 
     async def start(self, app: web.Application) -> None:
@@ -232,6 +235,7 @@ class ReplicaServer:
                 "instance": self.instance,
                 # What generate requests may be sent as: the router packs for such a replica.
                 "request_types": ["application/json", PACKED_TYPE],
+                "tokenizer": self.tokenizer_digest,
             },
             status=200 if alive else 503,
         )

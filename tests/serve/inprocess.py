@@ -69,7 +69,7 @@ def stand_in_replica(
     health: dict[str, Any] | None = None,
 ) -> BackgroundServer:
     """A replica stand-in for router tests: GET /health answers `health` (by default an
-    instance id), POST /v1/completions runs `completions`."""
+    instance id), POST /v1/completions and /v1/chat/completions run `completions`."""
 
     async def answer_health(request: web.Request) -> web.Response:
         return web.json_response({"instance": "a"} if health is None else health)
@@ -77,6 +77,7 @@ def stand_in_replica(
     app = web.Application()
     app.router.add_get("/health", answer_health)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", completions)
     return BackgroundServer(app)
 
 

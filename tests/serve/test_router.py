@@ -24,6 +24,7 @@ from kvshare.engine.block_manager import block_hashes
 from kvshare.ports import free_port
 from kvshare.serve.http import ArrayReader
 from kvshare.serve.policies import CacheAware, RouteRequest
+from kvshare.serve.prompts import TokenIds
 from kvshare.serve.router import ROUTER_KEY, Router, RouterConfig, build_router_app
 from kvshare.serve.routing_keys import Prefix, RoutingKeys
 from tests.serve.inprocess import BackgroundServer, stand_in_replica
@@ -207,9 +208,9 @@ class GatedKeys(RoutingKeys):
         self.received = received
         self.forwarded_first: list[bool] = []
 
-    def prefix_of(self, path: str, body: object) -> Prefix:
+    def prompt_of(self, path: str, body: object) -> tuple[Prefix, TokenIds | None]:
         self.forwarded_first.append(self.received.wait(5))
-        return super().prefix_of(path, body)
+        return super().prompt_of(path, body)
 
 
 def test_a_pinned_request_is_forwarded_while_its_prompt_is_hashed() -> None:
