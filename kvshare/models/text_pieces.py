@@ -10,10 +10,10 @@ never spans such a cut.
 
 `splits_safely` says whether a `tokenizers.Tokenizer` is of that family (no normalizer but
 NFC, a known pre-tokenizer, a BPE model, added tokens without whitespace or stripping, as its
-tokenizer.json would write them); only those are cut. `encode_in_pieces` encodes the pieces with `encode_batch`, which runs them on the
-`tokenizers` thread pool (one `encode` holds the GIL: Python threads do not help).
-Measured on a 2-core VM: 128,510 ids of English text in 191 ms whole, 100-123 ms in 2-8
-pieces; the work divides by the cores.
+tokenizer.json would write them); only those are cut. `encode_in_pieces` encodes the pieces
+with `encode_batch`, which runs them on the `tokenizers` thread pool (one `encode` holds the
+GIL: Python threads do not help). Measured on a 2-core VM: 128,510 ids of English text in
+191 ms whole, 100-123 ms in 2-8 pieces; the work divides by the cores.
 """
 
 from __future__ import annotations
