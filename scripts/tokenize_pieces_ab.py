@@ -9,8 +9,10 @@ the template; the two encodes of the rendered text, `tokenizers`' own on the who
 (what a replica and the router each did per chat request before) and kvshare's
 `Tokenizer.encode` (pieces at once, one per core); and a replica's handling of the request
 body up to its checked prompt ids (`parse_generate`), from the JSON a client sends and from
-the packed body the router sends with the ids it made (kvshare.serve.packed_request). Checks
-first that every way gives the same ids.
+the packed body the router sends with the ids it made (kvshare.serve.packed_request); and
+the next turn of that chat (a short answer and question more) encoded by a tokenizer that
+kept the first turn's ids (kvshare.models.encoded_prefixes), against encoding it whole.
+Checks first that every way gives the same ids.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from kvshare.models.encoded_prefixes import EncodedPrefixes
 from kvshare.models.loader import load_tokenizer
 from kvshare.models.text_pieces import piece_count
 from kvshare.serve.http import parse_json_object
@@ -63,21 +66,53 @@ def main() -> int:
     for read in (parse_json_object(raw), unpack_request(packed)):
         if parse_generate(read, True, model).prompt_token_ids.tolist() != whole_ids:
             raise SystemExit("the replica's ids differ from the whole's")
+    turn2 = [*messages, {"role": "assistant", "content": "It says little."}]
+    turn2.append({"role": "user", "content": "Then what does it ask of the reader?"})
+    text2 = tokenizer.apply_chat_template(turn2)
+
+    def first_turn(read: dict[str, object]) -> object:
+        """The replica's handling of a chat none of whose text it kept."""
+        assert tokenizer is not None
+        tokenizer.prefixes = EncodedPrefixes()
+        return parse_generate(read, True, model)
+
+    def next_turn() -> tuple[list[int], float]:
+        """The next turn's ids and ms, with only the first turn kept (as in a session)."""
+        assert tokenizer is not None
+        tokenizer.prefixes = EncodedPrefixes()
+        tokenizer.encode(text, scope="")
+        start = time.perf_counter()
+        ids = tokenizer.encode(text2, scope="")
+        return ids, (time.perf_counter() - start) * 1e3
+
+    if next_turn()[0] != tokenizer.backend.encode(text2, add_special_tokens=False).ids:
+        raise SystemExit("the next turn's ids differ from its whole text's")
     timings: dict[str, list[float]] = {
-        name: [] for name in ("template", "whole", "pieces", "replica json", "replica packed")
+        name: []
+        for name in (
+            "template",
+            "whole",
+            "pieces",
+            "replica json",
+            "replica packed",
+            "next turn, whole",
+            "next turn, kept",
+        )
     }
     runs = {
         "template": lambda: tokenizer.apply_chat_template(messages),
         "whole": lambda: tokenizer.backend.encode(text, add_special_tokens=False),
         "pieces": lambda: tokenizer.encode(text),
-        "replica json": lambda: parse_generate(parse_json_object(raw), True, model),
+        "replica json": lambda: first_turn(parse_json_object(raw)),
         "replica packed": lambda: parse_generate(unpack_request(packed), True, model),
+        "next turn, whole": lambda: tokenizer.backend.encode(text2, add_special_tokens=False),
     }
     for _ in range(args.repeats):
         for name, run in runs.items():
             start = time.perf_counter()
             run()
             timings[name].append((time.perf_counter() - start) * 1e3)
+        timings["next turn, kept"].append(next_turn()[1])
     medians = {name: statistics.median(ms) for name, ms in timings.items()}
     result = {
         "tokens": len(whole_ids),

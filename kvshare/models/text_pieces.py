@@ -115,15 +115,35 @@ def cut_points(text: str, pieces: int) -> list[int]:
     return cuts
 
 
+def last_cut(text: str, after: int) -> int | None:
+    """The last safe cut in `text` past position `after`, looked for in its last
+    SEARCH_CHARS (None: none there)."""
+    floor = max(after, len(text) - SEARCH_CHARS)
+    at = text.rfind(" ", floor + 1)
+    while at > floor and text[at - 1].isspace():
+        at = text.rfind(" ", floor + 1, at)
+    return at if at > floor else None
+
+
+def encode_cut(backend: BackendTokenizer, text: str, cuts: list[int]) -> list[list[int]]:
+    """The ids of each piece of `text` cut at `cuts` (ascending safe cuts), encoded at once,
+    without the post-processor's special tokens: together the ids of the whole."""
+    return [encoding.ids for encoding in _encodings(backend, text, cuts)]
+
+
 def encode_in_pieces(
     backend: BackendTokenizer, text: str, pieces: int, add_special_tokens: bool
 ) -> list[int]:
     """The ids of `text` (as `backend.encode` gives them), its pieces encoded at once.
     Only for a backend that `splits_safely`."""
-    bounds = [0, *cut_points(text, pieces), len(text)]
-    parts = [text[a:b] for a, b in itertools.pairwise(bounds)]
-    encodings = backend.encode_batch(parts, add_special_tokens=False)
+    encodings = _encodings(backend, text, cut_points(text, pieces))
     if add_special_tokens:  # the BOS/EOS the post-processor puts around the whole
         whole = Encoding.merge(encodings, growing_offsets=True)
         return backend.post_process(whole, None, True).ids
     return [token_id for encoding in encodings for token_id in encoding.ids]
+
+
+def _encodings(backend: BackendTokenizer, text: str, cuts: list[int]) -> list[Encoding]:
+    bounds = [0, *cuts, len(text)]
+    parts = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    return backend.encode_batch(parts, add_special_tokens=False)

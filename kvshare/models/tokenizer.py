@@ -21,7 +21,16 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from kvshare.models.text_pieces import encode_in_pieces, piece_count, splits_safely
+from kvshare.models import encoded_prefixes
+from kvshare.models.encoded_prefixes import EncodedPrefixes
+from kvshare.models.text_pieces import (
+    cut_points,
+    encode_cut,
+    encode_in_pieces,
+    last_cut,
+    piece_count,
+    splits_safely,
+)
 
 # llama.cpp's `enum llama_token_type` values that matter here.
 TOKEN_TYPE_CONTROL = 3  # special tokens: <|im_start|>, <|endoftext|>, ...
@@ -77,6 +86,9 @@ class Tokenizer:
     ) -> None:
         self._backend = backend
         self._cuts_safely = splits_safely(backend)  # long texts are encoded in pieces at once
+        # The ids of long texts encoded lately, up to a safe cut: a text extending one (the
+        # next turn of a chat) encodes only the rest.
+        self.prefixes = EncodedPrefixes() if self._cuts_safely else None
         self._chat_template = chat_template
         self._bos_token_id = self._token_id(bos_token) if bos_token is not None else None
         eos_ids = [*extra_eos_token_ids, *self._turn_end_ids(chat_template)]
@@ -174,13 +186,40 @@ class Tokenizer:
         )
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        # Special tokens written in `text` always become their ids; `add_special_tokens` only adds
-        # the BOS/EOS the model's tokenizer puts around a sequence.
+    def encode(
+        self, text: str, add_special_tokens: bool = False, scope: str | None = None
+    ) -> list[int]:
+        """Special tokens written in `text` always become their ids; `add_special_tokens`
+        only adds the BOS/EOS the model's tokenizer puts around a sequence. Given a `scope`
+        (a request's cache salt, "" for none), a long text reuses the ids of a text of that
+        scope it extends, and is kept for the texts that will extend it."""
+        if (
+            scope is not None
+            and self.prefixes is not None
+            and not add_special_tokens
+            and len(text) >= encoded_prefixes.MIN_CHARS
+        ):
+            return self._encode_extending(text, scope, self.prefixes)
         pieces = piece_count(len(text)) if self._cuts_safely else 1
         if pieces > 1:
             return encode_in_pieces(self._backend, text, pieces, add_special_tokens)
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def _encode_extending(self, text: str, scope: str, prefixes: EncodedPrefixes) -> list[int]:
+        """The ids of `text`: a kept prefix's, then the rest's, encoded in pieces cut as in
+        `encode` and once more at the last safe cut near the end, up to which it is kept."""
+        start, ids = prefixes.longest(text, scope)
+        rest = text[start:]
+        cuts = [start + c for c in cut_points(rest, piece_count(len(rest)))]
+        tail = last_cut(text, cuts[-1] if cuts else start)
+        if tail is not None:
+            cuts.append(tail)
+        pieces = encode_cut(self._backend, rest, [c - start for c in cuts])
+        for piece in pieces[:-1]:
+            ids += piece
+        if cuts:
+            prefixes.keep(text[: cuts[-1]], ids, scope)
+        return ids + pieces[-1]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -204,10 +243,14 @@ class Tokenizer:
             raise ValueError(f"the chat template rejected the messages: {error}") from error
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        scope: str | None = None,
     ) -> list[int]:
         # The template writes every special token itself, so none are added around it (as in HF).
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return self.encode(text, scope=scope)
 
     def _token_id(self, token: str) -> int:
         token_id = self._backend.token_to_id(token)

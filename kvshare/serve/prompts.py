@@ -62,10 +62,14 @@ def completion_prompt(prompt: object) -> str | TokenIds:
 
 
 def completion_prompt_ids(
-    tokenizer: Tokenizer | None, prompt: object, tokenized: np.ndarray | None = None
+    tokenizer: Tokenizer | None,
+    prompt: object,
+    tokenized: np.ndarray | None = None,
+    scope: str | None = None,
 ) -> TokenIds:
     """The ids of a /v1/completions `prompt`; a text prompt's are `tokenized` when given
-    (the ids this tokenizer made of it elsewhere: `tokenized_by_router`)."""
+    (the ids this tokenizer made of it elsewhere: `tokenized_by_router`), else encoded in
+    `scope` (Tokenizer.encode)."""
     text_or_ids = completion_prompt(prompt)
     if not isinstance(text_or_ids, str):
         return text_or_ids
@@ -73,7 +77,7 @@ def completion_prompt_ids(
         raise PromptError(
             "this model has no tokenizer: send the prompt as a list of token ids", "prompt"
         )
-    ids = tokenizer.encode(text_or_ids) if tokenized is None else tokenized
+    ids = tokenizer.encode(text_or_ids, scope=scope) if tokenized is None else tokenized
     if not len(ids):
         raise PromptError("the prompt is empty", "prompt")
     return ids
@@ -108,17 +112,21 @@ def chat_messages(messages: object) -> list[dict[str, str]]:
 
 
 def chat_prompt_ids(
-    tokenizer: Tokenizer | None, messages: object, tokenized: np.ndarray | None = None
+    tokenizer: Tokenizer | None,
+    messages: object,
+    tokenized: np.ndarray | None = None,
+    scope: str | None = None,
 ) -> TokenIds:
     """The ids of chat `messages` rendered by the chat template; `tokenized` when given
-    (the ids this tokenizer made of them elsewhere: `tokenized_by_router`)."""
+    (the ids this tokenizer made of them elsewhere: `tokenized_by_router`), else encoded in
+    `scope` (Tokenizer.encode)."""
     checked = chat_messages(messages)
     if tokenizer is None or tokenizer.chat_template is None:
         raise PromptError("this model has no chat template: use /v1/completions", "messages")
     if tokenized is not None:
         return tokenized
     try:
-        return tokenizer.encode_chat(checked)
+        return tokenizer.encode_chat(checked, scope=scope)
     except ValueError as exc:
         raise PromptError(str(exc), "messages") from None
 
@@ -143,8 +151,12 @@ def tokenized_by_router(tokenizer: Tokenizer | None, body: dict[str, Any]) -> np
 
 
 def request_prompt_ids(tokenizer: Tokenizer | None, path: str, body: dict[str, Any]) -> TokenIds:
-    """Prompt ids of a parsed /v1/completions or /v1/chat/completions body."""
+    """Prompt ids of a parsed /v1/completions or /v1/chat/completions body. A text is
+    encoded in the scope of the body's cache salt: a tenant's prompt never reuses the ids
+    of another tenant's (kvshare.models.encoded_prefixes)."""
     tokenized = tokenized_by_router(tokenizer, body)
+    salt = body.get("cache_salt")
+    scope = salt if isinstance(salt, str) else ""
     if path.endswith("/chat/completions"):
-        return chat_prompt_ids(tokenizer, body.get("messages"), tokenized)
-    return completion_prompt_ids(tokenizer, body.get("prompt"), tokenized)
+        return chat_prompt_ids(tokenizer, body.get("messages"), tokenized, scope)
+    return completion_prompt_ids(tokenizer, body.get("prompt"), tokenized, scope)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
 
 from kvshare.models import text_pieces
-from kvshare.models.text_pieces import cut_points, encode_in_pieces, splits_safely
+from kvshare.models.text_pieces import cut_points, encode_in_pieces, last_cut, splits_safely
 from kvshare.models.tokenizer import Tokenizer
 
 QWEN2_SPLIT = (
@@ -130,6 +130,9 @@ def test_a_cut_comes_before_a_space_after_a_non_space() -> None:
     assert cuts == [3, 14, 20]
     assert cut_points("中文" * 100, 8) == []  # no space: one piece
     assert cut_points("x" * 10_000 + " y", 2) == []  # none within SEARCH_CHARS of the half
+    assert last_cut(text, 0) == 20 and last_cut(text, 20) is None
+    assert last_cut("a  ", 0) == 1 and last_cut(" " * 9, 0) is None
+    assert last_cut("a b" + "c" * text_pieces.SEARCH_CHARS, 0) is None  # too far back
 
 
 def test_a_long_text_is_cut_into_one_piece_per_core(

@@ -165,9 +165,9 @@ def test_a_replica_answers_the_routers_ids_as_its_json_without_tokenizing(
     made: list[int] = []
     encode_chat = llm.engine.tokenizer.encode_chat
 
-    def counted(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def counted(messages: list[dict[str, Any]], *args: Any, **kwargs: Any) -> list[int]:
         made.append(len(messages))
-        return encode_chat(messages, add_generation_prompt)
+        return encode_chat(messages, *args, **kwargs)
 
     monkeypatch.setattr(llm.engine.tokenizer, "encode_chat", counted)
     app = build_router_app(
@@ -187,3 +187,18 @@ def test_a_replica_answers_the_routers_ids_as_its_json_without_tokenizing(
     answers = [r.json() for r in (direct, routed)]
     assert answers[0]["choices"][0]["token_ids"] == answers[1]["choices"][0]["token_ids"]
     assert answers[0]["usage"]["prompt_tokens"] == answers[1]["usage"]["prompt_tokens"] > 200
+
+
+def test_a_requests_text_is_kept_in_the_scope_of_its_cache_salt(tokenizer: Tokenizer) -> None:
+    """Router and replica encode a long chat in its tenant's scope: the next turn of one
+    tenant's conversation reuses its ids, the same text from another tenant does not."""
+    fresh = Tokenizer(tokenizer.backend, chat_template=tokenizer.chat_template)
+    assert fresh.prefixes is not None
+    turn1 = messages_of(9000)
+    turn2 = [*turn1, {"role": "assistant", "content": "Rivers."}, {"role": "user", "content": "?"}]
+    expected = fresh.backend.encode(fresh.apply_chat_template(turn2)).ids
+    request_prompt_ids(fresh, CHAT, {"messages": turn1, "cache_salt": "tenant-a"})
+    for salt, hits in (("tenant-b", 0), (None, 0), ("tenant-a", 1)):
+        body = {"messages": turn2} if salt is None else {"messages": turn2, "cache_salt": salt}
+        assert list(request_prompt_ids(fresh, CHAT, body)) == expected
+        assert fresh.prefixes.hits == hits, salt

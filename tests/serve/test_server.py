@@ -448,7 +448,9 @@ class SlowTokenizer:
     chat_template = None
     eos_token_ids: frozenset[int] = frozenset()
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = False, scope: str | None = None
+    ) -> list[int]:
         time.sleep(TOKENIZE_S)
         return [5, 6, 7]
 
