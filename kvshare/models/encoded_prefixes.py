@@ -2,10 +2,10 @@
 
 Each turn of a chat sends the whole conversation again, and its rendered text extends the
 last turn's: at 128k tokens the router (and a replica sent the request directly) would
-tokenize ~128k tokens of it again every turn. A tokenizer that cuts safely (kvshare.models.text_pieces) keeps, for each
-long text it encoded, the ids of the text up to its last safe cut; a later text that starts
-with that prefix and has a space right after it (so the cut is safe in the new text too)
-takes those ids and encodes only the rest.
+tokenize ~128k tokens of it again every turn. A tokenizer that cuts safely
+(kvshare.models.text_pieces) keeps, for each long text it encoded, the ids of the text up to
+its last safe cut; a later text that starts with that prefix and has a space right after it
+(so the cut is safe in the new text too) takes those ids and encodes only the rest.
 
 Invariants:
 - An entry is a prefix `text[:cut]` of an encoded text, `cut` a safe cut of it (a space
@@ -55,10 +55,15 @@ class EncodedPrefixes:
         self._by_probe: dict[tuple[str, str], list[_Entry]] = {}
         self._recent: OrderedDict[int, _Entry] = OrderedDict()  # by id(entry), oldest first
 
+    @staticmethod
+    def takes(text: str) -> bool:
+        """Whether `text` is long enough to be looked up and kept."""
+        return len(text) >= MIN_CHARS
+
     def longest(self, text: str, scope: str) -> tuple[int, list[int]]:
         """The longest kept prefix `text` extends at a safe cut: its length in characters
         and its ids ((0, []) when none)."""
-        if len(text) < MIN_CHARS:
+        if not self.takes(text):
             return 0, []
         with self._lock:
             candidates = list(self._by_probe.get((scope, text[:PROBE_CHARS]), ()))
@@ -78,7 +83,7 @@ class EncodedPrefixes:
     def keep(self, text: str, ids: list[int], scope: str) -> None:
         """Keep `text` (an encoded text up to a safe cut of it) and its ids."""
         entry = _Entry(scope, text, np.asarray(ids, dtype=np.int32))
-        if len(text) < MIN_CHARS or entry.nbytes > self.max_bytes:
+        if not self.takes(text) or entry.nbytes > self.max_bytes:
             return
         with self._lock:
             bucket = self._by_probe.setdefault((scope, text[:PROBE_CHARS]), [])

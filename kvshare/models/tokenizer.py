@@ -21,7 +21,6 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from kvshare.models import encoded_prefixes
 from kvshare.models.encoded_prefixes import EncodedPrefixes
 from kvshare.models.text_pieces import (
     cut_points,
@@ -197,7 +196,7 @@ class Tokenizer:
             scope is not None
             and self.prefixes is not None
             and not add_special_tokens
-            and len(text) >= encoded_prefixes.MIN_CHARS
+            and self.prefixes.takes(text)
         ):
             return self._encode_extending(text, scope, self.prefixes)
         pieces = piece_count(len(text)) if self._cuts_safely else 1
