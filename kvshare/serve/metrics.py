@@ -246,6 +246,18 @@ class RouterMetrics:
             ["replica"],
             registry=r,
         )
+        self.bodies = Counter(
+            "kvshare_router_bodies",
+            "Request bodies sent to replicas: as received, packed (token ids read once), or "
+            "packed with the ids the router made of a text prompt or chat",
+            ["body"],
+            registry=r,
+        )
+        self.kept_prefix_hits = Gauge(
+            "kvshare_router_kept_prefix_hits",
+            "Long texts the router encoded from a kept prefix (the next turn of a chat)",
+            registry=r,
+        )
         add_collector_series(r)
 
     def render(self) -> bytes:

@@ -162,6 +162,12 @@ class Parsed:
             return None
         return self.packed
 
+    def sent_as(self, packed: bytes | None) -> str:
+        """What a replica sent `packed` gets, as the router's metrics name it."""
+        if packed is None:
+            return "as received"
+        return "packed with the router's ids" if self.tokenizer else "packed"
+
 
 class StreamedBody:
     """A request body passed on as it arrives (chunks(), once) and kept: `received` is the
@@ -258,6 +264,9 @@ class Router:
         self.replicas = [Replica(i, url) for i, url in enumerate(config.replicas)]
         self.policy = make_policy(config.policy, len(self.replicas), config.policy_config)
         self.metrics = RouterMetrics()
+        prefixes = keys.tokenizer.prefixes if keys.tokenizer is not None else None
+        if prefixes is not None:
+            self.metrics.kept_prefix_hits.set_function(lambda: prefixes.hits)
         # What the fan-out sends replicas: in `kvshare up` they hold the router's keys.
         self.admin_credential = AccessKeys(config.api_key, config.admin_key).admin_credential
         self.bodies = BodyBudget(config.max_buffered_bytes)
@@ -508,6 +517,7 @@ class Router:
             try:
                 try:
                     packed = parsed.packed_for(replica)
+                    self.metrics.bodies.labels(parsed.sent_as(packed)).inc()
                     upstream = await self._send(replica, request, body, packed)
                 except _UPSTREAM_ERRORS as exc:
                     if isinstance(body, StreamedBody) and body.broken is not None:

@@ -202,3 +202,29 @@ def test_a_requests_text_is_kept_in_the_scope_of_its_cache_salt(tokenizer: Token
         body = {"messages": turn2} if salt is None else {"messages": turn2, "cache_salt": salt}
         assert list(request_prompt_ids(fresh, CHAT, body)) == expected
         assert fresh.prefixes.hits == hits, salt
+
+
+def test_the_routers_metrics_count_bodies_by_kind_and_kept_prefix_hits(
+    tokenizer: Tokenizer,
+) -> None:
+    fresh = Tokenizer(tokenizer.backend, chat_template=tokenizer.chat_template)
+    seen: list[tuple[str, bytes]] = []
+    replica = recording_replica(seen, fresh.digest)
+    app = build_router_app(
+        RouterConfig((replica.url,), "cache-aware", health_interval=0.1), RoutingKeys(fresh, 16)
+    )
+    router = BackgroundServer(app)
+    turn1 = messages_of(12000)
+    turn2 = [*turn1, {"role": "assistant", "content": "Rivers."}, {"role": "user", "content": "?"}]
+    try:
+        wait_checked(app[ROUTER_KEY])
+        for messages in (turn1, turn2, messages_of(30)):
+            body = {"model": "m", "messages": messages}
+            assert httpx.post(router.url + CHAT, json=body, timeout=30).status_code == 200
+        metrics = httpx.get(router.url + "/metrics").text
+    finally:
+        router.close()
+        replica.close()
+    assert 'kvshare_router_bodies_total{body="packed with the router\'s ids"} 2.0' in metrics
+    assert 'kvshare_router_bodies_total{body="as received"} 1.0' in metrics
+    assert "kvshare_router_kept_prefix_hits 1.0" in metrics  # turn 2 extended turn 1
