@@ -64,26 +64,22 @@ def test_the_digest_names_what_the_tokenizer_makes_of_a_prompt(tokenizer: Tokeni
 def test_a_replica_uses_ids_beside_a_prompt_only_from_its_own_tokenizer(
     tokenizer: Tokenizer,
 ) -> None:
+    def ids_of(path: str, body: dict[str, Any]) -> list[int]:
+        return list(request_prompt_ids(tokenizer, path, body))
+
     messages = messages_of(30)
     real = tokenizer.encode_chat(messages)
     forged = np.array([5, 6, 7], dtype=np.int32)  # not what the messages make: shows which ids won
-    body: dict[str, Any] = {"messages": messages, TOKENIZED_KEY: forged}
-    assert list(request_prompt_ids(tokenizer, CHAT, {**body, TOKENIZER_KEY: tokenizer.digest})) == [
-        5,
-        6,
-        7,
-    ]
-    for digest in ("", "other", tokenizer.digest[:-1] + "x", None):
-        assert list(request_prompt_ids(tokenizer, CHAT, {**body, TOKENIZER_KEY: digest})) == real
-    as_json = {"messages": messages, TOKENIZED_KEY: [5, 6, 7], TOKENIZER_KEY: tokenizer.digest}
-    assert list(request_prompt_ids(tokenizer, CHAT, as_json)) == real  # a JSON list: never
-    text = "The river crossed the valley."
     signed = {TOKENIZED_KEY: forged, TOKENIZER_KEY: tokenizer.digest}
-    assert list(request_prompt_ids(tokenizer, COMPLETIONS, {"prompt": text, **signed})) == [5, 6, 7]
-    ids_prompt = {"prompt": [9, 10], **signed}  # a token-id prompt is its own ids
-    assert list(request_prompt_ids(tokenizer, COMPLETIONS, ids_prompt)) == [9, 10]
+    assert ids_of(CHAT, {"messages": messages, **signed}) == [5, 6, 7]
+    for digest in ("", "other", tokenizer.digest[:-1] + "x", None):
+        assert ids_of(CHAT, {"messages": messages, **signed, TOKENIZER_KEY: digest}) == real
+    as_json = {"messages": messages, **signed, TOKENIZED_KEY: [5, 6, 7]}
+    assert ids_of(CHAT, as_json) == real  # a JSON list: never
+    assert ids_of(COMPLETIONS, {"prompt": "The river crossed.", **signed}) == [5, 6, 7]
+    assert ids_of(COMPLETIONS, {"prompt": [9, 10], **signed}) == [9, 10]  # ids are their own
     with pytest.raises(PromptError, match="role"):  # the messages are checked all the same
-        request_prompt_ids(tokenizer, CHAT, {"messages": [{"role": "x", "content": ""}], **signed})
+        ids_of(CHAT, {"messages": [{"role": "x", "content": ""}], **signed})
 
 
 def test_ids_beside_a_prompt_pack_and_unpack(tokenizer: Tokenizer) -> None:
