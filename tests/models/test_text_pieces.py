@@ -55,10 +55,11 @@ NFC = {"type": "NFC"}  # Qwen 2's normalizer
 # case), letters of several scripts, digits, contractions, punctuation, added tokens, and
 # characters whitespace to Python but not to the tokenizers' regexes (U+001C-U+001F).
 FRAGMENTS = [
-    " ", " ", "  ", "\t", "\n", "\r\n", " \n", "\u00a0", "\u3000", "\u2028", "\x1c", "\x1f",
-    "a", "word", "Café", "naïve", "e\u0301", "\u0301", "\u0308\u0323", "\u212b", "\u1e0b\u0323", "中文", "日本語", "한국어", "😀", "👨‍👩‍👧",
-    "1", "42", "2024", "½", "Ⅷ", "'s", "'ll", "I'm", "don't", ".", ",", "...", "$", "(",
-    ")", "-", "#", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_startx|>",
+    " ", "\u2009", "  ", "\t", "\n", "\r\n", " \n", "\u00a0", "\u3000", "\u2028", "\x1c",
+    "\x1f", "a", "word", "Café", "naïve", "e\u0301", "\u0301", "\u0308\u0323", "\u212b",
+    "\u1e0b\u0323", "中文", "日本語", "한국어", "😀", "👨‍👩‍👧", "1", "42", "2024", "½", "Ⅷ",
+    "'s", "'ll", "I'm", "don't", ".", ",", "...", "$", "(", ")", "-", "#", "<|im_start|>",
+    "<|im_end|>", "<|endoftext|>", "<|im_startx|>",
 ]  # fmt: skip
 texts = st.lists(st.sampled_from(FRAGMENTS), max_size=60).map("".join)
 
