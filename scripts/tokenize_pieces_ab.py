@@ -11,8 +11,9 @@ the template; the two encodes of the rendered text, `tokenizers`' own on the who
 body up to its checked prompt ids (`parse_generate`), from the JSON a client sends and from
 the packed body the router sends with the ids it made (kvshare.serve.packed_request); and
 the next turn of that chat (a short answer and question more) encoded by a tokenizer that
-kept the first turn's ids (kvshare.models.encoded_prefixes), against encoding it whole.
-Checks first that every way gives the same ids.
+kept the first turn's ids (kvshare.models.encoded_prefixes), against encoding it whole; and
+a Chinese text of as many characters (no spaces: cut at its punctuation), whole and in
+pieces. Checks first that every way gives the same ids.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ from kvshare.serve.packed_request import pack_request, unpack_request
 from kvshare.serve.protocol import ModelInfo, parse_generate
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+CHINESE = "长文本的分词测试，你好世界！这是一个很长的句子，用来测量切分后的速度。"
 
 
 def message_of(tokens: int, seed: int) -> str:
@@ -87,6 +91,9 @@ def main() -> int:
 
     if next_turn()[0] != tokenizer.backend.encode(text2, add_special_tokens=False).ids:
         raise SystemExit("the next turn's ids differ from its whole text's")
+    chinese = (CHINESE * (len(text) // len(CHINESE) + 1))[: len(text)]
+    if tokenizer.encode(chinese) != tokenizer.backend.encode(chinese).ids:
+        raise SystemExit("the Chinese text's pieces give other ids than its whole")
     timings: dict[str, list[float]] = {
         name: []
         for name in (
@@ -97,6 +104,8 @@ def main() -> int:
             "replica packed",
             "next turn, whole",
             "next turn, kept",
+            "chinese, whole",
+            "chinese, pieces",
         )
     }
     runs = {
@@ -106,6 +115,8 @@ def main() -> int:
         "replica json": lambda: first_turn(parse_json_object(raw)),
         "replica packed": lambda: parse_generate(unpack_request(packed), True, model),
         "next turn, whole": lambda: tokenizer.backend.encode(text2, add_special_tokens=False),
+        "chinese, whole": lambda: tokenizer.backend.encode(chinese, add_special_tokens=False),
+        "chinese, pieces": lambda: tokenizer.encode(chinese),
     }
     for _ in range(args.repeats):
         for name, run in runs.items():
@@ -122,16 +133,18 @@ def main() -> int:
         "ms": timings,
         "median_ms": medians,
         "pieces_over_whole": medians["pieces"] / medians["whole"],
+        "chinese_tokens": len(tokenizer.backend.encode(chinese).ids),
     }
     table = Table(title=f"{len(whole_ids):,} tokens, {result['cores']} cores")
-    for column in ("step", "median ms", "runs ms", "/ whole"):
+    for column in ("step", "median ms", "runs ms", "/ its text whole"):
         table.add_column(column)
     for name, ms in timings.items():
+        whole = next((f"{t}, whole" for t in ("next turn", "chinese") if name.startswith(t)), "")
         table.add_row(
             name,
             f"{medians[name]:.1f}",
             ", ".join(f"{m:.1f}" for m in ms),
-            f"{medians[name] / medians['whole']:.2f}",
+            f"{medians[name] / medians[whole or 'whole']:.2f}",
         )
     Console().print(table)
     if args.json is not None:

@@ -200,5 +200,7 @@ def test_the_tokenize_ab_checks_the_pieces_ids_and_times_both(tmp_path: Path) ->
         "replica packed": 2,
         "next turn, whole": 2,
         "next turn, kept": 2,
+        "chinese, whole": 2,
+        "chinese, pieces": 2,
     }
     assert result["pieces_over_whole"] > 0

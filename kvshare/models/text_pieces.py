@@ -3,10 +3,12 @@
 A byte-level BPE tokenizer of GPT-2's family (GPT-2, SmolLM2, Llama 3, Qwen 2) cuts text into
 pre-tokens with a regex, then merges bytes inside each pre-token only. In each of the
 regexes it uses, whitespace stands only at the start of a match or inside a run of
-whitespace; so a space right after a non-whitespace character always starts a pre-token,
-and the text cut right before such a space encodes, piece by piece, to the ids of the whole.
-Added tokens (`<|im_start|>`) are matched before the regex runs; one holding no whitespace
-never spans such a cut.
+whitespace, and no match goes on from a letter or number to a punctuation mark. So a
+pre-token always starts at a space right after a non-whitespace character, and at a CJK
+punctuation mark (，。、！？；：) right after a letter or number (what cuts Chinese or
+Japanese text, which has no spaces); the text cut right before either encodes, piece by
+piece, to the ids of the whole. Added tokens (`<|im_start|>`) are matched before the regex
+runs; one holding no whitespace and none of those marks never spans such a cut.
 
 `splits_safely` says whether a `tokenizers.Tokenizer` is of that family (no normalizer but
 NFC, a known pre-tokenizer, a BPE model, added tokens without whitespace or stripping, as its
@@ -30,10 +32,13 @@ from tokenizers import Tokenizer as BackendTokenizer
 PIECE_CHARS = 16 << 10
 # How far past an even cut a space to cut at is looked for; a piece without one is not cut.
 SEARCH_CHARS = 4 << 10
-# A space (U+0020) right after a non-whitespace character. Python's \s holds every Unicode
-# White_Space character the tokenizers' regexes mean by \s, and a few more (U+001C-U+001F),
-# so it never finds a cut those regexes would not.
-_CUT = re.compile(r"(?<=\S) ")
+# Where to cut: before a space (U+0020) right after a non-whitespace character, or before a
+# CJK punctuation mark right after a letter or number. Python's \s holds every Unicode
+# White_Space character the tokenizers' regexes mean by \s, and a few more (U+001C-U+001F);
+# its [^\W_] is str.isalnum(), letters and numbers only (\p{L}, \p{N}): so it never finds
+# a cut those regexes would not. The marks compose with nothing under NFC.
+CJK_MARKS = "，。、！？；："
+_CUT = re.compile(rf"(?<=\S) |(?<=[^\W_])[{CJK_MARKS}]")
 
 # The pre-tokenizer regexes of Llama 3's and Qwen 2's tokenizer.json (a Split before a
 # ByteLevel that runs no regex of its own).
@@ -46,14 +51,14 @@ _SPLIT_REGEXES = frozenset(
 
 
 def splits_safely(backend: BackendTokenizer) -> bool:
-    """Whether `backend` encodes a text cut before a space that follows a non-whitespace
-    character to the same ids, piece by piece, as the whole (see the module's note)."""
+    """Whether `backend` encodes a text cut where `_CUT` finds to the same ids, piece by
+    piece, as the whole (see the module's note)."""
     if not _cut_keeps_normal_form(backend) or type(backend.model).__name__ != "BPE":
         return False
     if backend.model.dropout:
         return False
     if any(
-        token.lstrip or token.rstrip or any(c.isspace() for c in token.content)
+        token.lstrip or token.rstrip or any(c.isspace() or c in CJK_MARKS for c in token.content)
         for token in backend.get_added_tokens_decoder().values()
     ):
         return False
@@ -118,11 +123,8 @@ def cut_points(text: str, pieces: int) -> list[int]:
 def last_cut(text: str, after: int) -> int | None:
     """The last safe cut in `text` past position `after`, looked for in its last
     SEARCH_CHARS (None: none there)."""
-    floor = max(after, len(text) - SEARCH_CHARS)
-    at = text.rfind(" ", floor + 1)
-    while at > floor and text[at - 1].isspace():
-        at = text.rfind(" ", floor + 1, at)
-    return at if at > floor else None
+    starts = [m.start() for m in _CUT.finditer(text, max(after + 1, len(text) - SEARCH_CHARS))]
+    return starts[-1] if starts else None
 
 
 def encode_cut(backend: BackendTokenizer, text: str, cuts: list[int]) -> list[list[int]]:

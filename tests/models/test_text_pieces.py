@@ -51,15 +51,17 @@ PRE_TOKENIZERS = {
 }
 NFC = {"type": "NFC"}  # Qwen 2's normalizer
 
-# Pieces every tokenizer treats on its own: whitespace runs of each kind (the cut's hard
-# case), letters of several scripts, digits, contractions, punctuation, added tokens, and
-# characters whitespace to Python but not to the tokenizers' regexes (U+001C-U+001F).
+# Pieces every tokenizer treats on its own: whitespace runs of each kind and CJK marks after
+# letters, numbers or other marks (the cuts' hard cases), letters of several scripts, digits,
+# contractions, punctuation, added tokens, and characters whitespace to Python but not to
+# the tokenizers' regexes (U+001C-U+001F).
 FRAGMENTS = [
     " ", "\u2009", "  ", "\t", "\n", "\r\n", " \n", "\u00a0", "\u3000", "\u2028", "\x1c",
     "\x1f", "a", "word", "Café", "naïve", "e\u0301", "\u0301", "\u0308\u0323", "\u212b",
     "\u1e0b\u0323", "中文", "日本語", "한국어", "😀", "👨‍👩‍👧", "1", "42", "2024", "½", "Ⅷ",
-    "'s", "'ll", "I'm", "don't", ".", ",", "...", "$", "(", ")", "-", "#", "<|im_start|>",
-    "<|im_end|>", "<|endoftext|>", "<|im_startx|>",
+    "'s", "'ll", "I'm", "don't", ".", ",", "...", "$", "(", ")", "-", "#", "_", "<|im_start|>",
+    "<|im_end|>", "<|endoftext|>", "<|im_startx|>", "，", "。", "、", "！", "？", "；", "：",
+    "」", "你好", "世界", "一二三",
 ]  # fmt: skip
 texts = st.lists(st.sampled_from(FRAGMENTS), max_size=60).map("".join)
 
@@ -134,6 +136,12 @@ def test_a_cut_comes_before_a_space_after_a_non_space() -> None:
     assert last_cut(text, 0) == 20 and last_cut(text, 20) is None
     assert last_cut("a  ", 0) == 1 and last_cut(" " * 9, 0) is None
     assert last_cut("a b" + "c" * text_pieces.SEARCH_CHARS, 0) is None  # too far back
+    chinese = "中文分词，你好世界！一二三。_，。，x"
+    marks = [i for i, c in enumerate(chinese) if c in text_pieces.CJK_MARKS]
+    # Before a mark after a letter or number; never after "_" or another mark.
+    assert cut_points(chinese, len(chinese)) == [m for m in marks if chinese[m - 1].isalnum()]
+    assert cut_points(chinese, len(chinese)) == [4, 9, 13]
+    assert last_cut(chinese, 0) == 13
 
 
 def test_a_long_text_is_cut_into_one_piece_per_core(
@@ -194,6 +202,11 @@ def _added_token_stripping(spec: dict[str, Any]) -> None:
     spec["added_tokens"][1]["lstrip"] = True
 
 
+def _added_token_with_a_cjk_mark(spec: dict[str, Any]) -> None:
+    token = {**spec["added_tokens"][1], "id": len(spec["model"]["vocab"]), "content": "<|一，|>"}
+    spec["added_tokens"].append(token)
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -203,6 +216,7 @@ def _added_token_stripping(spec: dict[str, Any]) -> None:
         _prefix_space,
         _added_token_with_space,
         _added_token_stripping,
+        _added_token_with_a_cjk_mark,
     ],
 )
 def test_other_tokenizers_are_never_cut(
