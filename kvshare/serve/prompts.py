@@ -132,12 +132,10 @@ def chat_prompt_ids(
 
 
 def tokenizes_text(path: str, body: dict[str, Any]) -> bool:
-    """Whether a body's prompt ids come from the tokenizer: chat messages, or a text prompt."""
-    if path.endswith("/chat/completions"):
-        return True
-    prompt = body.get("prompt")
-    return isinstance(prompt, str) or (
-        isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str)
+    """Whether the prompt ids of a body `request_prompt_ids` read came from the tokenizer:
+    chat messages, or a text prompt (by completion_prompt's rule)."""
+    return path.endswith("/chat/completions") or isinstance(
+        completion_prompt(body.get("prompt")), str
     )
 
 
