@@ -80,7 +80,7 @@ from kvshare.kvpool.transfer_cuda import CudaTransfer
 from kvshare.models.loader import load_model
 from kvshare.ports import free_port
 from kvshare.serve import collector
-from kvshare.serve.http import parse_json_object
+from kvshare.serve.http import PromptHead, parse_json_object
 from kvshare.serve.protocol import ModelInfo, parse_generate
 from kvshare.serve.routing_keys import RoutingKeys
 from kvshare.serve.server import SERVER_KEY, ServeConfig, build_app
@@ -600,6 +600,12 @@ class ServedEngine:
     up` sets them). The router's port is picked free."""
 
     def __init__(self, engine: LLMEngine, name: str) -> None:
+        transfer = (
+            engine.connector.transfer if isinstance(engine.connector, PoolConnector) else None
+        )
+        if not isinstance(transfer, CudaTransfer) or not engine.hint_tokens:
+            raise SystemExit("--http needs a CUDA engine whose pool transfer prefetches")
+        self.engine, self.transfer = engine, transfer
         self._app = build_app(engine, ServeConfig(name))
         self.server = self._app[SERVER_KEY]
         self._loop = asyncio.new_event_loop()
@@ -643,13 +649,16 @@ async def http_hits(
     repeats: int,
     max_tokens: int,
     without_hints: bool = False,
+    prefetch_fills: Iterable[int] = (),
 ) -> tuple[dict[str, list[dict]], list[Any]]:
     """`repeats` hits sent to the router as the bench sends them (streamed, timed to the
     first token), routed by the policy and pinned to the replica alternately (with
     `without_hints`, a third kind: pinned, the replica sending no prompt head to its
-    engine), each after a reset of the replica's GPU-local prefix cache: time to first
-    token at the client and the Server-Timing phases of router and replica; and the
-    replica's pool counters after them."""
+    engine; with `prefetch_fills`, one more kind per count: pinned, the CUDA transfer's
+    prefetch of that many fills and a prompt head of their pages), each after a reset of
+    the replica's GPU-local prefix cache: time to first token at the client and the
+    Server-Timing phases of router and replica; and the replica's pool counters after
+    them."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         client = BenchClient(session, served.router_url, name, text_content=False)
         deadline = time.monotonic() + 60
@@ -660,18 +669,23 @@ async def http_hits(
             if time.monotonic() > deadline:
                 raise SystemExit("the router never answered")
             await asyncio.sleep(0.5)
-        kinds = [
-            ("routed", RequestOptions(max_tokens)),
-            ("pinned", RequestOptions(max_tokens, replica=0)),
+        server, transfer = served.server, served.transfer
+        own_fills, own_head = transfer.prefetch_fills, server.head
+        pinned = RequestOptions(max_tokens, replica=0)
+        kinds: list[tuple[str, RequestOptions, int, bool]] = [  # name, options, fills, hint
+            ("routed", RequestOptions(max_tokens), own_fills, True),
+            ("pinned", pinned, own_fills, True),
         ]
         if without_hints:
-            kinds.append(("pinned, no hint", RequestOptions(max_tokens, replica=0)))
-        hits: dict[str, list[dict]] = {kind: [] for kind, _ in kinds}
-        head = served.server.head
+            kinds.append(("pinned, no hint", pinned, own_fills, False))
+        kinds += [(f"pinned, {n} prefetch fills", pinned, n, True) for n in prefetch_fills]
+        hits: dict[str, list[dict]] = {kind: [] for kind, *_ in kinds}
         for r in range(repeats):
-            for kind, options in kinds:
+            for kind, options, fills, hint in kinds:
                 await client.admin_all("reset_prefix_cache")
-                served.server.head = None if kind == "pinned, no hint" else head
+                transfer.prefetch_fills = fills
+                head_ids = served.engine.hint_tokens
+                server.head = PromptHead(head_ids, own_head.send) if hint and head_ids else None
                 result = await client.complete(prompt, options)
                 timing = dict(result.server_timing)
                 kv = (result.usage or {}).get("kv") or {}
@@ -682,7 +696,7 @@ async def http_hits(
                 }
                 print(f"http hit {r}, {kind}: {hit}", flush=True)
                 hits[kind].append(hit)
-        served.server.head = head
+        transfer.prefetch_fills, server.head = own_fills, own_head
         counters = [replica.get("kv_pool") for replica in await client.stats()]
         print(f"replica pool counters: {counters}", flush=True)
         return hits, counters
@@ -795,6 +809,14 @@ def main() -> int:
         help="with --http: a third kind of hit, pinned with the replica's prompt-head hints "
         "off, alternated with the others",
     )
+    parser.add_argument(
+        "--http-prefetch-fills",
+        type=comma_list(int),
+        default=[],
+        metavar="N,...",
+        help="with --http: one more kind of hit per count, pinned, with the CUDA transfer's "
+        "prefetch of N staging fills (and a prompt head of their pages), alternated",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -906,6 +928,7 @@ def main() -> int:
                         args.http,
                         args.output_tokens,
                         args.http_without_hints,
+                        args.http_prefetch_fills,
                     )
                 )
             finally:

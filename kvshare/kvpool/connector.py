@@ -461,13 +461,12 @@ class PoolConnector(KVConnector):
         dropped, so that none outlives the next match."""
         assert self.transfer is not None and self.layout is not None
         hint, self._hint = self._hint, None
-        ahead = self.transfer.prefetch_pages()
         first = num_local_tokens // self.chunk_tokens
-        # A restore within the prefetch gains nothing from it and would pay its round trip;
-        # a request asking again while it waits for chunks produced elsewhere likely waits
+        ahead = self.transfer.prefetch_pages(usable_chunks - first)
+        # A request asking again while it waits for chunks produced elsewhere likely waits
         # on, and its prefetch would take the PCIe link from the copies of others.
         keys: list[bytes] = []
-        if ahead and usable_chunks - first > ahead and req.wait is None and not req.cancelled:
+        if ahead and req.wait is None and not req.cancelled:
             keys = self._keys(req, token_ids, first + ahead, cache_salt)[first:]
         if hint is not None:
             if keys and hint.keys == keys:

@@ -223,9 +223,10 @@ class Transfer(ABC):
         own (the same pages, from the same arena bytes) and nothing of this transfer's
         staging was used since; it copies again whatever it does not use."""
 
-    def prefetch_pages(self) -> int:
+    def prefetch_pages(self, restored: int | None = None) -> int:
         """How many of a load's first pages a prefetch can use (0: none; this transfer
-        copies straight into the blocks)."""
+        copies straight into the blocks); for a load of `restored` pages, fewer than
+        that (a prefetch leaves a load's last page to the load)."""
         return 0
 
     def prefetch(self, copies: Sequence[PageCopy]) -> Prefetch | None:

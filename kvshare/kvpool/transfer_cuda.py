@@ -3,6 +3,8 @@
 It copies whole pages (MiBs: the PCIe ceiling needs large copies) between the registered arena and a GPU staging buffer, and scatters/gathers between the staging
 buffer and the scattered blocks on the GPU. Two staging buffers per direction and two
 streams per direction (copy engine, SMs) let group i+1's copies overlap group i's scatter.
+A prefetch (a load's first fills, before the load is planned) fills the store's two
+buffers too while no store needs them.
 A group is a run of pages of one size checksummed and scattered/gathered together: at 16
 MiB pages, issuing checksum kernels page by page took the host longer than the copy took
 the PCIe link, and index_copy_ over a cache of more than 2**31 elements is split into
@@ -60,9 +62,13 @@ _log = logging.getLogger(__name__)
 # and launched the next layers (every group by the host: 96.9 ms against 93.2).
 HOST_WAITED_GROUPS = 1
 
-# Staging fills a prefetch issues (at most the two load buffers): a load's first copies,
-# started while the connector asks the pool for the rest of the restore and plans it.
-PREFETCH_FILLS = 2
+# Staging fills a prefetch issues: a load's first copies, started while the request's body
+# is still being read (a prompt head's hint) and while the connector asks the pool for the
+# rest of the restore and plans it. The two load buffers first, then the two store buffers
+# (no device memory of its own; a store before the load takes them back). Two fills (~5 ms
+# of copies at 128 MiB each) covered an engine's lookup and plan, not a served request's
+# parse before them: the copy engine then sat idle for a few ms of the hit.
+PREFETCH_FILLS = 4
 
 # A load's pages in adjacent arena slots share one host->device copy when at most a page
 # header and its padding lie between them (copied for nothing: 8 KiB per 16 MiB page),
@@ -81,13 +87,19 @@ class _LoadTables:
     sums: torch.Tensor
 
 
+# A staging buffer: (direction, index) in CudaTransfer.staging.
+_Buffer = tuple[str, int]
+# A fill a prefetch issued: its group, the rows the fill left, and the buffer holding them.
+_Fill = tuple[SpanGroup, torch.Tensor, _Buffer]
+
+
 @dataclass(frozen=True)
 class _StagedFills(Prefetch):
-    """A prefetch: the first fills of a load's first slot range (None: whole pages), each
-    group with the rows its fill left in staging buffer k (its k-th)."""
+    """A prefetch: the first fills of a load's first slot range (None: whole pages), in
+    order, in the buffers _prefetch_buffers names."""
 
     slots: range | None
-    fills: tuple[tuple[SpanGroup, torch.Tensor], ...]
+    fills: tuple[_Fill, ...]
 
 
 class _CudaJob(TransferJob):
@@ -157,9 +169,11 @@ class CudaTransfer(Transfer):
         if self.strided_copy is None and self.layer_groups is not None:
             self.layer_groups = self.layer_groups.for_row_copies()
         self.host_waited_groups = HOST_WAITED_GROUPS
-        # The latest prefetch while the load staging holds its fills and the arena it read
-        # is mapped (None once a load ran or the arena changed).
+        # The latest prefetch while the staging holds its fills and the arena it read is
+        # mapped (None once a load ran or the arena changed; a store takes back the fills
+        # in its buffers).
         self._prefetch: _StagedFills | None = None
+        self._prefetch_kept = 0  # its leading fills still in their buffers
         self.prefetch_fills = PREFETCH_FILLS
         self.prefetched_fills_used = 0  # fills loads took from prefetches (tests read it)
 
@@ -199,7 +213,7 @@ class CudaTransfer(Transfer):
         second: torch.cuda.Stream,
         drain: Callable[[torch.Tensor, range], None],
         before_first_drain: Callable[[], None] | None = None,
-        staged: Sequence[tuple[SpanGroup, torch.Tensor]] = (),
+        staged: Sequence[_Fill] = (),
     ) -> None:
         """Each page group through the direction's two staging buffers: rows = fill(buffer,
         group) on `first` once `second` is done with the buffer, then drain(rows,
@@ -211,36 +225,39 @@ class CudaTransfer(Transfer):
         fp8 hit on an H100 while the host built the tables). Fill k + 2 is issued after
         drain k, so its wait sees drain k's record of the buffer's `free` event.
 
-        `staged`: fills a prefetch issued into the buffers, in order; each leading one that
-        is this pipeline's group k is taken as group k's fill (its `filled` record is the
-        prefetch's). A fill not taken is overwritten by the group's own, later on the same
-        stream."""
-        filled, free = self.filled[direction], self.free[direction]
+        `staged`: fills a prefetch issued, in order (a load's only); each leading one that
+        is this pipeline's group k is taken as group k's fill, in whichever buffer holds it
+        (its `filled` record is the prefetch's). The pipeline's own fill k goes to its
+        direction's buffer k % 2 all the same: the group that used that buffer last is k - 2
+        or earlier, whose drain is issued by then. A fill not taken is overwritten by the
+        group's own (a load buffer's, later on the same stream) or left to the next store
+        (a store buffer's, which waits for the prefetch's copy: see store)."""
         taken = 0
         while taken < min(len(staged), len(groups)) and staged[taken][0] == groups[taken]:
             taken += 1
         self.prefetched_fills_used += taken
-        issued: list[tuple[torch.Tensor, range, int]] = []  # filled, drain not yet issued
+        issued: list[tuple[torch.Tensor, range, _Buffer]] = []  # filled, drain not yet issued
         before = [before_first_drain] if before_first_drain is not None else []
 
         def drain_oldest() -> None:
             while before:
                 before.pop()()
-            rows, pages, b = issued.pop(0)
-            second.wait_event(filled[b])
+            rows, pages, (d, b) = issued.pop(0)
+            second.wait_event(self.filled[d][b])
             with torch.cuda.stream(second):
                 drain(rows, pages)
-                free[b].record(second)
+                self.free[d][b].record(second)
 
         for k, group in enumerate(groups):
-            b = k % 2
             if k < taken:
-                issued.append((staged[k][1], group.pages, b))
+                issued.append((staged[k][1], group.pages, staged[k][2]))
             else:
-                first.wait_event(free[b])
+                b = k % 2
+                first.wait_event(self.free[direction][b])
                 with torch.cuda.stream(first):
-                    issued.append((fill(self.staging[direction][b], group), group.pages, b))
-                    filled[b].record(first)
+                    rows = fill(self.staging[direction][b], group)
+                    self.filled[direction][b].record(first)
+                issued.append((rows, group.pages, (direction, b)))
             if k >= 1:
                 drain_oldest()
         while issued:
@@ -326,58 +343,79 @@ class CudaTransfer(Transfer):
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(self.delay_cycles)
 
-    def _staged(
-        self, prefetch: Prefetch | None, slots: range | None
-    ) -> Sequence[tuple[SpanGroup, torch.Tensor]]:
+    def _staged(self, prefetch: Prefetch | None, slots: range | None) -> Sequence[_Fill]:
         """The fills of `prefetch` a load whose first slot range is `slots` may take: only
-        those of the latest prefetch, still in the staging buffers (no load ran since)."""
+        those of the latest prefetch still in their buffers (no load ran since, and none a
+        store took back)."""
         latest, self._prefetch = self._prefetch, None
         if prefetch is None or prefetch is not latest or latest.slots != slots:
             return ()
-        return latest.fills
+        return latest.fills[: self._prefetch_kept]
 
     def set_arena(self, arena: torch.Tensor, region_bytes: int | None = None) -> None:
         """A new arena (a daemon restart maps a new one): a prefetch read the old one."""
         self._prefetch = None
         super().set_arena(arena, region_bytes)
 
-    def prefetch_pages(self) -> int:
+    def prefetch_pages(self, restored: int | None = None) -> int:
         """The pages of `prefetch_fills` staging fills of a load of global layers, plus
         one: a group that reaches a prefetch's last page may go on in the load, so the
-        prefetch leaves it to the load."""
-        if not self.prefetch_fills:
-            return 0
+        prefetch leaves it to the load. For a load of `restored` pages, as many whole
+        fills as leave it a page more (0 when not even one does: a head lookup that
+        prefetches nothing would only cost its round trip)."""
         nbytes = self.layout.global_bytes
         ranges = self.slot_ranges([PageCopy(0, nbytes, (), b"")])
         if len(ranges) == 1:
             rows = min(_SPAN_PAGES, self.staging_bytes // nbytes)
         else:
             rows = self.staging_bytes // (len(ranges[0]) * self.layout.slot_bytes)
-        return self.prefetch_fills * max(1, rows) + 1
+        rows = max(1, rows)
+        fills = min(self.prefetch_fills, len(self._prefetch_buffers()))
+        if restored is not None:
+            fills = min(fills, (restored - 2) // rows)
+        return fills * rows + 1 if fills > 0 else 0
+
+    def _prefetch_buffers(self) -> list[_Buffer]:
+        """Where a prefetch's fills go, in order: the load buffers, then the store's."""
+        return [(d, b) for d in ("load", "store") for b in range(len(self.staging[d]))]
 
     def prefetch(self, copies: Sequence[PageCopy]) -> Prefetch | None:
-        """Up to both load staging buffers filled with the first groups of a load of
-        `copies`, on the load's copy stream (each fill after its buffer's last drain)."""
+        """Up to `prefetch_fills` staging buffers (_prefetch_buffers) filled with the
+        first groups of a load of `copies`, on the load's copy stream (each fill after
+        its buffer's last drain)."""
         self._prefetch = None
         if self.arena is None:
             return None
         slots, groups = self._first_fills(copies)
+        buffers = self._prefetch_buffers()[: self.prefetch_fills]
         # Such a group may hold more pages in the load (the prefetch saw only these).
-        most = min(self.prefetch_fills, len(self.staging["load"]))
-        groups = [g for g in groups[:most] if g.pages.stop < len(copies)]
+        groups = [g for g in groups[: len(buffers)] if g.pages.stop < len(copies)]
         if not groups:
             return None
         copy_s = self.streams["load_copy"]
         self._injected_delay(copy_s)
         fill = self._fill(copies, slots)
         fills = []
-        for b, group in enumerate(groups):
-            copy_s.wait_event(self.free["load"][b])
+        for group, (d, b) in zip(groups, buffers):
+            copy_s.wait_event(self.free[d][b])
             with torch.cuda.stream(copy_s):
-                fills.append((group, fill(self.staging["load"][b], group)))
-                self.filled["load"][b].record(copy_s)
+                fills.append((group, fill(self.staging[d][b], group), (d, b)))
+                self.filled[d][b].record(copy_s)
         self._prefetch = _StagedFills(slots, tuple(fills))
+        self._prefetch_kept = len(fills)
         return self._prefetch
+
+    def _take_back_store_buffers(self, stream: torch.cuda.Stream) -> None:
+        """Before a store fills its buffers on `stream`: it waits for any prefetch's copies
+        into them, taken by a load or not, which would otherwise land on the store's rows
+        (each buffer's `filled` was last recorded by such a copy or by a fill on `stream`
+        itself); and the latest prefetch gives up its fills there (its load copies those
+        groups itself)."""
+        for event in self.filled["store"]:
+            stream.wait_event(event)
+        if self._prefetch is not None:
+            in_load_buffers = sum(d == "load" for _, _, (d, _) in self._prefetch.fills)
+            self._prefetch_kept = min(self._prefetch_kept, in_load_buffers)
 
     def _first_fills(self, copies: Sequence[PageCopy]) -> tuple[range | None, list[SpanGroup]]:
         """The first slot range of a load of `copies` (None: whole pages, one range) and the
@@ -466,7 +504,7 @@ class CudaTransfer(Transfer):
         self,
         copies: Sequence[PageCopy],
         ranges: Sequence[range],
-        staged: Sequence[tuple[SpanGroup, torch.Tensor]],
+        staged: Sequence[_Fill],
     ) -> TransferJob:
         """A load of global layers only, one group of slots after the other: every page's
         part of a group is copied (a host copy per page: the parts are not adjacent in the
@@ -499,7 +537,7 @@ class CudaTransfer(Transfer):
         slots: range,
         tables: list[_LoadTables],
         upload_tables: Callable[[], None],
-        staged: Sequence[tuple[SpanGroup, torch.Tensor]],
+        staged: Sequence[_Fill],
     ) -> None:
         first_byte = slots.start * self.layout.slot_bytes
 
@@ -536,6 +574,7 @@ class CudaTransfer(Transfer):
         produced.record(torch.cuda.current_stream(self.device))
         if not breaks(self.faults, "store"):
             gather_s.wait_event(produced)
+        self._take_back_store_buffers(gather_s)
         pairs = self._pairs(copies, gather_s)
         sliding_pairs = self._sliding_pairs(copies, gather_s)
         constants = self._constants([c.key for c in copies], gather_s)

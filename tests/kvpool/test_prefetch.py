@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
+import torch
 
 from kvshare import LLM, SamplingParams
 from kvshare.engine.connector import KVCacheLayout
@@ -126,7 +127,11 @@ def _record_prefetches(
         return load(copies, prefetch)
 
     monkeypatch.setattr(client, "lookup", recording_lookup)
-    monkeypatch.setattr(transfer, "prefetch_pages", lambda: ahead)
+    monkeypatch.setattr(
+        transfer,
+        "prefetch_pages",
+        lambda restored=None: ahead if restored is None or restored > ahead else 0,
+    )
     monkeypatch.setattr(transfer, "prefetch", recording_prefetch)
     monkeypatch.setattr(transfer, "load", recording_load)
     return events
@@ -335,16 +340,68 @@ def test_cuda_load_takes_its_prefetched_fills_and_brings_every_byte(
     """Every copy held back 20 ms on the GPU: the load's drains of the prefetched fills
     must wait for them as for its own. The cache and the checksums are the CPU load's."""
     _one_page_staging(monkeypatch)
-    pages = 7
+    from kvshare.kvpool.transfer_cuda import _StagedFills
+
+    pages = 20
     groups = LayerGroups(min_bytes=1, max_groups=3) if grouped else None
     caches, gpu, cpu, copies = cuda_and_cpu_transfers(
         pages, groups, FaultInjection(load_delay=0.02)
     )
-    ahead = gpu.prefetch_pages()
-    assert 3 <= ahead < pages
+    ahead = gpu.prefetch_pages(pages)
+    assert 5 <= ahead < pages
     prefetch = gpu.prefetch(_head(copies, ahead))
-    assert prefetch is not None
+    assert isinstance(prefetch, _StagedFills)
+    assert [d for _, _, (d, _) in prefetch.fills] == ["load", "load", "store", "store"]
     _assert_loads_as_on_the_cpu(caches, gpu, cpu, copies, prefetch)
+    assert gpu.prefetched_fills_used == 4
+
+
+@pytest.mark.cuda
+def test_cuda_prefetch_pages_leave_a_load_its_last_page(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One page a fill (whole pages): four fills and a page, or as many whole fills as
+    leave a load of `restored` pages a page more; none where not one does."""
+    _one_page_staging(monkeypatch)
+    _, gpu, _, _ = cuda_and_cpu_transfers(4, None)
+    assert gpu.prefetch_pages() == 5
+    assert [gpu.prefetch_pages(n) for n in (2, 3, 4, 5, 6, 7, 100)] == [0, 2, 3, 4, 5, 5, 5]
+    gpu.prefetch_fills = 0
+    assert gpu.prefetch_pages() == gpu.prefetch_pages(100) == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("delayed", [False, True])
+def test_a_store_after_a_prefetch_takes_back_the_store_buffers(
+    delayed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefetch's last two fills lie in the store's staging buffers. A store issued before
+    the load needs those buffers: its gather waits for the prefetch's copies into them
+    (`delayed`: held back 20 ms on the GPU, while the store's own copy to the arena waits
+    behind ~40 ms of sleep, so a gather that did not wait would be overwritten in
+    between), and the load copies those two groups itself. The stored page and the
+    loaded cache are the CPU transfer's."""
+    from kvshare.kvpool.transfer_cuda import _StagedFills
+
+    _one_page_staging(monkeypatch)
+    pages = 9
+    faults = FaultInjection(load_delay=0.02) if delayed else None
+    caches, gpu, cpu, copies = cuda_and_cpu_transfers(pages, None, faults)
+    prefetch = gpu.prefetch(_head(copies, gpu.prefetch_pages(8)))
+    assert isinstance(prefetch, _StagedFills) and len(prefetch.fills) == 4
+    stored = copies[8:]  # blocks 16 and 17, loaded by none of the copies below
+    noise = torch.randint(-(2**15), 2**15, caches[1].kv[:, :, 16:18].shape, dtype=torch.int16)
+    for cache in caches:
+        cache.kv[:, :, 16:18].view(torch.int16).copy_(noise)
+    if delayed:
+        with torch.cuda.stream(gpu.streams["store_copy"]):
+            torch.cuda._sleep(2 * gpu.delay_cycles)
+    gpu_store, cpu_store = gpu.store(stored), cpu.store(stored)
+    gpu_store.wait()
+    cpu_store.wait()
+    page = slice(stored[0].offset, stored[0].offset + stored[0].nbytes)
+    assert gpu.arena is not None and cpu.arena is not None
+    assert torch.equal(gpu.arena[page], cpu.arena[page])
+    assert gpu_store.checksums() == cpu_store.checksums()
+    _assert_loads_as_on_the_cpu(caches, gpu, cpu, copies[:8], prefetch)
     assert gpu.prefetched_fills_used == 2
 
 
