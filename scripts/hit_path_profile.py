@@ -806,7 +806,7 @@ def main() -> int:
     parser.add_argument(
         "--http-without-hints",
         action="store_true",
-        help="with --http: a third kind of hit, pinned with the replica's prompt-head hints "
+        help="with --http: one more kind of hit, pinned with the replica's prompt-head hints "
         "off, alternated with the others",
     )
     parser.add_argument(
