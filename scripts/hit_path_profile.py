@@ -603,9 +603,9 @@ class ServedEngine:
         transfer = (
             engine.connector.transfer if isinstance(engine.connector, PoolConnector) else None
         )
-        if not isinstance(transfer, CudaTransfer) or not engine.hint_tokens:
-            raise SystemExit("--http needs a CUDA engine whose pool transfer prefetches")
-        self.engine, self.transfer = engine, transfer
+        self.engine = engine
+        # None: no transfer with a count of prefetch fills to set (the CPU's prefetches none)
+        self.transfer = transfer if isinstance(transfer, CudaTransfer) else None
         self._app = build_app(engine, ServeConfig(name))
         self.server = self._app[SERVER_KEY]
         self._loop = asyncio.new_event_loop()
@@ -670,7 +670,9 @@ async def http_hits(
                 raise SystemExit("the router never answered")
             await asyncio.sleep(0.5)
         server, transfer = served.server, served.transfer
-        own_fills, own_head = transfer.prefetch_fills, server.head
+        if prefetch_fills and transfer is None:
+            raise SystemExit("--http-prefetch-fills needs a CUDA engine with the pool")
+        own_fills, own_head = transfer.prefetch_fills if transfer else 0, server.head
         pinned = RequestOptions(max_tokens, replica=0)
         kinds: list[tuple[str, RequestOptions, int, bool]] = [  # name, options, fills, hint
             ("routed", RequestOptions(max_tokens), own_fills, True),
@@ -683,9 +685,10 @@ async def http_hits(
         for r in range(repeats):
             for kind, options, fills, hint in kinds:
                 await client.admin_all("reset_prefix_cache")
-                transfer.prefetch_fills = fills
-                head_ids = served.engine.hint_tokens
-                server.head = PromptHead(head_ids, own_head.send) if hint and head_ids else None
+                if transfer is not None:
+                    transfer.prefetch_fills = fills
+                head_ids = served.engine.hint_tokens if hint else 0
+                server.head = PromptHead(head_ids, own_head.send) if head_ids and own_head else None
                 result = await client.complete(prompt, options)
                 timing = dict(result.server_timing)
                 kv = (result.usage or {}).get("kv") or {}
@@ -696,7 +699,9 @@ async def http_hits(
                 }
                 print(f"http hit {r}, {kind}: {hit}", flush=True)
                 hits[kind].append(hit)
-        transfer.prefetch_fills, server.head = own_fills, own_head
+        if transfer is not None:
+            transfer.prefetch_fills = own_fills
+        server.head = own_head
         counters = [replica.get("kv_pool") for replica in await client.stats()]
         print(f"replica pool counters: {counters}", flush=True)
         return hits, counters
